@@ -1,0 +1,137 @@
+"""Compute time of one transformer layer, the embedding and the LM head on one rank for
+one micro-batch: GEMMs at a shape-dependent efficiency, the attention core, and the
+memory-bound elementwise work (norms, activations, residuals, dropout, softmax).
+
+Calibration: the constants below were fitted so that one layer of the 22B GPT
+(h 6144, a 64, s 2048, micro-batch 4, TP 8, A100-80GB) reproduces Korthikanti et al.
+2022 Table 4 (forward 7.7 ms, backward 11.9 ms, +1.3 ms for selective recompute) and
+checked end to end against their Table 5 (bench/fidelity.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from costmodel.specs import ClusterSpec, ModelSpec, TrainingSpec
+
+# Best fraction of peak a large bf16/fp16 GEMM reaches (cuBLAS on A100 sustains ~80-85%
+# of the 312 TFLOP/s peak on large square GEMMs); fitted to Korthikanti Table 4.
+GEMM_EFFICIENCY_MAX = 0.84
+# A GEMM dimension of this size halves its efficiency factor d / (d + D_HALF): small
+# micro-batches (M = b*s) and narrow TP shards (N or K divided by tp) underfill the
+# tensor cores' 128-wide tiles (NVIDIA "Matrix Multiplication Background" guide, tile
+# quantization and wave quantization).
+GEMM_DIM_HALF = 128
+# Achieved fraction of HBM bandwidth for elementwise kernels (STREAM-like copy on
+# A100 reaches ~1.6-1.7 of 2.04 TB/s).
+MEMORY_BOUND_EFFICIENCY = 0.8
+# HBM bytes per attention score element for scale + mask + softmax + dropout (written
+# and read back in 16-bit, plus a 1-byte mask) in the unfused attention core; fitted to
+# the 1.3 ms that selective recompute adds to the 22B layer (Korthikanti Table 4).
+SCORE_BYTES_PER_ELEMENT = 11.0
+# Causal FlashAttention skips the blocks above the diagonal: about half the work
+# (Dao 2023, FlashAttention-2, §3.1 "causal masking").
+FLASH_CAUSAL_FRACTION = 0.5
+# Backward of a matmul is two matmuls of the forward's size (input and weight
+# gradients); backward of an elementwise op reads the saved input and the output
+# gradient and writes the input gradient: about twice the forward traffic.
+BACKWARD_FACTOR = 2.0
+
+
+def gemm_efficiency(m: float, n: float, k: float) -> float:
+    """Fraction of peak for an (m x k) @ (k x n) GEMM."""
+    factor = 1.0
+    for d in (m, n, k):
+        factor *= d / (d + GEMM_DIM_HALF)
+    return GEMM_EFFICIENCY_MAX * factor
+
+
+def gemm_time_s(m: float, n: float, k: float, peak_flops_per_s: float, batch: float = 1.0) -> float:
+    if m <= 0 or n <= 0 or k <= 0:
+        return 0.0
+    return 2.0 * m * n * k * batch / (peak_flops_per_s * gemm_efficiency(m, n, k))
+
+
+def memory_bound_time_s(num_bytes: float, cluster: ClusterSpec) -> float:
+    return num_bytes / (cluster.gpu.hbm_bandwidth_bytes_per_s * MEMORY_BOUND_EFFICIENCY)
+
+
+@dataclass(frozen=True)
+class LayerCompute:
+    """Forward seconds of one layer on one rank for one micro-batch, by kind."""
+
+    gemm_s: float           # QKV, output projection, MLP or experts, router
+    attention_core_s: float  # QK^T, softmax, AV (recomputed by selective recompute)
+    elementwise_s: float     # norms, activation function, residuals, dropout
+
+    @property
+    def forward_s(self) -> float:
+        return self.gemm_s + self.attention_core_s + self.elementwise_s
+
+
+def activation_bytes_per_value(training: TrainingSpec) -> int:
+    return 4 if training.precision == "fp32" else 2
+
+
+def layer_compute(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
+                  micro_batch_size: int, tp: int, sequence_parallel: bool, ep: int = 1) -> LayerCompute:
+    peak = cluster.gpu.peak_for(training.precision)
+    b, s, h, f = micro_batch_size, training.seq_len, model.hidden_size, model.intermediate_size
+    tokens = b * s
+    heads_local = model.num_attention_heads / tp
+    hd = model.head_dim
+    qkv_width = (model.num_attention_heads * hd + 2 * model.kv_size) / tp
+
+    gemm = gemm_time_s(tokens, qkv_width, h, peak) + gemm_time_s(tokens, h, h / tp, peak)
+    if model.is_moe:
+        # Balanced routing: each rank's experts see tokens * k * ep / E tokens each
+        # (the all-to-all gathers them from the ep group), E / ep experts per rank.
+        local_experts = model.num_local_experts / ep
+        tokens_per_expert = tokens * model.num_experts_per_tok * ep / model.num_local_experts
+        per_expert = gemm_time_s(tokens_per_expert, 2 * f / tp, h, peak) + gemm_time_s(tokens_per_expert, h, f / tp, peak)
+        gemm += local_experts * per_expert + gemm_time_s(tokens, model.num_local_experts, h, peak)
+    elif model.is_gpt:
+        gemm += gemm_time_s(tokens, f / tp, h, peak) + gemm_time_s(tokens, h, f / tp, peak)
+    else:
+        gemm += gemm_time_s(tokens, 2 * f / tp, h, peak) + gemm_time_s(tokens, h, f / tp, peak)
+
+    # Attention core: b * heads_local batched (s x hd) @ (hd x s) and (s x s) @ (s x hd).
+    batch = b * heads_local
+    core = gemm_time_s(s, s, hd, peak, batch) + gemm_time_s(s, hd, s, peak, batch)
+    if training.flash_attention:
+        core *= FLASH_CAUSAL_FRACTION
+    else:
+        core += memory_bound_time_s(SCORE_BYTES_PER_ELEMENT * batch * s * s, cluster)
+
+    # Elementwise bytes per token-and-hidden element (Korthikanti et al. 2022 §4.1 lists
+    # the same tensors for activation memory): each of the two norms reads and writes
+    # (2 * 2 values); each residual add reads two tensors and writes one (2 * 3 values),
+    # in GPT fused with bias and dropout, which adds a 1-byte mask (Megatron-LM's fused
+    # bias-dropout-add). With sequence parallelism these run on s/tp tokens.
+    value = activation_bytes_per_value(training)
+    per_h = 2 * (2 * value) + 2 * (3 * value) + (2 if model.is_gpt else 0)
+    replicated = per_h * tokens * h / (tp if sequence_parallel else 1)
+    # GELU reads and writes f values; SwiGLU reads two and writes one; sharded by tp.
+    act_values = (2 if model.is_gpt else 3) * f * model.num_experts_per_tok
+    activation = value * act_values * tokens / tp
+    elementwise = memory_bound_time_s(replicated + activation, cluster)
+    return LayerCompute(gemm, core, elementwise)
+
+
+def head_compute_s(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
+                   micro_batch_size: int, tp: int) -> float:
+    """Forward seconds of final norm, logits and cross-entropy on the last stage. The
+    loss reads and writes fp32 logits (vocab-parallel cross-entropy, Megatron-LM)."""
+    peak = cluster.gpu.peak_for(training.precision)
+    tokens = micro_batch_size * training.seq_len
+    logits = gemm_time_s(tokens, model.vocab_size / tp, model.hidden_size, peak)
+    loss = memory_bound_time_s(2 * 4 * tokens * model.vocab_size / tp, cluster)
+    return logits + loss
+
+
+def embedding_compute_s(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
+                        micro_batch_size: int) -> float:
+    """Forward seconds of the embedding lookup (and position add): writes b*s*h values."""
+    tokens = micro_batch_size * training.seq_len
+    reads = 2 if model.is_gpt else 1
+    return memory_bound_time_s((reads + 1) * activation_bytes_per_value(training) * tokens * model.hidden_size, cluster)

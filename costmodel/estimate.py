@@ -1,0 +1,390 @@
+"""`estimate()`: step time, throughput, MFU/HFU and peak memory of a strategy, with
+breakdowns. Per-layer unit costs (`unit_costs`) are shared with the planner's partition
+solver, so the solver optimises exactly the figures reported here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from costmodel import compute, memory
+from costmodel.comm import Placement, collective_time_s, placement
+from costmodel.graph import (
+    embedding_parameters,
+    head_parameters,
+    layer_forward_flops,
+    layer_parameters,
+    model_flops_per_step,
+)
+from costmodel.pipeline import pipeline_time_s
+from costmodel.specs import Problem
+from costmodel.strategy import RECOMPUTE_MODES, Stage, Strategy
+
+# HBM bytes the optimizer step moves per local parameter: Adam reads fp32 master
+# weights, momentum, variance and the gradient and writes the three states and the
+# 16-bit copy (4*3 + 2 + 4*3 + 2 = 28); SGD with momentum 4*2 + 2 + 4*2 + 2 = 20. The
+# global gradient-norm, clipping and gradient zeroing passes add 4 + 2*4 + 4 = 16
+# (fp32 main gradients, Megatron-LM's optimizer; calibrated with the non-layer time
+# of the 22B rows of Korthikanti et al. 2022 Table 5).
+OPTIMIZER_BYTES_PER_PARAMETER = {"adam": 28 + 16, "adamw": 28 + 16, "sgd": 20 + 16}
+
+
+@dataclass(frozen=True)
+class Work:
+    """Seconds one rank spends on one micro-batch (or a step), by kind."""
+
+    compute_s: float = 0.0
+    recompute_s: float = 0.0
+    tp_comm_s: float = 0.0
+    ep_comm_s: float = 0.0
+    dp_comm_s: float = 0.0
+    pp_comm_s: float = 0.0
+
+    @property
+    def total_s(self) -> float:
+        return sum(getattr(self, f.name) for f in fields(self))
+
+    def __add__(self, other: Work) -> Work:
+        return Work(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+    def scaled(self, factor: float) -> Work:
+        return Work(*(getattr(self, f.name) * factor for f in fields(self)))
+
+
+@dataclass(frozen=True)
+class UnitCosts:
+    """Costs that do not depend on the partition, for one micro-batch on one rank."""
+
+    layer_work: dict[str, Work]            # forward + backward of one layer, by recompute mode
+    layer_backward_s: float                # backward without recompute (the DP overlap window)
+    layer_activation_bytes: dict[str, float]
+    layer_working_bytes: float             # one layer's full activations, live while recomputing
+    layer_dense_parameters: float          # per rank, after tp
+    layer_expert_parameters: float         # per rank, after tp and ep
+    first_work: Work                       # embedding, on virtual stage 0
+    last_work: Work                        # final norm, LM head, loss, on the last virtual stage
+    first_parameters: float
+    last_parameters: float
+    logits_bytes: float
+    p2p_s: float                           # one activation (or gradient) send between stages
+    p2p_bytes: float
+
+
+@dataclass(frozen=True)
+class TimeBreakdown:
+    compute_s: float
+    recompute_s: float
+    tp_comm_s: float
+    ep_comm_s: float
+    pp_comm_s: float
+    dp_comm_s: float
+    bubble_s: float
+    optimizer_s: float
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    weights_bytes: float
+    gradients_bytes: float
+    optimizer_bytes: float
+    activations_bytes: float
+    comm_buffer_bytes: float
+    runtime_reserve_bytes: float
+
+    @property
+    def total_bytes(self) -> float:
+        return sum(getattr(self, f.name) for f in fields(self))
+
+
+@dataclass(frozen=True)
+class Estimate:
+    step_time_s: float
+    tokens_per_s: float
+    tflops_per_gpu: float
+    mfu: float
+    hfu: float
+    peak_memory_bytes: float
+    peak_memory_rank: int            # pipeline rank holding the peak
+    bottleneck_rank: int             # pipeline rank with the longest micro-batch
+    time: TimeBreakdown
+    memory: MemoryBreakdown          # of the peak rank
+    rank_time_s: tuple[float, ...]   # per pipeline rank, one micro-batch
+    rank_memory_bytes: tuple[float, ...]
+
+
+def groups(problem: Problem, strategy: Strategy) -> dict[str, Placement]:
+    """Where each kind of process group sits (rank order tp, dp, pp; ep inside dp)."""
+    g = problem.cluster.gpus_per_node
+    tp, dp = strategy.tp, strategy.dp
+    return {
+        "tp": placement(tp, 1, g),
+        "dp": placement(dp, tp, g),
+        "ep": placement(strategy.ep, tp, g),
+        "expert_dp": placement(dp // strategy.ep, tp * strategy.ep, g),
+        "pp": placement(2, tp * dp, g) if strategy.pp > 1 else Placement(1, 1, 1),
+    }
+
+
+def unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
+    model, cluster, training = problem.model, problem.cluster, problem.training
+    b, tp, sp, ep = strategy.micro_batch_size, strategy.tp, strategy.sequence_parallel, strategy.ep
+    where = groups(problem, strategy)
+    value = compute.activation_bytes_per_value(training)
+    states = memory.state_bytes(training)
+    message = value * b * training.seq_len * model.hidden_size
+
+    layer = compute.layer_compute(model, cluster, training, b, tp, sp, ep)
+    # Tensor parallelism per layer (Shoeybi et al. 2019 §3; Korthikanti et al. 2022 §4.2.2):
+    # two all-reduces forward and two backward, or with sequence parallelism an all-gather
+    # and a reduce-scatter in their place, each of the full b*s*h activation.
+    if sp:
+        tp_one_way = 2 * (collective_time_s("all_gather", message, where["tp"], cluster)
+                          + collective_time_s("reduce_scatter", message, where["tp"], cluster))
+    else:
+        tp_one_way = 2 * collective_time_s("all_reduce", message, where["tp"], cluster)
+    # Backward TP collectives overlap the weight-gradient GEMMs (Megatron-LM's
+    # asynchronous tensor-parallel all-reduce / all-gather, Korthikanti et al. §4.2.2).
+    tp_backward = max(0.0, tp_one_way - layer.gemm_s)
+    if sp:
+        # Sequence parallelism stores the sharded input of each linear block and
+        # gathers it again in backward before the weight-gradient GEMM can start
+        # (Korthikanti et al. §4.2.2): two more all-gathers, exposed.
+        tp_backward += 2 * collective_time_s("all_gather", message, where["tp"], cluster)
+    # MoE: dispatch and combine all-to-alls forward, the same two backward (Lepikhin et
+    # al. 2020, GShard §2.2), of the k copies of each token's hidden vector.
+    ep_one_way = 0.0
+    if model.is_moe:
+        ep_one_way = 2 * collective_time_s("all_to_all", message * model.num_experts_per_tok / tp, where["ep"], cluster)
+
+    dense, experts = layer_parameters(model)
+    dense_local, expert_local = dense / tp, experts / (tp * ep)
+    # ZeRO-3 gathers each layer's weights forward and backward and reduce-scatters its
+    # gradients, prefetched one layer ahead so only the excess over compute is exposed
+    # (Zhao et al. 2023, PyTorch FSDP §3.3 prefetching).
+    zero3_fwd = zero3_bwd = 0.0
+    if strategy.zero_stage == 3:
+        gather = (collective_time_s("all_gather", dense_local * states.weights, where["dp"], cluster)
+                  + collective_time_s("all_gather", expert_local * states.weights, where["expert_dp"], cluster))
+        scatter = (collective_time_s("reduce_scatter", dense_local * states.gradients, where["dp"], cluster)
+                   + collective_time_s("reduce_scatter", expert_local * states.gradients, where["expert_dp"], cluster))
+        zero3_fwd = max(0.0, gather - layer.forward_s)
+        zero3_bwd = max(0.0, gather + scatter - compute.BACKWARD_FACTOR * layer.forward_s)
+
+    fwd_compute = layer.forward_s
+    bwd_compute = compute.BACKWARD_FACTOR * layer.forward_s
+    base = Work(compute_s=fwd_compute + bwd_compute, tp_comm_s=tp_one_way + tp_backward,
+                ep_comm_s=2 * ep_one_way, dp_comm_s=zero3_fwd + zero3_bwd)
+    layer_work = {
+        "none": base,
+        "selective": base + Work(recompute_s=layer.attention_core_s),
+        "full": base + Work(recompute_s=fwd_compute, tp_comm_s=tp_one_way, ep_comm_s=ep_one_way, dp_comm_s=zero3_fwd),
+    }
+    if training.flash_attention:
+        # FlashAttention already recomputes the scores in its backward pass, so
+        # selective recompute has nothing left to recompute (Dao et al. 2022 §3.1).
+        layer_work["selective"] = base
+    activation = {mode: memory.layer_activation_bytes(model, training, b, tp, sp, mode) for mode in RECOMPUTE_MODES}
+
+    # Embedding (vocab-parallel: an all-reduce, or reduce-scatter with SP, of its output)
+    # and LM head (its input gathered with SP, its gradient reduced without).
+    emb_fwd = compute.embedding_compute_s(model, cluster, training, b)
+    emb_comm = collective_time_s("reduce_scatter" if sp else "all_reduce", message, where["tp"], cluster)
+    first_work = Work(compute_s=emb_fwd * (1 + compute.BACKWARD_FACTOR), tp_comm_s=emb_comm)
+    head_fwd = compute.head_compute_s(model, cluster, training, b, tp)
+    head_comm = 2 * collective_time_s("all_gather" if sp else "all_reduce", message, where["tp"], cluster)
+    last_work = Work(compute_s=head_fwd * (1 + compute.BACKWARD_FACTOR), tp_comm_s=head_comm)
+
+    last_parameters = head_parameters(model)
+    if model.tie_word_embeddings and strategy.pp > 1:
+        # The last stage holds its own copy of the tied embedding (Megatron-LM).
+        last_parameters += model.vocab_size * model.hidden_size
+    # With tp > 1 the activation is scattered over the tp ranks before the send and
+    # gathered after (Narayanan et al. 2021 §4.1, scatter/gather optimisation).
+    p2p_bytes = message / tp
+    p2p_s = collective_time_s("p2p", p2p_bytes, where["pp"], cluster) if strategy.pp > 1 else 0.0
+    return UnitCosts(
+        layer_work=layer_work,
+        layer_backward_s=bwd_compute + tp_backward,
+        layer_activation_bytes=activation,
+        layer_working_bytes=activation["none"],
+        layer_dense_parameters=dense_local,
+        layer_expert_parameters=expert_local,
+        first_work=first_work,
+        last_work=last_work,
+        first_parameters=embedding_parameters(model) / tp,
+        last_parameters=last_parameters / tp,
+        logits_bytes=memory.logits_bytes(model, training, b, tp),
+        p2p_s=p2p_s,
+        p2p_bytes=p2p_bytes,
+    )
+
+
+def stage_work(units: UnitCosts, stage: Stage) -> Work:
+    work = Work()
+    for mode, count in (("none", stage.plain_layers), ("selective", stage.selective_recompute_layers),
+                        ("full", stage.full_recompute_layers)):
+        work = work + units.layer_work[mode].scaled(count)
+    return work
+
+
+def stage_activation_bytes(units: UnitCosts, stage: Stage) -> float:
+    return (stage.plain_layers * units.layer_activation_bytes["none"]
+            + stage.selective_recompute_layers * units.layer_activation_bytes["selective"]
+            + stage.full_recompute_layers * units.layer_activation_bytes["full"])
+
+
+def p2p_sends(strategy: Strategy, pp_rank: int) -> int:
+    """Sends per micro-batch on a rank: each virtual stage sends its output forward and
+    its input gradient backward, except at the two ends of the pipeline."""
+    if strategy.pp == 1:
+        return 0
+    return 2 * strategy.vpp - (pp_rank == 0) - (pp_rank == strategy.pp - 1)
+
+
+def rank_work(units: UnitCosts, strategy: Strategy, pp_rank: int) -> Work:
+    work = Work(pp_comm_s=p2p_sends(strategy, pp_rank) * units.p2p_s)
+    last_index = strategy.num_virtual_stages - 1
+    for stage in strategy.rank_stages(pp_rank):
+        work = work + stage_work(units, stage)
+        if stage.index == 0:
+            work = work + units.first_work
+        if stage.index == last_index:
+            work = work + units.last_work
+    return work
+
+
+def rank_parameters(units: UnitCosts, strategy: Strategy, pp_rank: int) -> tuple[float, float]:
+    """(dense, expert) parameters held by one rank of pipeline rank `pp_rank`."""
+    dense = experts = 0.0
+    last_index = strategy.num_virtual_stages - 1
+    for stage in strategy.rank_stages(pp_rank):
+        dense += stage.num_layers * units.layer_dense_parameters
+        experts += stage.num_layers * units.layer_expert_parameters
+        if stage.index == 0:
+            dense += units.first_parameters
+        if stage.index == last_index:
+            dense += units.last_parameters
+    return dense, experts
+
+
+def rank_memory(problem: Problem, units: UnitCosts, strategy: Strategy, pp_rank: int) -> MemoryBreakdown:
+    training = problem.training
+    dp, zero = strategy.dp, strategy.zero_stage
+    dense, experts = rank_parameters(units, strategy, pp_rank)
+    w1, g1, o1 = memory.sharded_state_bytes(dense, training, zero, dp)
+    w2, g2, o2 = memory.sharded_state_bytes(experts, training, zero, dp // strategy.ep)
+    stages = strategy.rank_stages(pp_rank)
+    in_flight = memory.in_flight_microbatches(strategy.schedule, strategy.pp, pp_rank,
+                                              strategy.num_microbatches, strategy.vpp)
+    activations = in_flight * sum(stage_activation_bytes(units, s) for s in stages)
+    if any(s.index == strategy.num_virtual_stages - 1 for s in stages):
+        activations += in_flight * units.logits_bytes
+    if any(s.full_recompute_layers for s in stages):
+        activations += units.layer_working_bytes
+    states = memory.state_bytes(training)
+    buffers = 0.0
+    if zero == 3 and dp > 1:
+        # The gathered weights of the current and the prefetched layer.
+        buffers += 2 * (units.layer_dense_parameters + units.layer_expert_parameters) * states.weights
+    elif dp > 1:
+        buffers += 2 * memory.DDP_BUCKET_BYTES
+    if strategy.pp > 1:
+        buffers += 2 * units.p2p_bytes
+    return MemoryBreakdown(w1 + w2, g1 + g2, o1 + o2, activations, buffers, float(memory.RUNTIME_RESERVE_BYTES))
+
+
+def dp_sync_s(problem: Problem, units: UnitCosts, strategy: Strategy, pp_rank: int) -> float:
+    """Gradient synchronisation at the end of the step on one rank, before overlap.
+
+    ZeRO 0: all-reduce of the gradients (Li et al. 2020, PyTorch DDP §3.2); ZeRO 1/2:
+    reduce-scatter of gradients, then all-gather of the updated weights (ZeRO §5.1-5.2,
+    same volume as one all-reduce); ZeRO 3 reduces per layer during backward instead.
+    Tied embeddings over pp > 1 add an all-reduce of the embedding gradient between the
+    first and last stage (Megatron-LM).
+    """
+    cluster, states = problem.cluster, memory.state_bytes(problem.training)
+    where = groups(problem, strategy)
+    dense, experts = rank_parameters(units, strategy, pp_rank)
+    total = 0.0
+    if strategy.zero_stage < 3:
+        for params, group in ((dense, where["dp"]), (experts, where["expert_dp"])):
+            if strategy.zero_stage == 0:
+                total += collective_time_s("all_reduce", params * states.gradients, group, cluster)
+            else:
+                total += (collective_time_s("reduce_scatter", params * states.gradients, group, cluster)
+                          + collective_time_s("all_gather", params * states.weights, group, cluster))
+    if problem.model.tie_word_embeddings and strategy.pp > 1 and pp_rank in (0, strategy.pp - 1):
+        embedding = problem.model.vocab_size * problem.model.hidden_size / strategy.tp
+        total += collective_time_s("all_reduce", embedding * states.gradients, where["pp"], cluster)
+    return total
+
+
+def optimizer_step_s(problem: Problem, units: UnitCosts, strategy: Strategy, pp_rank: int) -> float:
+    """The optimizer update is memory-bound: bytes moved per local parameter over HBM."""
+    dense, experts = rank_parameters(units, strategy, pp_rank)
+    if strategy.zero_stage >= 1:
+        dense, experts = dense / strategy.dp, experts / (strategy.dp // strategy.ep)
+    per_parameter = OPTIMIZER_BYTES_PER_PARAMETER[problem.training.optimizer]
+    return compute.memory_bound_time_s((dense + experts) * per_parameter, problem.cluster)
+
+
+def recompute_flops(problem: Problem, strategy: Strategy) -> float:
+    """Extra hardware FLOPs per step from recomputation (Korthikanti et al. eq. 8):
+    full recompute repeats each layer's forward, selective the attention scores."""
+    model, training = problem.model, problem.training
+    sequences = training.global_batch
+    full = sum(s.full_recompute_layers for s in strategy.stages)
+    selective = 0 if training.flash_attention else sum(s.selective_recompute_layers for s in strategy.stages)
+    per_layer = layer_forward_flops(model, training.seq_len)
+    scores = 4.0 * training.seq_len ** 2 * model.hidden_size
+    return sequences * (full * per_layer + selective * scores)
+
+
+def estimate(problem: Problem, strategy: Strategy, units: UnitCosts | None = None) -> Estimate:
+    """Predicted step of `strategy` (which must carry its stages) on `problem`."""
+    if not strategy.stages:
+        raise ValueError("strategy has no stages; use costmodel.strategy.even_stages")
+    units = units or unit_costs(problem, strategy)
+    pp, m = strategy.pp, strategy.num_microbatches
+    works = [rank_work(units, strategy, r) for r in range(pp)]
+    rank_times = [w.total_s for w in works]
+    pipelined = pipeline_time_s(strategy.schedule, rank_times, m, strategy.vpp)
+    bottleneck = max(range(pp), key=lambda r: (rank_times[r], -r))
+    # Gradient sync overlaps the last micro-batch's backward on each rank (DDP bucketing,
+    # Li et al. 2020 §3.2.3); the rest is exposed. The ZeRO-1/2 weight all-gather is
+    # counted in the sync (it follows the optimizer step).
+    dp_exposed = 0.0
+    for r in range(pp):
+        window = sum(s.num_layers for s in strategy.rank_stages(r)) * units.layer_backward_s
+        dp_exposed = max(dp_exposed, max(0.0, dp_sync_s(problem, units, strategy, r) - window))
+    optimizer_s = max(optimizer_step_s(problem, units, strategy, r) for r in range(pp))
+    step = pipelined + dp_exposed + optimizer_s
+
+    busy = works[bottleneck].scaled(m)
+    time = TimeBreakdown(
+        compute_s=busy.compute_s, recompute_s=busy.recompute_s, tp_comm_s=busy.tp_comm_s,
+        ep_comm_s=busy.ep_comm_s, pp_comm_s=busy.pp_comm_s, dp_comm_s=busy.dp_comm_s + dp_exposed,
+        bubble_s=pipelined - busy.total_s, optimizer_s=optimizer_s,
+    )
+    memories = [rank_memory(problem, units, strategy, r) for r in range(pp)]
+    totals = [mem.total_bytes for mem in memories]
+    peak_rank = max(range(pp), key=lambda r: (totals[r], -r))
+
+    model_flops = model_flops_per_step(problem.model, problem.training.global_batch, problem.training.seq_len)
+    gpus = strategy.num_gpus
+    peak = problem.cluster.gpu.peak_for(problem.training.precision)
+    hardware_flops = model_flops + recompute_flops(problem, strategy)
+    return Estimate(
+        step_time_s=step,
+        tokens_per_s=problem.training.tokens_per_step / step,
+        tflops_per_gpu=model_flops / step / gpus / 1e12,
+        mfu=model_flops / step / gpus / peak,
+        hfu=hardware_flops / step / gpus / peak,
+        peak_memory_bytes=totals[peak_rank],
+        peak_memory_rank=peak_rank,
+        bottleneck_rank=bottleneck,
+        time=time,
+        memory=memories[peak_rank],
+        rank_time_s=tuple(rank_times),
+        rank_memory_bytes=tuple(totals),
+    )

@@ -1,0 +1,97 @@
+"""The layer graph of a model: embedding, transformer layers, final norm, LM head and
+loss as a networkx chain, each node carrying its parameter count and forward FLOPs
+per sequence. Parameter and FLOP counts of one layer are defined here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import networkx as nx
+
+from costmodel.specs import ModelSpec
+
+
+def attention_parameters(model: ModelSpec) -> int:
+    """Q, K, V and output projections (+ biases in GPT, Korthikanti et al. 2022 eq. 2)."""
+    h, kv = model.hidden_size, model.kv_size
+    weights = h * h + 2 * h * kv + h * h
+    biases = (h + 2 * kv + h) if model.is_gpt else 0
+    return weights + biases
+
+
+def expert_parameters(model: ModelSpec) -> int:
+    """One MLP: GELU (two matrices + biases) or SwiGLU (three matrices, no biases)."""
+    h, f = model.hidden_size, model.intermediate_size
+    return 2 * h * f + f + h if model.is_gpt else 3 * h * f
+
+
+def norm_parameters(model: ModelSpec) -> int:
+    """LayerNorm has weight and bias, RMSNorm weight only."""
+    return 2 * model.hidden_size if model.is_gpt else model.hidden_size
+
+
+def layer_parameters(model: ModelSpec) -> tuple[int, int]:
+    """(dense parameters, expert parameters) of one transformer layer; dense includes the
+    MoE router."""
+    dense = attention_parameters(model) + 2 * norm_parameters(model)
+    if model.is_moe:
+        return dense + model.hidden_size * model.num_local_experts, model.num_local_experts * expert_parameters(model)
+    return dense + expert_parameters(model), 0
+
+
+def embedding_parameters(model: ModelSpec) -> int:
+    positions = model.max_position_embeddings * model.hidden_size if model.is_gpt else 0
+    return model.vocab_size * model.hidden_size + positions
+
+
+def head_parameters(model: ModelSpec) -> int:
+    """Final norm plus the LM head (zero extra when tied to the embedding)."""
+    head = 0 if model.tie_word_embeddings else model.vocab_size * model.hidden_size
+    return norm_parameters(model) + head
+
+
+def total_parameters(model: ModelSpec) -> int:
+    dense, experts = layer_parameters(model)
+    return embedding_parameters(model) + model.num_hidden_layers * (dense + experts) + head_parameters(model)
+
+
+def layer_forward_flops(model: ModelSpec, seq_len: int) -> float:
+    """Model FLOPs of one layer's forward pass for one sequence: 2 per multiply-add of
+    every matmul, attention scores over the full s x s matrix (the convention of
+    Korthikanti et al. 2022 eq. 7: 24sh^2 + 4s^2h per layer for a 4h GPT MLP). MoE counts
+    the num_experts_per_tok experts each token visits."""
+    h, s, kv, f = model.hidden_size, seq_len, model.kv_size, model.intermediate_size
+    projections = 2 * s * (2 * h * h + 2 * h * kv)
+    scores = 4 * s * s * h
+    mlp_matrices = 2 if model.is_gpt else 3
+    mlp = 2 * s * mlp_matrices * h * f * model.num_experts_per_tok
+    router = 2 * s * h * model.num_local_experts if model.is_moe else 0
+    return float(projections + scores + mlp + router)
+
+
+def head_forward_flops(model: ModelSpec, seq_len: int) -> float:
+    """LM head logits for one sequence: 2shV (Korthikanti et al. 2022 eq. 7's V term)."""
+    return 2.0 * seq_len * model.hidden_size * model.vocab_size
+
+
+def model_flops_per_step(model: ModelSpec, global_batch: int, seq_len: int) -> float:
+    """Forward + backward model FLOPs of one step, backward = 2x forward (eq. 7)."""
+    per_sequence = model.num_hidden_layers * layer_forward_flops(model, seq_len) + head_forward_flops(model, seq_len)
+    return 3.0 * global_batch * per_sequence
+
+
+def build_graph(model: ModelSpec, seq_len: int) -> nx.DiGraph:
+    """Chain graph embedding -> layer.0 .. layer.{L-1} -> head; node attributes
+    `parameters` and `forward_flops` (per sequence)."""
+    graph = nx.DiGraph(name=model.name)
+    dense, experts = layer_parameters(model)
+    graph.add_node("embedding", kind="embedding", parameters=embedding_parameters(model), forward_flops=0.0)
+    previous = "embedding"
+    for i in range(model.num_hidden_layers):
+        node = f"layer.{i}"
+        graph.add_node(node, kind="layer", index=i, parameters=dense + experts,
+                       expert_parameters=experts, forward_flops=layer_forward_flops(model, seq_len))
+        graph.add_edge(previous, node)
+        previous = node
+    graph.add_node("head", kind="head", parameters=head_parameters(model), forward_flops=head_forward_flops(model, seq_len))
+    graph.add_edge(previous, "head")
+    return graph

@@ -1,0 +1,279 @@
+"""Reading specs from built-in names, YAML and JSON files, and `key=value` overrides.
+
+Own spec files are strict (an unknown key is an error); a real Hugging Face
+`config.json` (it carries `architectures` or `transformers_version`) is read leniently,
+taking the keys Shardwise needs and ignoring the rest. Every problem raises `SpecError`
+naming the field, which the CLI prints as one line with exit code 2.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import fields
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from costmodel.specs import (
+    FAMILIES,
+    OPTIMIZERS,
+    PRECISIONS,
+    ClusterSpec,
+    GPUSpec,
+    LinkSpec,
+    ModelSpec,
+    TrainingSpec,
+)
+
+
+class SpecError(ValueError):
+    """Bad input: `field` names what is wrong."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+# Hugging Face model_type -> Shardwise family.
+_FAMILY_OF = {
+    "gpt": "gpt", "gpt2": "gpt", "gpt_neox": "gpt", "gptj": "gpt", "opt": "gpt",
+    "llama": "llama", "mistral": "llama", "qwen2": "llama",
+    "mixtral": "mixtral", "qwen2_moe": "mixtral",
+}
+# GPT-2 style key names -> Hugging Face Llama style key names.
+_ALIASES = {
+    "n_embd": "hidden_size", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
+    "n_inner": "intermediate_size", "n_positions": "max_position_embeddings",
+    "ffn_hidden_size": "intermediate_size", "num_layers": "num_hidden_layers",
+}
+_MODEL_INT_FIELDS = (
+    "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "intermediate_size", "vocab_size", "max_position_embeddings",
+    "num_local_experts", "num_experts_per_tok",
+)
+
+
+def configs_dir(kind: str) -> Path:
+    return Path(str(resources.files("configs"))) / kind
+
+
+def builtin_names(kind: str) -> list[str]:
+    return sorted(p.stem for p in configs_dir(kind).glob("*.yaml"))
+
+
+def read_document(source: str | Path, kind: str, field: str) -> tuple[dict, str]:
+    """The mapping in a built-in name or a YAML/JSON path, and a display name."""
+    path = Path(source)
+    if not path.exists():
+        builtin = configs_dir(kind) / f"{source}.yaml"
+        if not builtin.exists():
+            known = ", ".join(builtin_names(kind))
+            raise SpecError(field, f"unknown {kind[:-1]} {str(source)!r} (built-ins: {known})")
+        path = builtin
+    if path.is_dir():
+        path = path / "config.json"
+        if not path.exists():
+            raise SpecError(field, f"{source}: folder has no config.json")
+    try:
+        text = path.read_text()
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (OSError, UnicodeDecodeError) as err:
+        raise SpecError(field, f"cannot read {path}: {err}") from None
+    except (json.JSONDecodeError, yaml.YAMLError) as err:
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise SpecError(field, f"{path} is not valid {path.suffix.lstrip('.') or 'YAML'}: {first}") from None
+    if not isinstance(data, dict):
+        raise SpecError(field, f"{path} must hold a mapping of keys to values")
+    name = path.parent.name if path.name == "config.json" else path.stem
+    return data, name
+
+
+def parse_overrides(text: str | None, field: str = "--set") -> dict[str, str]:
+    """`a=1,b=x` -> {"a": "1", "b": "x"}."""
+    out: dict[str, str] = {}
+    for item in (text or "").split(","):
+        if not item.strip():
+            continue
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip() or not value.strip():
+            raise SpecError(field, f"expected key=value, got {item.strip()!r}")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def as_int(value: Any, field: str, minimum: int = 1) -> int:
+    if isinstance(value, bool):
+        raise SpecError(field, f"expected an integer, got {value!r}")
+    if isinstance(value, str):
+        try:
+            value = float(value) if any(c in value for c in ".eE") else int(value)
+        except ValueError:
+            raise SpecError(field, f"expected an integer, got {value!r}") from None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, int):
+        raise SpecError(field, f"expected an integer, got {value!r}")
+    if value < minimum:
+        raise SpecError(field, f"must be at least {minimum}, got {value}")
+    return value
+
+
+def as_float(value: Any, field: str, minimum: float = 0.0, exclusive: bool = True) -> float:
+    if isinstance(value, bool):
+        raise SpecError(field, f"expected a number, got {value!r}")
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise SpecError(field, f"expected a number, got {value!r}") from None
+    if number != number or (number <= minimum if exclusive else number < minimum):
+        bound = "above" if exclusive else "at least"
+        raise SpecError(field, f"must be {bound} {minimum:g}, got {value!r}")
+    return number
+
+
+def as_bool(value: Any, field: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "on", "yes", "1", "false", "off", "no", "0"):
+        return value.lower() in ("true", "on", "yes", "1")
+    raise SpecError(field, f"expected true or false, got {value!r}")
+
+
+def model_from_dict(data: dict, name: str, overrides: dict[str, str] | None = None) -> ModelSpec:
+    """Validate a model mapping (own YAML or Hugging Face config) into a ModelSpec."""
+    lenient = "architectures" in data or "transformers_version" in data
+    raw = {_ALIASES.get(k, k): v for k, v in data.items()}
+    known = {f.name for f in fields(ModelSpec)} - {"name"}
+    for key in overrides or {}:
+        if _ALIASES.get(key, key) not in known:
+            raise SpecError(f"--set {key}", f"unknown model field (fields: {', '.join(sorted(known))})")
+    raw.update({_ALIASES.get(k, k): v for k, v in (overrides or {}).items()})
+    if not lenient:
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise SpecError(unknown[0], "unknown model field")
+    model_type = str(raw.get("model_type", "")).lower()
+    family = _FAMILY_OF.get(model_type)
+    if family is None:
+        raise SpecError("model_type", f"unsupported {model_type or 'missing'!r} (families: {', '.join(FAMILIES)}, or a Hugging Face gpt2/llama/mistral/mixtral config)")
+    values: dict[str, Any] = {"model_type": family}
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+        if raw.get(key) is None:
+            raise SpecError(key, "missing")
+        values[key] = as_int(raw[key], key)
+    hidden, heads = values["hidden_size"], values["num_attention_heads"]
+    defaults = {
+        "num_key_value_heads": heads,
+        "intermediate_size": 4 * hidden if family == "gpt" else None,
+        "max_position_embeddings": 2048,
+        "num_local_experts": 1,
+        "num_experts_per_tok": 1,
+    }
+    for key, default in defaults.items():
+        value = raw.get(key)
+        if value is None:
+            if default is None:
+                raise SpecError(key, "missing")
+            value = default
+        values[key] = as_int(value, key)
+    tie = raw.get("tie_word_embeddings")
+    values["tie_word_embeddings"] = (family == "gpt") if tie is None else as_bool(tie, "tie_word_embeddings")
+    if hidden % heads:
+        raise SpecError("num_attention_heads", f"{heads} does not divide hidden_size {hidden}")
+    if heads % values["num_key_value_heads"]:
+        raise SpecError("num_key_value_heads", f"{values['num_key_value_heads']} does not divide num_attention_heads {heads}")
+    if values["num_experts_per_tok"] > values["num_local_experts"]:
+        raise SpecError("num_experts_per_tok", f"{values['num_experts_per_tok']} exceeds num_local_experts {values['num_local_experts']}")
+    if family == "mixtral" and values["num_local_experts"] < 2:
+        raise SpecError("num_local_experts", "a mixtral model needs at least 2 experts")
+    return ModelSpec(name=name, **{k: values[k] for k in known})
+
+
+def load_model(source: str | Path, overrides: dict[str, str] | None = None) -> ModelSpec:
+    data, name = read_document(source, "models", "--model")
+    return model_from_dict(data, name, overrides)
+
+
+def gpu_from_dict(data: dict, field: str = "gpu") -> GPUSpec:
+    _check_keys(data, {"name", "peak_flops_per_s", "memory_bytes", "hbm_bandwidth_bytes_per_s"}, field)
+    peaks = data.get("peak_flops_per_s")
+    if not isinstance(peaks, dict) or not peaks:
+        raise SpecError(f"{field}.peak_flops_per_s", "expected a mapping of precision to FLOP/s")
+    for p in peaks:
+        if p not in PRECISIONS:
+            raise SpecError(f"{field}.peak_flops_per_s.{p}", f"unknown precision (known: {', '.join(PRECISIONS)})")
+    return GPUSpec(
+        name=str(data.get("name", "gpu")),
+        peak_flops_per_s={p: as_float(v, f"{field}.peak_flops_per_s.{p}") for p, v in sorted(peaks.items())},
+        memory_bytes=as_int(data.get("memory_bytes"), f"{field}.memory_bytes"),
+        hbm_bandwidth_bytes_per_s=as_float(data.get("hbm_bandwidth_bytes_per_s"), f"{field}.hbm_bandwidth_bytes_per_s"),
+    )
+
+
+def link_from_dict(data: Any, field: str) -> LinkSpec:
+    if not isinstance(data, dict):
+        raise SpecError(field, "expected a mapping with bandwidth_bytes_per_s and latency_s")
+    _check_keys(data, {"bandwidth_bytes_per_s", "latency_s", "efficiency"}, field)
+    efficiency = as_float(data.get("efficiency", 1.0), f"{field}.efficiency")
+    if efficiency > 1:
+        raise SpecError(f"{field}.efficiency", f"must be at most 1, got {efficiency}")
+    return LinkSpec(
+        bandwidth_bytes_per_s=as_float(data.get("bandwidth_bytes_per_s"), f"{field}.bandwidth_bytes_per_s"),
+        latency_s=as_float(data.get("latency_s"), f"{field}.latency_s", exclusive=False),
+        efficiency=efficiency,
+    )
+
+
+def load_cluster(source: str | Path, nodes: int | None = None, gpus: int | None = None) -> ClusterSpec:
+    """A cluster by name or path, resized by `nodes` or `gpus` (not both)."""
+    data, name = read_document(source, "clusters", "--cluster")
+    _check_keys(data, {"name", "gpu", "gpus_per_node", "num_nodes", "intra_node", "inter_node"}, "cluster")
+    gpu_data = data.get("gpu")
+    if isinstance(gpu_data, str):
+        gpu_data, _ = read_document(gpu_data, "hardware", "cluster.gpu")
+    if not isinstance(gpu_data, dict):
+        raise SpecError("cluster.gpu", "expected a built-in GPU name or a mapping")
+    gpus_per_node = as_int(data.get("gpus_per_node"), "cluster.gpus_per_node")
+    num_nodes = as_int(data.get("num_nodes", 1), "cluster.num_nodes")
+    if nodes is not None and gpus is not None:
+        raise SpecError("--gpus", "give --nodes or --gpus, not both")
+    if nodes is not None:
+        num_nodes = as_int(nodes, "--nodes")
+    if gpus is not None:
+        gpus = as_int(gpus, "--gpus")
+        if gpus < gpus_per_node:
+            gpus_per_node, num_nodes = gpus, 1
+        elif gpus % gpus_per_node:
+            raise SpecError("--gpus", f"{gpus} is not a whole number of {gpus_per_node}-GPU nodes")
+        else:
+            num_nodes = gpus // gpus_per_node
+    return ClusterSpec(
+        name=str(data.get("name", name)),
+        gpu=gpu_from_dict(gpu_data, "cluster.gpu"),
+        gpus_per_node=gpus_per_node,
+        num_nodes=num_nodes,
+        intra_node=link_from_dict(data.get("intra_node"), "cluster.intra_node"),
+        inter_node=link_from_dict(data.get("inter_node", data.get("intra_node")), "cluster.inter_node"),
+    )
+
+
+def make_training(model: ModelSpec, cluster: ClusterSpec, global_batch: Any, seq_len: Any = None,
+                  precision: str = "bf16", optimizer: str = "adamw", flash_attention: bool = True) -> TrainingSpec:
+    batch = as_int(global_batch, "--global-batch")
+    seq = model.max_position_embeddings if seq_len is None else as_int(seq_len, "--seq")
+    if precision not in PRECISIONS:
+        raise SpecError("--precision", f"unknown {precision!r} (known: {', '.join(PRECISIONS)})")
+    if precision not in cluster.gpu.peak_flops_per_s:
+        have = ", ".join(cluster.gpu.peak_flops_per_s)
+        raise SpecError("--precision", f"{cluster.gpu.name} has no {precision} peak (has: {have})")
+    if optimizer not in OPTIMIZERS:
+        raise SpecError("--optimizer", f"unknown {optimizer!r} (known: {', '.join(OPTIMIZERS)})")
+    return TrainingSpec(batch, seq, precision, optimizer, flash_attention)
+
+
+def _check_keys(data: dict, allowed: set[str], field: str) -> None:
+    unknown = sorted(set(data) - allowed)
+    if unknown:
+        raise SpecError(f"{field}.{unknown[0]}", f"unknown field (fields: {', '.join(sorted(allowed))})")

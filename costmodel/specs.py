@@ -1,0 +1,121 @@
+"""Frozen specs: the model, the GPU, the links, the cluster and the training run.
+
+Field names of `ModelSpec` are the Hugging Face config keys, so a spec reads the same
+in YAML, in a `config.json` and in code. Loading and validation live in
+`costmodel.loading`; these classes only hold values and derive simple quantities.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FAMILIES = ("gpt", "llama", "mixtral")
+PRECISIONS = ("bf16", "fp16", "fp32")
+OPTIMIZERS = ("adam", "adamw", "sgd")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A decoder-only transformer.
+
+    model_type "gpt": LayerNorm, GELU MLP, learned positions, biases, dropout.
+    model_type "llama": RMSNorm, SwiGLU MLP, grouped-query attention, RoPE, no biases.
+    model_type "mixtral": llama layers whose MLP is a top-k mixture of experts.
+    """
+
+    name: str
+    model_type: str
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    num_local_experts: int = 1
+    num_experts_per_tok: int = 1
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def is_gpt(self) -> bool:
+        return self.model_type == "gpt"
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_local_experts > 1
+
+    @property
+    def kv_size(self) -> int:
+        """Width of the K (or V) projection output."""
+        return self.num_key_value_heads * self.head_dim
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    name: str
+    peak_flops_per_s: dict[str, float]
+    memory_bytes: int
+    hbm_bandwidth_bytes_per_s: float
+
+    def peak_for(self, precision: str) -> float:
+        return self.peak_flops_per_s[precision]
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """One direction of a link, per GPU.
+
+    `efficiency` is the achieved fraction of `bandwidth_bytes_per_s` for large
+    collectives (nccl-tests "busbw" over peak); the cluster file says where it came from.
+    """
+
+    bandwidth_bytes_per_s: float
+    latency_s: float
+    efficiency: float = 1.0
+
+    @property
+    def achieved_bytes_per_s(self) -> float:
+        return self.bandwidth_bytes_per_s * self.efficiency
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    name: str
+    gpu: GPUSpec
+    gpus_per_node: int
+    num_nodes: int
+    intra_node: LinkSpec
+    inter_node: LinkSpec
+
+    @property
+    def num_gpus(self) -> int:
+        return self.gpus_per_node * self.num_nodes
+
+
+@dataclass(frozen=True)
+class TrainingSpec:
+    """global_batch in sequences; precision "bf16"/"fp16" means mixed precision with
+    fp32 master weights and optimizer states, "fp32" means everything in fp32."""
+
+    global_batch: int
+    seq_len: int
+    precision: str = "bf16"
+    optimizer: str = "adamw"
+    flash_attention: bool = True
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq_len
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Everything a strategy is judged against."""
+
+    model: ModelSpec
+    cluster: ClusterSpec
+    training: TrainingSpec

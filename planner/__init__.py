@@ -1,0 +1,1 @@
+"""Shardwise planner: rules, search space, partition solver, plan files, API and CLI."""
