@@ -1,0 +1,128 @@
+"""Lower bounds on a candidate's step time and peak memory, valid for every partition
+and recompute choice, so the search can skip the integer program for candidates that
+cannot win or cannot fit.
+
+With t_r the micro-batch time of pipeline rank r and (a, c) the schedule's coefficients
+(`costmodel.pipeline`), the pipelined time is a * max_r t_r + c * sum_r t_r; gradient
+sync and optimizer time are at least zero. Both parts are bounded separately:
+
+- `quick`: sum_r t_r is at least every layer at its fastest allowed mode plus the
+  embedding, head and p2p work, plus the recomputation memory forces (below), and
+  max_r t_r is at least the mean. Memory: the fullest rank holds at least the mean of
+  the model states and of one micro-batch of activations at the most frugal mode.
+- `balanced`: max_r t_r is at least T*, the optimum of the continuous relaxation of
+  "place L layers on pp ranks, each within its memory, minimising the slowest", where
+  rank r holding N layers with in_flight_r micro-batches must recompute enough to fit.
+
+Recomputation is relaxed to its best price: every byte of activations saved below the
+fastest mode costs at least the cheapest seconds-per-byte a slower mode offers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from costmodel import memory
+from costmodel.estimate import UnitCosts, p2p_sends
+from costmodel.pipeline import pipeline_coefficients
+from costmodel.specs import Problem
+from costmodel.strategy import Strategy
+
+BISECTION_STEPS = 30
+
+
+@dataclass(frozen=True)
+class Bounds:
+    time_s: float
+    memory_bytes: float
+
+
+@dataclass(frozen=True)
+class _Terms:
+    """Per-layer quantities of one candidate, at the fastest allowed mode."""
+
+    layer_s: float            # one layer, one micro-batch
+    layer_states_bytes: float
+    layer_act_bytes: float    # per micro-batch in flight
+    min_act_bytes: float      # at the most frugal mode
+    s_per_byte: float         # cheapest recompute price; inf when nothing can be saved
+    states_bytes: float       # all model states on all ranks of one pp column
+    rank_s: tuple[float, ...]  # fixed work per rank: embedding, head, p2p
+    in_flight: tuple[float, ...]
+
+
+def _terms(problem: Problem, units: UnitCosts, strategy: Strategy, modes: tuple[str, ...]) -> _Terms:
+    layers, pp = problem.model.num_hidden_layers, strategy.pp
+    training, dp, zero = problem.training, strategy.dp, strategy.zero_stage
+    dense_layer, expert_layer = units.layer_dense_parameters, units.layer_expert_parameters
+    layer_states = (sum(memory.sharded_state_bytes(dense_layer, training, zero, dp))
+                    + sum(memory.sharded_state_bytes(expert_layer, training, zero, dp // strategy.ep)))
+    ends = sum(memory.sharded_state_bytes(units.first_parameters + units.last_parameters, training, zero, dp))
+    act = units.layer_activation_bytes
+    work = {mode: units.layer_work[mode].total_s for mode in modes}
+    fastest = min(modes, key=lambda m: (work[m], act[m]))
+    prices = [(work[m] - work[fastest]) / (act[fastest] - act[m]) for m in modes if act[m] < act[fastest]]
+    rank_s = [p2p_sends(strategy, r) * units.p2p_s for r in range(pp)]
+    rank_s[0] += units.first_work.total_s
+    rank_s[-1] += units.last_work.total_s
+    in_flight = tuple(memory.in_flight_microbatches(strategy.schedule, pp, r, strategy.num_microbatches,
+                                                    strategy.vpp) for r in range(pp))
+    return _Terms(work[fastest], layer_states, act[fastest], min(act[m] for m in modes),
+                  min(prices) if prices else float("inf"), layers * layer_states + ends,
+                  tuple(rank_s), in_flight)
+
+
+def quick(problem: Problem, units: UnitCosts, strategy: Strategy, modes: tuple[str, ...],
+          usable_bytes: float) -> Bounds:
+    layers, pp = problem.model.num_hidden_layers, strategy.pp
+    x = _terms(problem, units, strategy, modes)
+    memory_bytes = memory.RUNTIME_RESERVE_BYTES + (x.states_bytes + layers * x.min_act_bytes) / pp
+    a, c = pipeline_coefficients(strategy.schedule, strategy.num_microbatches, strategy.vpp)
+    return Bounds((a + c * pp) * _total_s(x, layers, pp, usable_bytes) / pp, memory_bytes)
+
+
+def _total_s(x: _Terms, layers: int, pp: int, usable_bytes: float) -> float:
+    """Lower bound on sum_r t_r. Summed over ranks, states and one micro-batch of
+    activations must fit pp devices; the excess is recomputed at the best price."""
+    excess = x.states_bytes + layers * x.layer_act_bytes - pp * (usable_bytes - memory.RUNTIME_RESERVE_BYTES)
+    extra_s = excess * x.s_per_byte if excess > 0 else 0.0
+    return layers * x.layer_s + extra_s + sum(x.rank_s)
+
+
+def _max_layers(x: _Terms, rank: int, time_s: float, free_bytes: float) -> float:
+    """Most layers (continuous) rank `rank` can hold within `time_s` and its memory."""
+    f = x.in_flight[rank]
+    budget_s = time_s - x.rank_s[rank]
+    if budget_s <= 0:
+        return 0.0
+    fits = free_bytes / (x.layer_states_bytes + f * x.min_act_bytes)
+    per_layer_bytes = x.layer_states_bytes + f * x.layer_act_bytes
+    plain = min(budget_s / x.layer_s, free_bytes / per_layer_bytes)
+    if budget_s / x.layer_s <= plain or x.s_per_byte == float("inf"):
+        return min(plain, fits)
+    # Beyond `plain` layers every extra layer's bytes are saved by recomputation.
+    price = x.s_per_byte / f   # seconds per byte of rank memory
+    slope = x.layer_s + per_layer_bytes * price
+    n = (budget_s + free_bytes * price) / slope
+    return min(max(n, plain), fits)
+
+
+def balanced(problem: Problem, units: UnitCosts, strategy: Strategy, modes: tuple[str, ...],
+             usable_bytes: float) -> float:
+    """A lower bound on the step time (inf when no partition can fit)."""
+    layers, pp = problem.model.num_hidden_layers, strategy.pp
+    x = _terms(problem, units, strategy, modes)
+    free = usable_bytes - memory.RUNTIME_RESERVE_BYTES
+    low, high = 0.0, max(x.rank_s) + layers * x.layer_s
+    while sum(_max_layers(x, r, high, free) for r in range(pp)) < layers:
+        if high > 1e9:
+            return float("inf")
+        high *= 2
+    for _ in range(BISECTION_STEPS):
+        mid = (low + high) / 2
+        if sum(_max_layers(x, r, mid, free) for r in range(pp)) >= layers:
+            high = mid
+        else:
+            low = mid
+    a, c = pipeline_coefficients(strategy.schedule, strategy.num_microbatches, strategy.vpp)
+    return a * low + c * _total_s(x, layers, pp, usable_bytes)

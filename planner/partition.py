@@ -1,0 +1,224 @@
+"""The integer program: for one stage-less strategy, place the layers on pipeline ranks
+and choose how many of each rank's layers recompute, minimising predicted step time
+under per-device memory and the stage-imbalance rule. OR-tools CP-SAT.
+
+The program reads the cost model rather than restating it: each rank's micro-batch
+time, memory, gradient-sync and optimizer time are affine in its layer counts (N layers,
+F of them fully recomputed, S selectively) plus one indicator (a rank that recomputes
+keeps one layer's working activations), so their coefficients come from evaluating
+`costmodel.estimate`'s own per-rank functions at a few layer counts. With t_r the rank
+times and (a, c) the schedule's coefficients (`costmodel.pipeline`):
+
+    minimise  a * max_r t_r + c * sum_r t_r + max_r dp_exposed_r + max_r optimizer_r
+    subject to  memory_r <= capacity * (1 - headroom)            for every rank r
+                pp * max_r t_r <= (1 + max_stage_imbalance) * sum_r t_r
+                sum_r N_r = L,  N_r >= vpp,  F_r + S_r <= N_r
+
+Rank r's layers are split as evenly as possible over its vpp model chunks afterwards;
+the cost model charges a rank by its totals, so this loses nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from ortools.sat.python import cp_model
+
+from costmodel.estimate import (
+    UnitCosts,
+    dp_sync_s,
+    optimizer_step_s,
+    rank_memory,
+    rank_work,
+)
+from costmodel.pipeline import pipeline_coefficients
+from costmodel.specs import Problem
+from costmodel.strategy import Stage, Strategy
+
+# Integer scales: time in units of 1/TIME_RESOLUTION of one plain layer's micro-batch
+# time, memory in MiB (rounded up: never optimistic). Coarse units keep CP-SAT's
+# coefficients small, which makes it 10-100x faster on memory-bound candidates than
+# with KiB; the chosen partition is re-costed exactly by `costmodel.estimate`.
+TIME_RESOLUTION = 1_000
+MEMORY_UNIT_BYTES = 1 << 20
+# CP-SAT effort per solve in deterministic seconds (reproducible, unlike wall time).
+DETERMINISTIC_TIME_LIMIT = 5.0
+
+
+@dataclass(frozen=True)
+class Affine:
+    """value = const + per_layer * N + per_full * F + per_selective * S (+ indicator)."""
+
+    const: float
+    per_layer: float
+    per_full: float = 0.0
+    per_selective: float = 0.0
+    if_recompute: float = 0.0   # added once when the rank fully recomputes any layer
+
+
+@dataclass(frozen=True)
+class RankModel:
+    time: Affine        # one micro-batch, seconds
+    memory: Affine      # peak bytes
+    dp_exposed: Affine  # gradient sync minus the backward window, seconds
+    optimizer: Affine   # seconds
+
+
+@dataclass(frozen=True)
+class Solution:
+    strategy: Strategy   # with stages
+    objective_s: float   # the program's objective, seconds
+    gap: float           # proven relative gap of the objective (0 when optimal)
+
+
+def _rank_stages(strategy: Strategy, pp_rank: int, layers: int, full: int, selective: int) -> tuple[Stage, ...]:
+    """Rank `pp_rank`'s chunks with `layers` layers, as `split_rank` lays them out.
+    Layer offsets are placeholders: the cost model only counts layers per rank."""
+    counts = _split(layers, strategy.vpp)
+    fulls = _fill(full, counts)
+    selectives = _fill(selective, [c - f for c, f in zip(counts, fulls)])
+    return tuple(Stage(k * strategy.pp + pp_rank, pp_rank, 0, c, f, s)
+                 for k, (c, f, s) in enumerate(zip(counts, fulls, selectives)))
+
+
+def _split(total: int, parts: int) -> list[int]:
+    base, extra = divmod(total, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+def _fill(amount: int, capacities: list[int]) -> list[int]:
+    """`amount` spread over chunks, filling the first chunks first."""
+    out = []
+    for cap in capacities:
+        take = min(cap, amount)
+        out.append(take)
+        amount -= take
+    return out
+
+
+def rank_model(problem: Problem, units: UnitCosts, strategy: Strategy, pp_rank: int) -> RankModel:
+    """Affine coefficients of rank `pp_rank`, read off the cost model by finite differences."""
+    v = strategy.vpp
+
+    def at(layers: int, full: int = 0, selective: int = 0):
+        s = replace(strategy, stages=_rank_stages(strategy, pp_rank, layers, full, selective))
+        window = layers * units.layer_backward_s
+        return (rank_work(units, s, pp_rank).total_s,
+                rank_memory(problem, units, s, pp_rank).total_bytes,
+                dp_sync_s(problem, units, s, pp_rank) - window,
+                optimizer_step_s(problem, units, s, pp_rank))
+
+    base, more = at(v + 2), at(v + 3)
+    one_full, two_full = at(v + 2, full=1), at(v + 2, full=2)
+    one_sel = at(v + 2, selective=1)
+    per_layer = [b - a for a, b in zip(base, more)]
+    per_full = [b - a for a, b in zip(one_full, two_full)]
+    indicator = [o - b - f for o, b, f in zip(one_full, base, per_full)]
+    per_sel = [s - b for s, b in zip(one_sel, base)]
+    affines = [Affine(base[i] - (v + 2) * per_layer[i], per_layer[i], per_full[i], per_sel[i], indicator[i])
+               for i in range(4)]
+    return RankModel(*affines)
+
+
+def usable_memory_bytes(problem: Problem, headroom: float) -> float:
+    return problem.cluster.gpu.memory_bytes * (1.0 - headroom)
+
+
+def solve_partition(problem: Problem, units: UnitCosts, strategy: Strategy, modes: tuple[str, ...],
+                    headroom: float, max_imbalance: float, objective: str = "time",
+                    cutoff_s: float | None = None) -> Solution | None:
+    """The best partition of `strategy`, or None when no partition fits memory and the
+    imbalance rule (or, given `cutoff_s`, none is faster than that). `modes` are the
+    recompute modes layers may use."""
+    pp, vpp, layers = strategy.pp, strategy.vpp, problem.model.num_hidden_layers
+    m = strategy.num_microbatches
+    ranks = [rank_model(problem, units, strategy, r) for r in range(pp)]
+    time_unit = units.layer_work["none"].total_s / TIME_RESOLUTION
+
+    def t(x: float) -> int:
+        return round(x / time_unit)
+
+    def b(x: float) -> int:
+        return math.ceil(x / MEMORY_UNIT_BYTES)
+
+    model = cp_model.CpModel()
+    big_t = t(sum(max(0.0, r.time.const) + layers * max(r.time.per_layer + max(r.time.per_full, r.time.per_selective, 0), 0)
+                  for r in ranks)) + 1
+    n_vars, t_vars = [], []
+    mem_cap = math.floor(usable_memory_bytes(problem, headroom) / MEMORY_UNIT_BYTES)
+    exposed = model.NewIntVar(0, big_t, "dp_exposed")
+    opt = model.NewIntVar(0, big_t, "optimizer")
+    peak_t = model.NewIntVar(0, big_t, "max_t")
+    peak_mem = model.NewIntVar(0, mem_cap, "max_mem")
+    for r, rm in enumerate(ranks):
+        n = model.NewIntVar(vpp, layers, f"n{r}")
+        f = model.NewIntVar(0, layers if "full" in modes else 0, f"f{r}")
+        s = model.NewIntVar(0, layers if "selective" in modes else 0, f"s{r}")
+        model.Add(f + s <= n)
+        if "none" not in modes:
+            model.Add(f + s == n)
+        z = model.NewBoolVar(f"z{r}")
+        model.Add(f <= layers * z)
+        tr = model.NewIntVar(0, big_t, f"t{r}")
+        model.Add(tr == t(rm.time.const) + t(rm.time.per_layer) * n + t(rm.time.per_full) * f
+                  + t(rm.time.per_selective) * s)
+        model.Add(peak_t >= tr)
+        mem = (b(rm.memory.const) + b(rm.memory.per_layer) * n + b(rm.memory.per_full) * f
+               + b(rm.memory.per_selective) * s + b(rm.memory.if_recompute) * z)
+        model.Add(mem <= peak_mem)
+        model.Add(exposed >= t(rm.dp_exposed.const) + t(rm.dp_exposed.per_layer) * n)
+        model.Add(opt >= t(rm.optimizer.const) + t(rm.optimizer.per_layer) * n)
+        n_vars.append((n, f, s))
+        t_vars.append(tr)
+    model.Add(sum(n for n, _, _ in n_vars) == layers)
+    if pp > 1:
+        # Imbalance as a ratio of integers: pp * max <= (1 + imb) * sum, in thousandths.
+        model.Add(1000 * pp * peak_t <= round(1000 * (1 + max_imbalance)) * sum(t_vars))
+
+    a, c = pipeline_coefficients(strategy.schedule, m, vpp)
+    # Scale by vpp so the interleaved coefficients (m - 1/vpp, 1/vpp) become integers.
+    a_int, c_int = round(a * vpp), round(c * vpp)
+    time_objective = a_int * peak_t + c_int * sum(t_vars) + vpp * (exposed + opt)
+
+    if cutoff_s is not None and objective == "time":
+        # Only partitions that beat the plans already found are of interest; the bound
+        # lets CP-SAT discard most candidates without searching.
+        model.Add(time_objective <= math.floor(cutoff_s * vpp / time_unit))
+
+    solver = cp_model.CpSolver()
+    solver.parameters.num_workers = 1
+    solver.parameters.random_seed = 0
+    solver.parameters.max_deterministic_time = DETERMINISTIC_TIME_LIMIT
+    if objective == "memory":
+        model.Minimize(peak_mem)
+        status = solver.Solve(model)
+        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            return None
+        model.Add(peak_mem <= int(solver.Value(peak_mem)))
+    model.Minimize(time_objective)
+    status = solver.Solve(model)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return None
+    value, bound = solver.ObjectiveValue(), solver.BestObjectiveBound()
+    gap = 0.0 if status == cp_model.OPTIMAL or value <= 0 else max(0.0, (value - bound) / value)
+    counts = [tuple(solver.Value(x) for x in triple) for triple in n_vars]
+    stages = layout(strategy, counts)
+    return Solution(strategy.with_stages(stages), value * time_unit / vpp, gap)
+
+
+def layout(strategy: Strategy, counts: list[tuple[int, int, int]]) -> tuple[Stage, ...]:
+    """Stages from per-rank (layers, full, selective): rank r's chunk k is virtual stage
+    k * pp + r, layers numbered in virtual-stage order."""
+    pp = strategy.pp
+    chunks = {}
+    for r, (layers, full, selective) in enumerate(counts):
+        for stage in _rank_stages(strategy, r, layers, full, selective):
+            chunks[stage.index] = stage
+    stages, first = [], 0
+    for index in range(strategy.num_virtual_stages):
+        stage = replace(chunks[index], first_layer=first)
+        stages.append(stage)
+        first += stage.num_layers
+    assert first == sum(c[0] for c in counts) and pp == len(counts)
+    return tuple(stages)

@@ -1,0 +1,205 @@
+"""The search space: every mesh shape (dp x tp x pp, ep inside dp), micro-batch size,
+schedule (with virtual stages for interleaving), ZeRO stage and sequence-parallel
+setting that the cluster, the batch and the rules admit. Strategies come out without
+stages; `planner.partition` places the layers and chooses recomputation.
+
+`check_fix` turns a `--fix` that cannot work on this model, cluster or batch into a
+`SpecError` (bad input); exclusions by rules are recorded so an empty space can say
+which rule emptied it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from costmodel.loading import SpecError
+from costmodel.specs import Problem
+from costmodel.strategy import RECOMPUTE_MODES, Strategy
+from planner.rules import Rules, format_value
+
+# Interleaving beyond 8 model chunks per rank buys little bubble and costs p2p
+# (Narayanan et al. 2021 §2.2.2 evaluate up to 4-6 chunks); keeps the space small.
+MAX_VPP = 8
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass
+class Exclusions:
+    """Why values were left out, knob by knob (the last reason seen wins)."""
+
+    reasons: dict[str, str] = field(default_factory=dict)
+
+    def add(self, knob: str, reason: str) -> None:
+        self.reasons[knob] = reason
+
+    def summary(self) -> str:
+        return "; ".join(f"{k}: {v}" for k, v in sorted(self.reasons.items())) or "no strategy to consider"
+
+
+def recompute_modes(problem: Problem, rules: Rules) -> tuple[str, ...]:
+    """Recompute modes the partition may use per layer. Under FlashAttention selective
+    recompute saves nothing (there are no stored scores), so it is only kept when pinned."""
+    modes = tuple(m for m in RECOMPUTE_MODES if rules.permits("recompute", m))
+    if problem.training.flash_attention and len(modes) > 1:
+        modes = tuple(m for m in modes if m != "selective")
+    return modes
+
+
+def check_fix(problem: Problem, fix: dict) -> None:
+    """Reject pins that contradict the model, the cluster or the batch (exit code 2)."""
+    model, n, batch = problem.model, problem.cluster.num_gpus, problem.training.global_batch
+    layers = model.num_hidden_layers
+    for knob in ("dp", "tp", "pp"):
+        if knob in fix and n % fix[knob]:
+            raise SpecError(f"--fix {knob}", f"{fix[knob]} does not divide the {n} GPUs of the cluster")
+    product = 1
+    for knob in ("dp", "tp", "pp"):
+        product *= fix.get(knob, 1)
+    if n % product:
+        raise SpecError("--fix", f"dp x tp x pp = {product} does not divide the {n} GPUs of the cluster")
+    if all(k in fix for k in ("dp", "tp", "pp")) and product != n:
+        raise SpecError("--fix", f"dp x tp x pp = {product}, but the cluster has {n} GPUs")
+    if "tp" in fix and model.hidden_size % fix["tp"]:
+        raise SpecError("--fix tp", f"{fix['tp']} does not divide hidden_size {model.hidden_size}")
+    if "pp" in fix and fix["pp"] > layers:
+        raise SpecError("--fix pp", f"{fix['pp']} stages for {layers} layers")
+    vpp = fix.get("vpp", 1)
+    if vpp * fix.get("pp", 1) > layers:
+        raise SpecError("--fix vpp", f"pp x vpp = {vpp * fix.get('pp', 1)} virtual stages for {layers} layers")
+    if vpp > 1 and fix.get("schedule", "interleaved") != "interleaved":
+        raise SpecError("--fix vpp", f"vpp {vpp} needs schedule=interleaved, not {fix['schedule']}")
+    if fix.get("schedule") == "interleaved" and fix.get("vpp") == 1:
+        raise SpecError("--fix schedule", "interleaved needs vpp of 2 or more")
+    if fix.get("schedule") == "interleaved" and fix.get("pp") == 1:
+        raise SpecError("--fix schedule", "interleaved needs pp of 2 or more")
+    if "mbs" in fix and batch % fix["mbs"]:
+        raise SpecError("--fix mbs", f"{fix['mbs']} does not divide --global-batch {batch}")
+    if "mbs" in fix and "dp" in fix and batch % (fix["mbs"] * fix["dp"]):
+        raise SpecError("--fix", f"dp {fix['dp']} x mbs {fix['mbs']} does not divide --global-batch {batch}")
+    if "dp" in fix and batch % fix["dp"]:
+        raise SpecError("--fix dp", f"{fix['dp']} does not divide --global-batch {batch}")
+    if fix.get("sp") and fix.get("tp") == 1:
+        raise SpecError("--fix sp", "sequence parallelism needs tp of 2 or more")
+    if fix.get("zero", 0) > 0 and fix.get("dp") == 1:
+        raise SpecError("--fix zero", f"ZeRO stage {fix['zero']} shards over dp, but dp is 1")
+    if "ep" in fix and fix["ep"] > 1:
+        if not model.is_moe:
+            raise SpecError("--fix ep", f"{model.name} has no experts")
+        if model.num_local_experts % fix["ep"]:
+            raise SpecError("--fix ep", f"{fix['ep']} does not divide num_local_experts {model.num_local_experts}")
+        if "dp" in fix and fix["dp"] % fix["ep"]:
+            raise SpecError("--fix ep", f"{fix['ep']} does not divide dp {fix['dp']}")
+
+
+def _tp_options(problem: Problem, rules: Rules, degrees: list[int], why: Exclusions) -> list[int]:
+    model, g = problem.model, problem.cluster.gpus_per_node
+    out = []
+    for tp in degrees:
+        if model.hidden_size % tp:
+            why.add("tp", f"{tp} does not divide hidden_size {model.hidden_size}")
+        elif rules.tp_within_node and tp > g:
+            why.add("tp", f"tp_within_node: {tp} is more than the {g} GPUs of a node")
+        elif rules.tp_divides_heads and (model.num_attention_heads % tp or model.num_key_value_heads % tp):
+            why.add("tp", f"tp_divides_heads: {tp} does not divide {model.num_attention_heads} attention "
+                          f"and {model.num_key_value_heads} KV heads")
+        elif not rules.permits("tp", tp):
+            why.add("tp", rules.why_not("tp", tp))
+        else:
+            out.append(tp)
+    return out
+
+
+def _schedule_options(problem: Problem, rules: Rules, pp: int, m: int, why: Exclusions) -> list[tuple[str, int]]:
+    if pp == 1:
+        # No pipeline: the schedule is moot; it carries the first permitted name.
+        names = [s for s in ("1f1b", "gpipe") if rules.permits("schedule", s)]
+        return [(names[0], 1)] if names and rules.permits("vpp", 1) else []
+    layers = problem.model.num_hidden_layers
+    out = []
+    for schedule in ("gpipe", "1f1b", "interleaved"):
+        if not rules.permits("schedule", schedule):
+            why.add("schedule", rules.why_not("schedule", schedule))
+            continue
+        if schedule != "interleaved":
+            if rules.permits("vpp", 1):
+                out.append((schedule, 1))
+            continue
+        if m % pp:
+            # Megatron-LM's interleaved schedule needs whole rounds of pp micro-batches.
+            why.add("schedule", f"interleaved needs the {m} micro-batches to be a multiple of pp {pp}")
+            continue
+        for vpp in range(2, min(MAX_VPP, layers // pp) + 1):
+            if rules.permits("vpp", vpp):
+                out.append((schedule, vpp))
+    return out
+
+
+def enumerate_space(problem: Problem, rules: Rules) -> tuple[list[Strategy], Exclusions]:
+    """All stage-less strategies the rules admit, in a fixed order, and the reasons
+    for what was left out."""
+    model, cluster, training = problem.model, problem.cluster, problem.training
+    n, batch, layers = cluster.num_gpus, training.global_batch, model.num_hidden_layers
+    why = Exclusions()
+    modes = recompute_modes(problem, rules)
+    if not modes:
+        why.add("recompute", "every recompute mode is excluded")
+        return [], why
+    default_recompute = modes[0] if len(modes) == 1 else "none"
+    out: list[Strategy] = []
+    for tp in _tp_options(problem, rules, divisors(n), why):
+        for pp in divisors(n // tp):
+            if pp > layers:
+                why.add("pp", f"{pp} is more than the {layers} layers")
+                continue
+            if not rules.permits("pp", pp):
+                why.add("pp", rules.why_not("pp", pp))
+                continue
+            dp = n // (tp * pp)
+            if not rules.permits("dp", dp):
+                why.add("dp", rules.why_not("dp", dp))
+                continue
+            ep_options = [1]
+            if model.is_moe:
+                ep_options = [e for e in divisors(dp) if model.num_local_experts % e == 0]
+            for ep in ep_options:
+                if not rules.permits("ep", ep):
+                    why.add("ep", rules.why_not("ep", ep))
+                    continue
+                for mbs in range(rules.micro_batch_min, rules.micro_batch_max + 1):
+                    if batch % (dp * mbs):
+                        why.add("mbs", f"dp {dp} x mbs {mbs} does not divide --global-batch {batch}")
+                        continue
+                    if not rules.permits("mbs", mbs):
+                        why.add("mbs", rules.why_not("mbs", mbs))
+                        continue
+                    m = batch // (dp * mbs)
+                    for schedule, vpp in _schedule_options(problem, rules, pp, m, why):
+                        for zero in (range(4) if dp > 1 else (0,)):
+                            if not rules.permits("zero", zero):
+                                why.add("zero", rules.why_not("zero", zero))
+                                continue
+                            for sp in ((False, True) if tp > 1 else (False,)):
+                                if not rules.permits("sp", sp):
+                                    why.add("sp", rules.why_not("sp", sp))
+                                    continue
+                                out.append(Strategy(
+                                    dp=dp, tp=tp, pp=pp, micro_batch_size=mbs, num_microbatches=m,
+                                    vpp=vpp, ep=ep, schedule=schedule, zero_stage=zero,
+                                    recompute=default_recompute, sequence_parallel=sp,
+                                ))
+    return out, why
+
+
+def describe(strategy: Strategy) -> str:
+    """Short label: dp8 tp8 pp2 mbs1 1f1b zero1 sp."""
+    parts = [f"dp{strategy.dp}", f"tp{strategy.tp}", f"pp{strategy.pp}"]
+    if strategy.vpp > 1:
+        parts.append(f"vpp{strategy.vpp}")
+    if strategy.ep > 1:
+        parts.append(f"ep{strategy.ep}")
+    parts += [f"mbs{strategy.micro_batch_size}", strategy.schedule, f"zero{strategy.zero_stage}"]
+    parts.append(f"sp={format_value(strategy.sequence_parallel)}")
+    return " ".join(parts)
