@@ -20,6 +20,7 @@ fastest mode costs at least the cheapest seconds-per-byte a slower mode offers.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from costmodel import memory
@@ -28,7 +29,7 @@ from costmodel.pipeline import pipeline_coefficients
 from costmodel.specs import Problem
 from costmodel.strategy import Strategy
 
-BISECTION_STEPS = 30
+BISECTION_STEPS = 16
 
 
 @dataclass(frozen=True)
@@ -109,20 +110,25 @@ def _max_layers(x: _Terms, rank: int, time_s: float, free_bytes: float) -> float
 
 def balanced(problem: Problem, units: UnitCosts, strategy: Strategy, modes: tuple[str, ...],
              usable_bytes: float) -> float:
-    """A lower bound on the step time (inf when no partition can fit)."""
+    """A lower bound on the step time (inf when no partition can fit). Rank r holds a
+    whole number of layers, at most floor(N_r(T)) within time T, so T* is the least T
+    with sum_r floor(N_r(T)) >= L."""
     layers, pp = problem.model.num_hidden_layers, strategy.pp
     x = _terms(problem, units, strategy, modes)
     free = usable_bytes - memory.RUNTIME_RESERVE_BYTES
-    low, high = 0.0, max(x.rank_s) + layers * x.layer_s
-    while sum(_max_layers(x, r, high, free) for r in range(pp)) < layers:
-        if high > 1e9:
+    total_s = _total_s(x, layers, pp, usable_bytes)
+
+    def holds(time_s: float) -> bool:
+        return sum(math.floor(_max_layers(x, r, time_s, free) + 1e-9) for r in range(pp)) >= layers
+
+    mean_s = total_s / pp        # the slowest rank is at least the mean
+    low, high = mean_s, 1.25 * mean_s
+    while not holds(high):
+        if high > 1e6 * mean_s:  # no time is enough: the layers cannot fit memory
             return float("inf")
-        high *= 2
+        low, high = high, 2 * high
     for _ in range(BISECTION_STEPS):
         mid = (low + high) / 2
-        if sum(_max_layers(x, r, mid, free) for r in range(pp)) >= layers:
-            high = mid
-        else:
-            low = mid
+        low, high = (low, mid) if holds(mid) else (mid, high)
     a, c = pipeline_coefficients(strategy.schedule, strategy.num_microbatches, strategy.vpp)
-    return a * low + c * _total_s(x, layers, pp, usable_bytes)
+    return a * low + c * total_s

@@ -1,0 +1,133 @@
+"""costmodel.comm: group placement and alpha-beta ring collective times (Thakur et al.
+2005), hierarchical over nodes, all-to-all and point-to-point."""
+
+from __future__ import annotations
+
+import pytest
+
+from costmodel.comm import Placement, collective_time_s, placement
+from costmodel.loading import load_cluster
+from costmodel.specs import LinkSpec
+from costmodel_test_helpers import IB_BW, IB_LAT, NVLINK_BW, NVLINK_LAT, ring_all_reduce, ring_gather
+
+MB = 1e6
+
+
+@pytest.fixture(scope="module")
+def dgx():
+    return load_cluster("dgx-a100-80gb", gpus=64)
+
+
+def test_link_achieved_bandwidth():
+    assert LinkSpec(3.0e11, 5e-6, 0.62).achieved_bytes_per_s == pytest.approx(1.86e11)
+    assert LinkSpec(1e9, 0.0).achieved_bytes_per_s == 1e9
+
+
+# ------------------------------------------------------------------ placement
+@pytest.mark.parametrize("size, stride, gpn, expected", [
+    (1, 1, 8, (1, 1, 1)),
+    (8, 1, 8, (8, 8, 1)),     # tp 8 fills a node
+    (16, 1, 8, (16, 8, 2)),   # tp 16 spans two nodes
+    (4, 2, 8, (4, 4, 1)),     # dp 4 over tp 2: ranks 0,2,4,6 share a node
+    (8, 2, 8, (8, 4, 2)),     # dp 8 over tp 2: 4 per node, 2 nodes
+    (4, 4, 8, (4, 2, 2)),
+    (4, 8, 8, (4, 1, 4)),     # dp over tp 8: one member per node
+    (3, 16, 8, (3, 1, 3)),
+    (5, 1, 2, (5, 2, 3)),     # ceil(5 / 2) nodes
+])
+def test_placement(size, stride, gpn, expected):
+    p = placement(size, stride, gpn)
+    assert (p.size, p.per_node, p.nodes) == expected
+
+
+# ------------------------------------------------------------------ ring collectives on one node
+def test_all_reduce_on_one_node_is_the_ring_formula(dgx):
+    B, n = 100 * MB, 8
+    expected = 2 * (n - 1) / n * B / NVLINK_BW + 2 * (n - 1) * NVLINK_LAT
+    assert collective_time_s("all_reduce", B, Placement(8, 8, 1), dgx) == pytest.approx(expected, rel=1e-12)
+    # 2 * 7/8 * 1e8 / 1.86e11 = 0.9409 ms, plus 14 * 5 us = 70 us
+    assert expected == pytest.approx(1.0109e-3, rel=1e-3)
+
+
+@pytest.mark.parametrize("kind", ["all_gather", "reduce_scatter"])
+def test_all_gather_and_reduce_scatter_on_one_node(dgx, kind):
+    B, n = 64 * MB, 4
+    expected = (n - 1) / n * B / NVLINK_BW + (n - 1) * NVLINK_LAT
+    assert collective_time_s(kind, B, Placement(4, 4, 1), dgx) == pytest.approx(expected, rel=1e-12)
+
+
+def test_reduce_scatter_plus_all_gather_equals_all_reduce_on_one_node(dgx):
+    g, B = Placement(8, 8, 1), 10 * MB
+    rs_ag = collective_time_s("reduce_scatter", B, g, dgx) + collective_time_s("all_gather", B, g, dgx)
+    assert rs_ag == pytest.approx(collective_time_s("all_reduce", B, g, dgx), rel=1e-12)
+
+
+def test_two_rank_all_reduce_on_cpu_cluster():
+    cpu = load_cluster("cpu")  # gloo fit: 2.3e9 B/s, 250 us, efficiency 1
+    B = 4 * MB
+    expected = 2 * (1 / 2) * B / 2.3e9 + 2 * 1 * 2.5e-4
+    assert collective_time_s("all_reduce", B, placement(2, 1, 2), cpu) == pytest.approx(expected, rel=1e-12)
+
+
+def test_trivial_groups_and_empty_buffers_cost_nothing(dgx):
+    for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"):
+        assert collective_time_s(kind, 1e9, Placement(1, 1, 1), dgx) == 0.0
+        assert collective_time_s(kind, 0.0, Placement(8, 8, 1), dgx) == 0.0
+
+
+def test_unknown_kind_raises(dgx):
+    with pytest.raises(ValueError):
+        collective_time_s("broadcast", 1e6, Placement(8, 8, 1), dgx)
+
+
+# ------------------------------------------------------------------ hierarchical
+def test_hierarchical_all_reduce(dgx):
+    # 16 ranks, 8 per node, 2 nodes: NVLink all-reduce of B over 8, then each of the 8
+    # drives its own NIC with B/8 in a 2-node ring.
+    B = 200 * MB
+    intra = ring_all_reduce(B, 8, NVLINK_BW, NVLINK_LAT)
+    inter = 2 * (2 - 1) / 2 * (B / 8) / IB_BW + 2 * (2 - 1) * IB_LAT
+    got = collective_time_s("all_reduce", B, Placement(16, 8, 2), dgx)
+    assert got == pytest.approx(intra + inter, rel=1e-12)
+
+
+def test_one_member_per_node_is_a_plain_network_ring(dgx):
+    # dp 4 over tp 8: no NVLink phase (k = 1), a 4-node ring on the full buffer.
+    B = 50 * MB
+    expected = 2 * 3 / 4 * B / IB_BW + 2 * 3 * IB_LAT
+    assert collective_time_s("all_reduce", B, Placement(4, 1, 4), dgx) == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["all_gather", "reduce_scatter"])
+def test_hierarchical_gather(dgx, kind):
+    B = 80 * MB  # 8 ranks, 4 per node, 2 nodes
+    expected = ring_gather(B, 4, NVLINK_BW, NVLINK_LAT) + ring_gather(B / 4, 2, IB_BW, IB_LAT)
+    assert collective_time_s(kind, B, Placement(8, 4, 2), dgx) == pytest.approx(expected, rel=1e-12)
+
+
+def test_crossing_nodes_costs_more(dgx):
+    B = 100 * MB
+    assert collective_time_s("all_reduce", B, Placement(16, 8, 2), dgx) > collective_time_s(
+        "all_reduce", B, Placement(8, 8, 1), dgx)
+
+
+# ------------------------------------------------------------------ p2p and all-to-all
+def test_p2p(dgx):
+    B = 25 * MB
+    assert collective_time_s("p2p", B, Placement(2, 2, 1), dgx) == pytest.approx(NVLINK_LAT + B / NVLINK_BW, rel=1e-12)
+    assert collective_time_s("p2p", B, Placement(2, 1, 2), dgx) == pytest.approx(IB_LAT + B / IB_BW, rel=1e-12)
+
+
+def test_all_to_all_on_one_node(dgx):
+    B, n = 32 * MB, 8  # B = what one rank sends in all; it keeps 1/n for itself
+    expected = (n - 1) / n * B / NVLINK_BW + (n - 1) * NVLINK_LAT
+    assert collective_time_s("all_to_all", B, Placement(8, 8, 1), dgx) == pytest.approx(expected, rel=1e-12)
+
+
+def test_all_to_all_across_nodes(dgx):
+    B, n, k = 32 * MB, 16, 8
+    on_node = (k - 1) / n * B / NVLINK_BW
+    off_node = (n - k) / n * B / IB_BW
+    latency = (k - 1) * NVLINK_LAT + (n - k) * IB_LAT
+    assert collective_time_s("all_to_all", B, Placement(16, 8, 2), dgx) == pytest.approx(
+        on_node + off_node + latency, rel=1e-12)

@@ -1,0 +1,186 @@
+"""costmodel.compute: the GEMM efficiency model, memory-bound kernels and the per-layer,
+head and embedding compute times, checked term by term against hand arithmetic."""
+
+from __future__ import annotations
+
+import pytest
+
+from costmodel import compute
+from costmodel.compute import (
+    LayerCompute,
+    activation_bytes_per_value,
+    embedding_compute_s,
+    gemm_efficiency,
+    gemm_time_s,
+    head_compute_s,
+    layer_compute,
+    memory_bound_time_s,
+)
+from costmodel.loading import load_cluster, load_model, make_training
+from costmodel_test_helpers import A100_HBM, A100_PEAK_BF16, gemm_seconds, hbm_seconds
+
+PEAK = A100_PEAK_BF16
+
+
+@pytest.fixture(scope="module")
+def dgx():
+    return load_cluster("dgx-a100-80gb")
+
+
+def training(model, cluster, flash=True, precision="bf16"):
+    return make_training(model, cluster, 8, precision=precision, flash_attention=flash)
+
+
+# ------------------------------------------------------------------ primitives
+def test_documented_constants():
+    assert compute.GEMM_EFFICIENCY_MAX == 0.84
+    assert compute.GEMM_DIM_HALF == 128
+    assert compute.MEMORY_BOUND_EFFICIENCY == 0.8
+    assert compute.FLASH_CAUSAL_FRACTION == 0.5
+    assert compute.BACKWARD_FACTOR == 2.0
+
+
+def test_gemm_efficiency():
+    # a dimension of 128 halves its factor: 0.84 * (1/2)^3
+    assert gemm_efficiency(128, 128, 128) == pytest.approx(0.84 / 8, rel=1e-12)
+    assert gemm_efficiency(8192, 6144 * 3 / 8, 6144) == pytest.approx(
+        0.84 * 8192 / 8320 * 2304 / 2432 * 6144 / 6272, rel=1e-12)
+    assert gemm_efficiency(1e9, 1e9, 1e9) == pytest.approx(0.84, rel=1e-6)
+    assert gemm_efficiency(1e9, 1e9, 1e9) < 0.84
+
+
+def test_gemm_time():
+    m, n, k = 8192, 2304, 6144
+    expected = 2 * m * n * k / (PEAK * 0.84 * (m / (m + 128)) * (n / (n + 128)) * (k / (k + 128)))
+    assert gemm_time_s(m, n, k, PEAK) == pytest.approx(expected, rel=1e-12)
+    assert gemm_time_s(m, n, k, PEAK, batch=3) == pytest.approx(3 * expected, rel=1e-12)
+    assert gemm_time_s(0, n, k, PEAK) == 0.0 and gemm_time_s(m, -1, k, PEAK) == 0.0
+
+
+def test_memory_bound_time(dgx):
+    assert memory_bound_time_s(1e9, dgx) == pytest.approx(1e9 / (2.039e12 * 0.8), rel=1e-12)
+
+
+def test_activation_bytes_per_value(dgx):
+    m = load_model("tiny-gpt")
+    assert activation_bytes_per_value(training(m, dgx, precision="bf16")) == 2
+    assert activation_bytes_per_value(training(m, dgx, precision="fp16")) == 2
+    assert activation_bytes_per_value(training(m, dgx, precision="fp32")) == 4
+
+
+def test_layer_compute_forward_is_the_sum():
+    lc = LayerCompute(1.0, 2.0, 3.5)
+    assert lc.forward_s == 6.5
+
+
+# ------------------------------------------------------------------ one layer, by hand
+@pytest.mark.parametrize("tp, sp, flash", [(1, False, True), (1, False, False), (2, False, True), (2, True, False), (4, True, True)])
+def test_gpt_layer_compute_by_hand(dgx, tp, sp, flash):
+    m = load_model("tiny-gpt")  # h 64, 4 heads of 16, f 256; s 64 (max positions)
+    b, s, h, a, hd, f = 2, 64, 64, 4, 16, 256
+    tokens = b * s
+    gemm = (gemm_seconds(tokens, 3 * h / tp, h, PEAK)      # QKV
+            + gemm_seconds(tokens, h, h / tp, PEAK)        # attention output projection
+            + gemm_seconds(tokens, f / tp, h, PEAK)        # MLP up
+            + gemm_seconds(tokens, h, f / tp, PEAK))       # MLP down
+    heads = b * a / tp
+    core = gemm_seconds(s, s, hd, PEAK, heads) + gemm_seconds(s, hd, s, PEAK, heads)  # QK^T, AV
+    if flash:
+        core *= 0.5  # causal FlashAttention skips half the blocks
+    else:
+        core += hbm_seconds(11 * heads * s * s)  # scale, mask, softmax, dropout on the scores
+    # 2 norms * (read+write 2 bytes) + 2 residual adds * (2 reads + 1 write) + 1-byte dropout mask
+    per_h = 2 * (2 * 2) + 2 * (3 * 2) + 2
+    replicated = per_h * tokens * h / (tp if sp else 1)
+    gelu = 2 * (2 * f) * tokens / tp  # GELU reads and writes f values of 2 bytes
+    elementwise = hbm_seconds(replicated + gelu)
+
+    lc = layer_compute(m, dgx, training(m, dgx, flash), b, tp, sp)
+    assert lc.gemm_s == pytest.approx(gemm, rel=1e-12)
+    assert lc.attention_core_s == pytest.approx(core, rel=1e-12)
+    assert lc.elementwise_s == pytest.approx(elementwise, rel=1e-12)
+    assert lc.forward_s == pytest.approx(gemm + core + elementwise, rel=1e-12)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_llama_layer_compute_by_hand(dgx, tp):
+    m = load_model("tiny-llama")  # h 64, 4 heads of 16, 2 kv heads (kv 32), f 176
+    b, s, h, kv, f = 3, 64, 64, 32, 176
+    tokens = b * s
+    gemm = (gemm_seconds(tokens, (h + 2 * kv) / tp, h, PEAK)
+            + gemm_seconds(tokens, h, h / tp, PEAK)
+            + gemm_seconds(tokens, 2 * f / tp, h, PEAK)   # gate and up, fused
+            + gemm_seconds(tokens, h, f / tp, PEAK))      # down
+    heads = b * 4 / tp
+    core = 0.5 * (gemm_seconds(s, s, 16, PEAK, heads) + gemm_seconds(s, 16, s, PEAK, heads))
+    per_h = 2 * (2 * 2) + 2 * (3 * 2)       # no dropout mask in llama
+    swiglu = 2 * (3 * f) * tokens / tp      # reads two f tensors, writes one
+    lc = layer_compute(m, dgx, training(m, dgx), b, tp, False)
+    assert lc.gemm_s == pytest.approx(gemm, rel=1e-12)
+    assert lc.attention_core_s == pytest.approx(core, rel=1e-12)
+    assert lc.elementwise_s == pytest.approx(hbm_seconds(per_h * tokens * h + swiglu), rel=1e-12)
+
+
+@pytest.mark.parametrize("ep", [1, 2, 4])
+def test_moe_layer_gemm_by_hand(dgx, ep):
+    m = load_model("tiny-moe")  # h 64, kv 32, f 128, 4 experts, top-2
+    b, s, h, kv, f, E, k, tp = 2, 64, 64, 32, 128, 4, 2, 1
+    tokens = b * s
+    attention = gemm_seconds(tokens, h + 2 * kv, h, PEAK) + gemm_seconds(tokens, h, h, PEAK)
+    tokens_per_expert = tokens * k * ep / E          # balanced routing
+    per_expert = gemm_seconds(tokens_per_expert, 2 * f, h, PEAK) + gemm_seconds(tokens_per_expert, h, f, PEAK)
+    router = gemm_seconds(tokens, E, h, PEAK)
+    lc = layer_compute(m, dgx, training(m, dgx), b, tp, False, ep=ep)
+    assert lc.gemm_s == pytest.approx(attention + (E / ep) * per_expert + router, rel=1e-12)
+    act = 2 * (3 * f * k) * tokens
+    assert lc.elementwise_s == pytest.approx(hbm_seconds((2 * 4 + 2 * 6) * tokens * h + act), rel=1e-12)
+
+
+def test_flash_halves_the_attention_core_gemms(dgx):
+    m = load_model("gpt-22b")
+    b, tp = 4, 8
+    with_flash = layer_compute(m, dgx, training(m, dgx, flash=True), b, tp, False)
+    without = layer_compute(m, dgx, training(m, dgx, flash=False), b, tp, False)
+    scores_traffic = hbm_seconds(11 * (4 * 64 / 8) * 2048 * 2048)
+    assert without.attention_core_s == pytest.approx(2 * with_flash.attention_core_s + scores_traffic, rel=1e-12)
+    assert with_flash.gemm_s == without.gemm_s
+
+
+def test_sequence_parallel_only_shrinks_replicated_elementwise(dgx):
+    m = load_model("gpt-22b")
+    t = training(m, dgx, flash=False)
+    a = layer_compute(m, dgx, t, 4, 8, False)
+    b = layer_compute(m, dgx, t, 4, 8, True)
+    tokens, h, f = 4 * 2048, 6144, 24576
+    saved = hbm_seconds(22 * tokens * h * (1 - 1 / 8))
+    assert a.gemm_s == b.gemm_s and a.attention_core_s == b.attention_core_s
+    assert a.elementwise_s - b.elementwise_s == pytest.approx(saved, rel=1e-9)
+    assert b.elementwise_s == pytest.approx(hbm_seconds(22 * tokens * h / 8 + 2 * 2 * f * tokens / 8), rel=1e-12)
+
+
+def test_fp32_uses_the_fp32_peak(dgx):
+    m = load_model("tiny-gpt")
+    lc = layer_compute(m, dgx, training(m, dgx, precision="fp32"), 1, 1, False)
+    expected = (gemm_seconds(64, 192, 64, 1.95e13) + gemm_seconds(64, 64, 64, 1.95e13)
+                + gemm_seconds(64, 256, 64, 1.95e13) + gemm_seconds(64, 64, 256, 1.95e13))
+    assert lc.gemm_s == pytest.approx(expected, rel=1e-12)
+
+
+# ------------------------------------------------------------------ head and embedding
+@pytest.mark.parametrize("tp", [1, 8])
+def test_head_compute(dgx, tp):
+    m = load_model("gpt-22b")
+    b, s, h, V = 4, 2048, 6144, 51200
+    tokens = b * s
+    logits = gemm_seconds(tokens, V / tp, h, PEAK)
+    loss = hbm_seconds(2 * 4 * tokens * V / tp)  # fp32 logits read and written
+    assert head_compute_s(m, dgx, training(m, dgx), b, tp) == pytest.approx(logits + loss, rel=1e-12)
+
+
+def test_embedding_compute(dgx):
+    gpt, llama = load_model("gpt-22b"), load_model("llama2-7b")
+    # GPT reads token and position rows and writes the sum; llama reads one row, writes one.
+    assert embedding_compute_s(gpt, dgx, training(gpt, dgx), 4) == pytest.approx(
+        (2 + 1) * 2 * 4 * 2048 * 6144 / (A100_HBM * 0.8), rel=1e-12)
+    assert embedding_compute_s(llama, dgx, training(llama, dgx), 2) == pytest.approx(
+        (1 + 1) * 2 * 2 * 4096 * 4096 / (A100_HBM * 0.8), rel=1e-12)

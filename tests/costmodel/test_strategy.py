@@ -1,0 +1,85 @@
+"""costmodel.strategy: the Strategy value, stage layout (Megatron's interleaved
+assignment), recompute summary and the tp-dp-pp rank order."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from costmodel.strategy import RECOMPUTE_MODES, SCHEDULES, Stage, Strategy, even_stages, summarize_recompute
+
+
+def test_constants():
+    assert SCHEDULES == ("gpipe", "1f1b", "interleaved")
+    assert RECOMPUTE_MODES == ("none", "selective", "full")
+
+
+def test_stage_properties():
+    s = Stage(index=2, pp_rank=1, first_layer=10, num_layers=5, full_recompute_layers=2, selective_recompute_layers=1)
+    assert s.last_layer == 10 + 5 - 1 == 14
+    assert s.plain_layers == 5 - 2 - 1 == 2
+
+
+def test_even_stages_divisible():
+    stages = even_stages(48, 4)
+    assert [(s.index, s.pp_rank, s.first_layer, s.num_layers) for s in stages] == \
+        [(0, 0, 0, 12), (1, 1, 12, 12), (2, 2, 24, 12), (3, 3, 36, 12)]
+    assert all(s.full_recompute_layers == s.selective_recompute_layers == 0 for s in stages)
+
+
+def test_even_stages_remainder_goes_to_earlier_stages():
+    stages = even_stages(10, 4)  # divmod(10, 4) = (2, 2): stages 0 and 1 get 3
+    assert [s.num_layers for s in stages] == [3, 3, 2, 2]
+    assert [s.first_layer for s in stages] == [0, 3, 6, 8]
+    assert stages[-1].last_layer == 9
+
+
+def test_even_stages_interleaved_layout():
+    stages = even_stages(96, 8, vpp=3)  # 24 virtual stages of 4 layers, stage i on rank i % 8
+    assert len(stages) == 24
+    assert all(s.num_layers == 4 for s in stages)
+    assert [s.pp_rank for s in stages] == [i % 8 for i in range(24)]
+    strat = Strategy(dp=1, tp=8, pp=8, vpp=3, micro_batch_size=1, num_microbatches=64).with_stages(stages)
+    assert [(s.index, s.first_layer) for s in strat.rank_stages(0)] == [(0, 0), (8, 32), (16, 64)]
+    assert [(s.index, s.first_layer) for s in strat.rank_stages(7)] == [(7, 28), (15, 60), (23, 92)]
+
+
+@pytest.mark.parametrize("mode, full, selective", [("none", 0, 0), ("selective", 0, 6), ("full", 6, 0)])
+def test_even_stages_recompute(mode, full, selective):
+    stages = even_stages(12, 2, recompute=mode)
+    assert [(s.full_recompute_layers, s.selective_recompute_layers) for s in stages] == [(full, selective)] * 2
+    assert summarize_recompute(stages) == mode
+
+
+def test_summarize_mixed():
+    stages = (Stage(0, 0, 0, 4, full_recompute_layers=4), Stage(1, 1, 4, 4))
+    assert summarize_recompute(stages) == "mixed"
+    assert summarize_recompute((Stage(0, 0, 0, 4, 2, 2),)) == "mixed"
+
+
+def test_with_stages_sets_recompute_and_keeps_the_rest():
+    base = Strategy(dp=2, tp=4, pp=2, micro_batch_size=2, num_microbatches=8, zero_stage=1, sequence_parallel=True)
+    assert base.recompute == "none" and base.stages == ()
+    s = base.with_stages(even_stages(8, 2, recompute="full"))
+    assert s.recompute == "full" and len(s.stages) == 2
+    assert dataclasses.replace(s, stages=(), recompute="none") == base
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.tp = 8  # type: ignore[misc]
+
+
+def test_degrees():
+    s = Strategy(dp=4, tp=8, pp=16, vpp=2, micro_batch_size=1, num_microbatches=32)
+    assert s.num_gpus == 4 * 8 * 16 == 512
+    assert s.num_virtual_stages == 16 * 2
+    assert (s.ep, s.schedule, s.zero_stage, s.recompute, s.sequence_parallel) == (1, "1f1b", 0, "none", False)
+
+
+def test_rank_order_is_tp_then_dp_then_pp():
+    tp, dp, pp = 2, 3, 4
+    s = Strategy(dp=dp, tp=tp, pp=pp, micro_batch_size=1, num_microbatches=4)
+    for p in range(pp):
+        expected = sorted(t + tp * (d + dp * p) for t in range(tp) for d in range(dp))
+        assert s.ranks(p) == tuple(expected)
+    assert s.ranks(1) == tuple(range(6, 12))
+    assert sorted(r for p in range(pp) for r in s.ranks(p)) == list(range(tp * dp * pp))
