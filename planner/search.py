@@ -159,3 +159,32 @@ def _memory_reason(problem: Problem, rules: Rules, strategy: Strategy, modes: tu
 
 
 __all__ = ["Candidate", "Infeasible", "SearchResult", "SearchStats", "search", "Exclusions"]
+
+
+def suggest_relaxation(problem: Problem, rules: Rules) -> str | None:
+    """The first relaxation, in order of cost to the user, under which a plan exists:
+    unpin recomputation, unpin the ZeRO stage, unpin the micro-batch size, or more GPUs
+    (doubling up to 16x)."""
+    from dataclasses import replace
+
+    pinned = dict(rules.pinned)
+    tries = []
+    for knob, label in (("recompute", "allow recompute (drop recompute={})"),
+                        ("zero", "allow other ZeRO stages (drop zero={})"),
+                        ("mbs", "allow other micro-batch sizes (drop mbs={})")):
+        if knob in pinned:
+            relaxed = replace(rules, pinned={k: v for k, v in pinned.items() if k != knob},
+                              allowed={k: v for k, v in rules.allowed.items() if k != knob})
+            tries.append((label.format(pinned[knob]), problem, relaxed))
+    cluster = problem.cluster
+    for factor in (2, 4, 8, 16):
+        bigger = replace(problem, cluster=replace(cluster, num_nodes=cluster.num_nodes * factor))
+        tries.append((f"use {cluster.num_gpus * factor} GPUs ({cluster.num_nodes * factor} nodes)", bigger, rules))
+    for label, p, r in tries:
+        try:
+            found = search(p, r, top=1)
+        except Infeasible:
+            continue
+        e = found.best.estimate
+        return f"{label}: {describe(found.best.strategy)} fits at {e.peak_memory_bytes / (1 << 30):.1f} GiB"
+    return None

@@ -1,0 +1,42 @@
+"""The Python door: `plan(...)` does what `shardwise plan` does and returns the plan
+document (the same dict the plan file holds).
+
+    from planner.api import plan
+    doc = plan("gpt3-175b", "dgx-a100-80gb", global_batch=1536, nodes=16, fix={"tp": 8})
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from costmodel.loading import load_cluster, load_model, make_training
+from costmodel.specs import Problem
+from planner.plan import plan_document
+from planner.rules import load_rules, parse_fix
+from planner.search import search
+from planner.space import check_fix
+
+
+def make_problem(model: str, cluster: str, global_batch: Any, *, nodes: Any = None, gpus: Any = None,
+                 seq_len: Any = None, precision: str = "bf16", optimizer: str = "adamw",
+                 flash_attention: bool = True, overrides: dict | None = None, fix: dict | None = None) -> Problem:
+    """Load and validate the specs; raises SpecError naming the bad field."""
+    model_spec = load_model(model, overrides)
+    cluster_spec = load_cluster(cluster, nodes=nodes, gpus=gpus)
+    training = make_training(model_spec, cluster_spec, global_batch, seq_len, precision, optimizer, flash_attention)
+    problem = Problem(model_spec, cluster_spec, training)
+    check_fix(problem, fix or {})
+    return problem
+
+
+def plan(model: str, cluster: str, global_batch: Any, *, nodes: Any = None, gpus: Any = None,
+         seq_len: Any = None, precision: str = "bf16", optimizer: str = "adamw", flash_attention: bool = True,
+         rules: str | None = None, fix: dict | str | None = None, overrides: dict | None = None,
+         top: int = 3) -> dict:
+    """Search and return the plan document; raises SpecError or search.Infeasible."""
+    pins = parse_fix(fix)
+    problem = make_problem(model, cluster, global_batch, nodes=nodes, gpus=gpus, seq_len=seq_len,
+                           precision=precision, optimizer=optimizer, flash_attention=flash_attention,
+                           overrides=overrides, fix=pins)
+    rule_set = load_rules(rules).with_fix(pins)
+    return plan_document(problem, rule_set.name, search(problem, rule_set, top=top))

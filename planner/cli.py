@@ -1,0 +1,98 @@
+"""The `shardwise` command line: `plan` searches for the best parallel strategy and
+writes a plan file, `explain` prints a plan file's breakdowns.
+
+Exit codes: 0 ok, 2 bad input (one line naming the field), 3 nothing feasible (the
+binding constraint with its numbers and a relaxation that would make a plan exist).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from costmodel.loading import SpecError
+from planner.api import make_problem
+from planner.plan import dumps, plan_document, read_plan, write_plan
+from planner.report import print_explain, print_plan
+from planner.rules import load_rules, parse_fix
+from planner.search import Infeasible, search, suggest_relaxation
+
+EXIT_BAD_INPUT = 2
+EXIT_INFEASIBLE = 3
+
+
+def _fail(code: int, message: str) -> None:
+    click.echo(f"error: {message}", err=True)
+    sys.exit(code)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """Shardwise plans how to split a model's training over GPUs: data, tensor and
+    pipeline parallel degrees, micro-batching, schedule, ZeRO stage and recomputation.
+
+    \b
+    Example:
+      shardwise plan --model gpt3-175b --cluster dgx-a100-80gb --nodes 16 --global-batch 1536
+    """
+
+
+@main.command()
+@click.option("--model", "model_name", required=True, help="Built-in model (gpt3-175b, llama3-70b, ...) or a YAML/JSON spec or Hugging Face config.json path.")
+@click.option("--cluster", "cluster_name", required=True, help="Built-in cluster (dgx-a100-80gb, dgx-h100, ...) or a YAML path.")
+@click.option("--nodes", type=str, default=None, help="Number of nodes.")
+@click.option("--gpus", type=str, default=None, help="Number of GPUs (instead of --nodes).")
+@click.option("--global-batch", required=True, type=str, help="Global batch in sequences.")
+@click.option("--seq", type=str, default=None, help="Sequence length [default: the model's max_position_embeddings].")
+@click.option("--precision", default="bf16", show_default=True, help="bf16 | fp16 (mixed, fp32 master weights) | fp32.")
+@click.option("--optimizer", default="adamw", show_default=True, help="adam | adamw | sgd.")
+@click.option("--attention", type=click.Choice(["flash", "eager"]), default="flash", show_default=True, help="Attention kernel: flash keeps no score matrix.")
+@click.option("--rules", "rules_name", default=None, help="Rule set: built-in (default, megatron, fsdp) or a YAML path.")
+@click.option("--fix", default=None, help="Pin knobs: dp=,tp=,pp=,vpp=,ep=,mbs=,zero=,recompute=none|selective|full,sp=on|off,schedule=gpipe|1f1b|interleaved.")
+@click.option("--set", "overrides", default=None, help="Override model fields: key=value,...")
+@click.option("--top", default="3", show_default=True, help="Plans to report: the best and the next alternatives.")
+@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
+@click.option("-o", "--output", default=None, help="Write the plan file here.")
+def plan(model_name, cluster_name, nodes, gpus, global_batch, seq, precision, optimizer, attention,
+         rules_name, fix, overrides, top, fmt, output) -> None:
+    """Find the fastest strategy that fits, and write it as a plan file."""
+    try:
+        from costmodel.loading import as_int, parse_overrides
+        problem = make_problem(model_name, cluster_name, global_batch, nodes=nodes, gpus=gpus, seq_len=seq,
+                               precision=precision, optimizer=optimizer, flash_attention=attention == "flash",
+                               overrides=parse_overrides(overrides), fix=parse_fix(fix))
+        rules = load_rules(rules_name).with_fix(parse_fix(fix))
+        top_k = as_int(top, "--top")
+    except SpecError as err:
+        _fail(EXIT_BAD_INPUT, str(err))
+    try:
+        result = search(problem, rules, top=top_k)
+    except Infeasible as err:
+        relax = suggest_relaxation(problem, rules)
+        hint = f"; would fit if you {relax}" if relax else "; no relaxation up to 16x the GPUs helps"
+        _fail(EXIT_INFEASIBLE, f"no feasible plan: {err.reason}{hint}")
+    doc = plan_document(problem, rules.name, result)
+    if output:
+        write_plan(doc, output)
+    if fmt == "json":
+        click.echo(dumps(doc), nl=False)
+    else:
+        print_plan(doc, result.stats.seconds)
+        if output:
+            click.echo(f"plan written to {output}")
+
+
+@main.command()
+@click.argument("plan_file")
+def explain(plan_file) -> None:
+    """Print a plan file's strategy, stages and time and memory breakdowns."""
+    try:
+        doc = read_plan(plan_file)
+    except SpecError as err:
+        _fail(EXIT_BAD_INPUT, str(err))
+    print_explain(doc)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""The plan file: a versioned JSON document holding the model spec and its fingerprint,
+the cluster, the training spec, the chosen strategy with its stages, the estimate, the
+alternatives and the search statistics. Written with sorted keys and rounded floats so
+the same inputs give the same bytes; read back with `json` only (never pickle) and
+validated field by field.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, fields
+from pathlib import Path
+from typing import Any
+
+from costmodel.estimate import Estimate
+from costmodel.loading import SpecError
+from costmodel.specs import ModelSpec
+from costmodel.strategy import Stage, Strategy
+from planner.search import Candidate, SearchResult
+
+SCHEMA_VERSION = 1
+FLOAT_DIGITS = 6   # significant digits kept: far below the cost model's accuracy
+
+
+def fingerprint(model: ModelSpec) -> str:
+    """sha256 of the model spec's canonical JSON: the executor refuses other models."""
+    text = json.dumps(asdict(model), sort_keys=True, separators=(",", ":"))
+    return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
+
+
+def _round(value: Any) -> Any:
+    if isinstance(value, float):
+        return float(f"{value:.{FLOAT_DIGITS}g}")
+    if isinstance(value, dict):
+        return {k: _round(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_round(v) for v in value]
+    return value
+
+
+def strategy_dict(strategy: Strategy) -> dict:
+    out = {f.name: getattr(strategy, f.name) for f in fields(strategy) if f.name != "stages"}
+    out["stages"] = [asdict(s) | {"ranks": list(strategy.ranks(s.pp_rank))} for s in strategy.stages]
+    return out
+
+
+def candidate_dict(candidate: Candidate) -> dict:
+    return {"strategy": strategy_dict(candidate.strategy), "estimate": asdict(candidate.estimate),
+            "partition_gap": candidate.gap}
+
+
+def plan_document(problem, rules_name: str, result: SearchResult) -> dict:
+    """The plan as a JSON-ready dict (no wall-clock seconds: they would break determinism)."""
+    stats = asdict(result.stats)
+    stats.pop("seconds")
+    doc = {
+        "schema_version": SCHEMA_VERSION,
+        "model": asdict(problem.model),
+        "model_fingerprint": fingerprint(problem.model),
+        "cluster": asdict(problem.cluster),
+        "training": asdict(problem.training),
+        "rules": rules_name,
+        **candidate_dict(result.best),
+        "alternatives": [candidate_dict(c) for c in result.alternatives],
+        "search": stats,
+    }
+    return _round(doc)
+
+
+def dumps(doc: dict) -> str:
+    return json.dumps(doc, sort_keys=True, indent=2) + "\n"
+
+
+def write_plan(doc: dict, path: str | Path) -> None:
+    """Write aside, then rename: a crash never leaves half a plan file."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(dumps(doc))
+    tmp.replace(path)
+
+
+_STRATEGY_INTS = ("dp", "tp", "pp", "micro_batch_size", "num_microbatches", "vpp", "ep", "zero_stage")
+
+
+def read_plan(path: str | Path) -> dict:
+    """Load and validate a plan file; raises SpecError naming the bad field."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except OSError as err:
+        raise SpecError("plan", f"cannot read {path}: {err.strerror}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise SpecError("plan", f"{path} is not valid JSON: {err}") from None
+    if not isinstance(doc, dict):
+        raise SpecError("plan", "expected a JSON object")
+    if doc.get("schema_version") != SCHEMA_VERSION:
+        raise SpecError("plan.schema_version", f"expected {SCHEMA_VERSION}, got {doc.get('schema_version')!r}")
+    for key in ("model", "model_fingerprint", "cluster", "training", "strategy", "estimate"):
+        if key not in doc:
+            raise SpecError(f"plan.{key}", "missing")
+    try:
+        model = ModelSpec(**doc["model"])
+    except TypeError as err:
+        raise SpecError("plan.model", str(err)) from None
+    if fingerprint(model) != doc["model_fingerprint"]:
+        raise SpecError("plan.model_fingerprint", "does not match the model spec in the file")
+    strategy_of(doc)
+    names = {f.name for f in fields(Estimate)}
+    missing = sorted(names - set(doc["estimate"]))
+    if missing:
+        raise SpecError(f"plan.estimate.{missing[0]}", "missing")
+    return doc
+
+
+def strategy_of(doc: dict) -> Strategy:
+    """The Strategy a plan document holds."""
+    data = doc["strategy"]
+    for key in _STRATEGY_INTS:
+        if not isinstance(data.get(key), int) or isinstance(data.get(key), bool) or data[key] < 0:
+            raise SpecError(f"plan.strategy.{key}", f"expected a non-negative integer, got {data.get(key)!r}")
+    try:
+        stages = tuple(Stage(**{k: v for k, v in s.items() if k != "ranks"}) for s in data.get("stages", []))
+        strategy = Strategy(**{k: data[k] for k in _STRATEGY_INTS},
+                            schedule=str(data["schedule"]), recompute=str(data["recompute"]),
+                            sequence_parallel=bool(data["sequence_parallel"]), stages=stages)
+    except (TypeError, KeyError) as err:
+        raise SpecError("plan.strategy", f"malformed: {err}") from None
+    if sum(s.num_layers for s in stages) != doc["model"]["num_hidden_layers"]:
+        raise SpecError("plan.strategy.stages", "layers of the stages do not add up to num_hidden_layers")
+    return strategy
