@@ -143,8 +143,11 @@ def solve_partition(problem: Problem, units: UnitCosts, strategy: Strategy, mode
         return math.ceil(x / MEMORY_UNIT_BYTES)
 
     model = cp_model.CpModel()
-    big_t = t(sum(max(0.0, r.time.const) + layers * max(r.time.per_layer + max(r.time.per_full, r.time.per_selective, 0), 0)
-                  for r in ranks)) + 1
+    # A safe upper bound for every time variable, with slack for per-term rounding.
+    big_t = 2 * t(sum(abs(r.time.const) + abs(r.optimizer.const) + abs(r.dp_exposed.const)
+                      + layers * (abs(r.time.per_layer) + abs(r.time.per_full) + abs(r.time.per_selective)
+                                  + abs(r.optimizer.per_layer) + abs(r.dp_exposed.per_layer))
+                      for r in ranks)) + 1000 * (layers + pp)
     n_vars, t_vars = [], []
     mem_cap = math.floor(usable_memory_bytes(problem, headroom) / MEMORY_UNIT_BYTES)
     exposed = model.NewIntVar(0, big_t, "dp_exposed")
