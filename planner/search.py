@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from costmodel.estimate import Estimate, UnitCosts, estimate, unit_costs
 from costmodel.specs import Problem
@@ -17,7 +17,7 @@ from costmodel.strategy import Strategy, even_stages
 from planner import bounds
 from planner.partition import solve_partition, usable_memory_bytes
 from planner.rules import Rules
-from planner.space import Exclusions, describe, enumerate_space, recompute_modes
+from planner.space import describe, enumerate_space, recompute_modes
 
 
 @dataclass(frozen=True)
@@ -158,15 +158,12 @@ def _memory_reason(problem: Problem, rules: Rules, strategy: Strategy, modes: tu
             f"{rules.memory_headroom:g}); closest: {describe(s)} recompute={frugal}")
 
 
-__all__ = ["Candidate", "Infeasible", "SearchResult", "SearchStats", "search", "Exclusions"]
 
 
 def suggest_relaxation(problem: Problem, rules: Rules) -> str | None:
     """The first relaxation, in order of cost to the user, under which a plan exists:
     unpin recomputation, unpin the ZeRO stage, unpin the micro-batch size, or more GPUs
     (doubling up to 16x)."""
-    from dataclasses import replace
-
     pinned = dict(rules.pinned)
     tries = []
     for knob, label in (("recompute", "allow recompute (drop recompute={})"),

@@ -7,7 +7,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from costmodel.estimate import estimate, unit_costs
+from costmodel.estimate import estimate, rank_memory, unit_costs
 from costmodel.loading import SpecError, load_cluster, load_model, make_training
 from costmodel.specs import Problem
 from costmodel.strategy import Strategy
@@ -69,7 +69,6 @@ def test_partition_matches_exhaustive_enumeration(strategy):
                 trial = [(c, 0, 0) for c in counts]
                 trial[r] = (n, f, 0)
                 s = strategy.with_stages(layout(strategy, trial))
-                from costmodel.estimate import rank_memory
                 if rank_memory(p, units, s, r).total_bytes <= usable:
                     choice.append(f)
                     break
