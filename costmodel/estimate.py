@@ -127,7 +127,13 @@ def groups(problem: Problem, strategy: Strategy) -> dict[str, Placement]:
         "dp": placement(dp, tp, g),
         "ep": placement(strategy.ep, tp, g),
         "expert_dp": placement(dp // strategy.ep, tp * strategy.ep, g),
-        "pp": placement(2, tp * dp, g) if strategy.pp > 1 else Placement(1, 1, 1),
+        # The whole pipeline: once it spans nodes, some stage boundary crosses the
+        # network, and in the 1F1B steady state the slowest boundary paces every send.
+        "pp": placement(strategy.pp, tp * dp, g),
+        # First and last stage (the tied-embedding gradient all-reduce): on one node
+        # only when the whole pipeline is.
+        "pp_ends": (Placement(1, 1, 1) if strategy.pp == 1
+                    else Placement(2, 2, 1) if strategy.pp * tp * dp <= g else Placement(2, 1, 2)),
     }
 
 
@@ -321,7 +327,7 @@ def dp_sync_s(problem: Problem, units: UnitCosts, strategy: Strategy, pp_rank: i
                           + collective_time_s("all_gather", params * states.weights, group, cluster))
     if problem.model.tie_word_embeddings and strategy.pp > 1 and pp_rank in (0, strategy.pp - 1):
         embedding = problem.model.vocab_size * problem.model.hidden_size / strategy.tp
-        total += collective_time_s("all_reduce", embedding * states.gradients, where["pp"], cluster)
+        total += collective_time_s("all_reduce", embedding * states.gradients, where["pp_ends"], cluster)
     return total
 
 

@@ -213,7 +213,8 @@ def test_groups_placement():
     assert (g["dp"].size, g["dp"].per_node, g["dp"].nodes) == (4, 2, 2)        # stride 4 on 8-GPU nodes
     assert (g["ep"].size, g["ep"].per_node) == (2, 2)
     assert (g["expert_dp"].size, g["expert_dp"].per_node, g["expert_dp"].nodes) == (2, 1, 2)  # stride 8
-    assert (g["pp"].size, g["pp"].nodes) == (2, 2)                              # stride tp*dp = 16
+    assert (g["pp"].size, g["pp"].per_node, g["pp"].nodes) == (4, 1, 4)        # stride tp*dp = 16
+    assert (g["pp_ends"].size, g["pp_ends"].nodes) == (2, 2)
     assert groups(prob, Strategy(dp=1, tp=1, pp=1, micro_batch_size=1, num_microbatches=1))["pp"].size == 1
 
 
@@ -225,8 +226,10 @@ def test_p2p_sends_and_pipeline_comm():
     u = unit_costs(prob, s)
     p2p_bytes = 2 * 1 * 2048 * 5120 / 2  # b*s*h 16-bit values, scattered over tp
     assert u.p2p_bytes == p2p_bytes
-    # tp*dp = 2: the adjacent pipeline rank is on the same node
-    assert u.p2p_s == pytest.approx(NVLINK_LAT + p2p_bytes / NVLINK_BW, rel=1e-12)
+    # the 8-stage pipeline spans both nodes: the boundary over InfiniBand paces the sends
+    assert u.p2p_s == pytest.approx(IB_LAT + p2p_bytes / IB_BW, rel=1e-12)
+    one_node = unit_costs(problem("gpt3-13b", global_batch=32, gpus=8), strategy(problem("gpt3-13b", global_batch=32, gpus=8), tp=2, pp=4))
+    assert one_node.p2p_s == pytest.approx(NVLINK_LAT + p2p_bytes / NVLINK_BW, rel=1e-12)
     e = estimate(prob, s)
     assert e.time.pp_comm_s == pytest.approx(32 * p2p_sends(s, e.bottleneck_rank) * u.p2p_s, rel=1e-12)
 
@@ -549,11 +552,6 @@ def test_zero3_dp_comm_grows_with_the_vocabulary():
     assert dp_comm(3, 256000) > dp_comm(3, 32000)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "groups() places the pipeline pair at stride tp*dp as if every stage boundary were "
-    "inside a node; with tp*dp=4 on 8-GPU nodes the pp 1->2 boundary crosses InfiniBand, "
-    "but all p2p is costed over NVLink (33 us instead of 272 us per 5.2 MB send), so the "
-    "estimate does not depend on the inter-node link at all"))
 def test_pipeline_across_nodes_uses_the_inter_node_link():
     base = load_cluster("dgx-a100-80gb", gpus=16)
     slow = dataclasses.replace(base, inter_node=dataclasses.replace(base.inter_node, bandwidth_bytes_per_s=1e9))
