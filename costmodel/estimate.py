@@ -348,7 +348,10 @@ def recompute_flops(problem: Problem, strategy: Strategy) -> float:
     full = sum(s.full_recompute_layers for s in strategy.stages)
     selective = 0 if training.flash_attention else sum(s.selective_recompute_layers for s in strategy.stages)
     per_layer = layer_forward_flops(model, training.seq_len)
-    scores = 4.0 * training.seq_len ** 2 * model.hidden_size
+    # Eq. 8 adds 72BLsh^2 * s/(6h) = 12 s^2 h per selectively recomputed layer and
+    # sequence (its HFU convention: 22B HFU/MFU 43.7/41.5 in Table 5), three times the
+    # 4 s^2 h of one extra forward of the attention core.
+    scores = 12.0 * training.seq_len ** 2 * model.hidden_size
     return sequences * (full * per_layer + selective * scores)
 
 

@@ -136,24 +136,19 @@ def test_full_recompute_hfu_is_narayanan_eq3():
 
 
 def test_selective_recompute_hfu_adds_one_attention_forward():
-    # The code counts the recomputed attention-core forward, 4 s^2 h per layer and sequence.
-    # NOTE: this is s/(18h) in eq. 7's units, not the s/(6h) of Korthikanti eq. 8 that its
-    # docstring cites (see the xfail below).
+    # Korthikanti eq. 8: 12 s^2 h per selectively recomputed layer and sequence, s/(6h)
+    # in eq. 7's units.
     prob = problem("gpt-22b", global_batch=4, flash_attention=False)
     e, _, s = run(prob, tp=8, micro_batch_size=4, recompute="selective", sequence_parallel=True)
     B, sq, L, h, V = 4, 2048, 48, 6144, 51200
     eq7 = 72 * B * sq * L * h**2 * (1 + sq / (6 * h) + V / (12 * h * L))
-    extra = B * L * 4 * sq * sq * h
+    extra = B * L * 12 * sq * sq * h
     assert recompute_flops(prob, s) == extra
     assert e.hfu / e.mfu == pytest.approx((eq7 + extra) / eq7, rel=1e-9)
     assert e.hfu / e.mfu == pytest.approx(
-        (1 + sq / (6 * h) + sq / (18 * h) + V / (12 * h * L)) / (1 + sq / (6 * h) + V / (12 * h * L)), rel=1e-9)
+        (1 + sq / (6 * h) + sq / (6 * h) + V / (12 * h * L)) / (1 + sq / (6 * h) + V / (12 * h * L)), rel=1e-9)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "recompute_flops cites Korthikanti eq. 8 but adds 4s^2h per selective layer and sequence, "
-    "s/(18h) in eq. 7's 72BLsh^2 units; eq. 8, 72BLsh^2(1 + s/(3h) + V/(12hL)), adds s/(6h), "
-    "and the published HFU follows eq. 8 (22B: 43.7/41.5 = 1.053; eq. 8 1.052; code 1.017)"))
 def test_selective_recompute_hfu_is_korthikanti_eq8():
     prob = problem("gpt-22b", global_batch=4, flash_attention=False)
     e, _, _ = run(prob, tp=8, micro_batch_size=4, recompute="selective", sequence_parallel=True)
