@@ -201,15 +201,28 @@ def unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
     # and LM head (its input gathered with SP, its gradient reduced without).
     emb_fwd = compute.embedding_compute_s(model, cluster, training, b)
     emb_comm = collective_time_s("reduce_scatter" if sp else "all_reduce", message, where["tp"], cluster)
-    first_work = Work(compute_s=emb_fwd * (1 + compute.BACKWARD_FACTOR), tp_comm_s=emb_comm)
     head_fwd = compute.head_compute_s(model, cluster, training, b, tp)
     head_comm = 2 * collective_time_s("all_gather" if sp else "all_reduce", message, where["tp"], cluster)
-    last_work = Work(compute_s=head_fwd * (1 + compute.BACKWARD_FACTOR), tp_comm_s=head_comm)
 
     last_parameters = head_parameters(model)
     if model.tie_word_embeddings and strategy.pp > 1:
         # The last stage holds its own copy of the tied embedding (Megatron-LM).
         last_parameters += model.vocab_size * model.hidden_size
+    first_local, last_local = embedding_parameters(model) / tp, last_parameters / tp
+
+    def zero3_ends_s(local_parameters: float) -> float:
+        # ZeRO-3 gathers the embedding (or head) weights forward and backward and
+        # reduce-scatters their gradients like any layer's (FSDP §3.3), with no earlier
+        # layer to hide behind: charged in full.
+        if strategy.zero_stage != 3:
+            return 0.0
+        return (2 * collective_time_s("all_gather", local_parameters * states.weights, where["dp"], cluster)
+                + collective_time_s("reduce_scatter", local_parameters * states.gradients, where["dp"], cluster))
+
+    first_work = Work(compute_s=emb_fwd * (1 + compute.BACKWARD_FACTOR), tp_comm_s=emb_comm,
+                      dp_comm_s=zero3_ends_s(first_local))
+    last_work = Work(compute_s=head_fwd * (1 + compute.BACKWARD_FACTOR), tp_comm_s=head_comm,
+                     dp_comm_s=zero3_ends_s(last_local))
     # With tp > 1 the activation is scattered over the tp ranks before the send and
     # gathered after (Narayanan et al. 2021 §4.1, scatter/gather optimisation).
     p2p_bytes = message / tp
@@ -223,8 +236,8 @@ def unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
         layer_expert_parameters=expert_local,
         first_work=first_work,
         last_work=last_work,
-        first_parameters=embedding_parameters(model) / tp,
-        last_parameters=last_parameters / tp,
+        first_parameters=first_local,
+        last_parameters=last_local,
         logits_bytes=memory.logits_bytes(model, training, b, tp),
         p2p_s=p2p_s,
         p2p_bytes=p2p_bytes,
@@ -296,8 +309,11 @@ def rank_memory(problem: Problem, units: UnitCosts, strategy: Strategy, pp_rank:
     states = memory.state_bytes(training)
     buffers = 0.0
     if zero == 3 and dp > 1:
-        # The gathered weights of the current and the prefetched layer.
-        buffers += 2 * (units.layer_dense_parameters + units.layer_expert_parameters) * states.weights
+        # The gathered weights of the current and the prefetched unit (a layer, or the
+        # embedding or head when larger).
+        largest = max(units.layer_dense_parameters + units.layer_expert_parameters,
+                      units.first_parameters, units.last_parameters)
+        buffers += 2 * largest * states.weights
     elif dp > 1:
         buffers += 2 * memory.DDP_BUCKET_BYTES
     if strategy.pp > 1:
