@@ -11,7 +11,7 @@ import sys
 
 import click
 
-from costmodel.loading import SpecError
+from costmodel.loading import SpecError, as_int, parse_overrides
 from planner.api import make_problem
 from planner.plan import dumps, plan_document, read_plan, write_plan
 from planner.report import print_explain, print_plan
@@ -58,7 +58,6 @@ def plan(model_name, cluster_name, nodes, gpus, global_batch, seq, precision, op
          rules_name, fix, overrides, top, fmt, output) -> None:
     """Find the fastest strategy that fits, and write it as a plan file."""
     try:
-        from costmodel.loading import as_int, parse_overrides
         problem = make_problem(model_name, cluster_name, global_batch, nodes=nodes, gpus=gpus, seq_len=seq,
                                precision=precision, optimizer=optimizer, flash_attention=attention == "flash",
                                overrides=parse_overrides(overrides), fix=parse_fix(fix))

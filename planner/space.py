@@ -39,6 +39,14 @@ class Exclusions:
         return "; ".join(f"{k}: {v}" for k, v in sorted(self.reasons.items())) or "no strategy to consider"
 
 
+def _admits(rules: Rules, why: Exclusions, knob: str, value) -> bool:
+    """Whether the rules permit `value` for `knob`; records the rule when not."""
+    if rules.permits(knob, value):
+        return True
+    why.add(knob, rules.why_not(knob, value))
+    return False
+
+
 def recompute_modes(problem: Problem, rules: Rules) -> tuple[str, ...]:
     """Recompute modes the partition may use per layer. Under FlashAttention selective
     recompute saves nothing (there are no stored scores), so it is only kept when pinned."""
@@ -105,9 +113,7 @@ def _tp_options(problem: Problem, rules: Rules, degrees: list[int], why: Exclusi
         elif rules.tp_divides_heads and (model.num_attention_heads % tp or model.num_key_value_heads % tp):
             why.add("tp", f"tp_divides_heads: {tp} does not divide {model.num_attention_heads} attention "
                           f"and {model.num_key_value_heads} KV heads")
-        elif not rules.permits("tp", tp):
-            why.add("tp", rules.why_not("tp", tp))
-        else:
+        elif _admits(rules, why, "tp", tp):
             out.append(tp)
     return out
 
@@ -120,8 +126,7 @@ def _schedule_options(problem: Problem, rules: Rules, pp: int, m: int, why: Excl
     layers = problem.model.num_hidden_layers
     out = []
     for schedule in ("gpipe", "1f1b", "interleaved"):
-        if not rules.permits("schedule", schedule):
-            why.add("schedule", rules.why_not("schedule", schedule))
+        if not _admits(rules, why, "schedule", schedule):
             continue
         if schedule != "interleaved":
             if rules.permits("vpp", 1):
@@ -154,36 +159,30 @@ def enumerate_space(problem: Problem, rules: Rules) -> tuple[list[Strategy], Exc
             if pp > layers:
                 why.add("pp", f"{pp} is more than the {layers} layers")
                 continue
-            if not rules.permits("pp", pp):
-                why.add("pp", rules.why_not("pp", pp))
+            if not _admits(rules, why, "pp", pp):
                 continue
             dp = n // (tp * pp)
-            if not rules.permits("dp", dp):
-                why.add("dp", rules.why_not("dp", dp))
+            if not _admits(rules, why, "dp", dp):
                 continue
             ep_options = [1]
             if model.is_moe:
                 ep_options = [e for e in divisors(dp) if model.num_local_experts % e == 0]
             for ep in ep_options:
-                if not rules.permits("ep", ep):
-                    why.add("ep", rules.why_not("ep", ep))
+                if not _admits(rules, why, "ep", ep):
                     continue
                 for mbs in range(rules.micro_batch_min, rules.micro_batch_max + 1):
                     if batch % (dp * mbs):
                         why.add("mbs", f"dp {dp} x mbs {mbs} does not divide --global-batch {batch}")
                         continue
-                    if not rules.permits("mbs", mbs):
-                        why.add("mbs", rules.why_not("mbs", mbs))
+                    if not _admits(rules, why, "mbs", mbs):
                         continue
                     m = batch // (dp * mbs)
                     for schedule, vpp in _schedule_options(problem, rules, pp, m, why):
                         for zero in (range(4) if dp > 1 else (0,)):
-                            if not rules.permits("zero", zero):
-                                why.add("zero", rules.why_not("zero", zero))
+                            if not _admits(rules, why, "zero", zero):
                                 continue
                             for sp in ((False, True) if tp > 1 else (False,)):
-                                if not rules.permits("sp", sp):
-                                    why.add("sp", rules.why_not("sp", sp))
+                                if not _admits(rules, why, "sp", sp):
                                     continue
                                 out.append(Strategy(
                                     dp=dp, tp=tp, pp=pp, micro_batch_size=mbs, num_microbatches=m,
