@@ -1,0 +1,300 @@
+"""The built-in model families as plain PyTorch modules: GPT (LayerNorm, GELU MLP,
+learned positions, biases), Llama (RMSNorm, SwiGLU, grouped-query attention, RoPE) and
+Mixtral (Llama layers whose MLP is a top-k mixture of experts).
+
+Parameter counts equal `costmodel.graph`'s for the same spec and the forward FLOPs that
+`FlopCounterMode` counts equal `costmodel.graph.layer_forward_flops` /
+`head_forward_flops` (eager attention; SDPA kernels on CPU count none).
+
+Layers live in a `ModuleDict` keyed by their index, and a pipeline stage is the same
+module with the layers and ends it does not own set to None (torchtitan's layout), so
+parameter names are the same on every stage and in every layout. Weights are drawn per
+parameter from a generator seeded by (seed, name): the same model whatever the split.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.utils.checkpoint import checkpoint
+
+from costmodel.specs import ModelSpec
+
+INIT_STD = 0.02   # GPT-2 / Megatron-LM default initialisation
+ROPE_THETA = 10000.0
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rope_tables(seq_len: int, head_dim: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of RoPE (Su et al. 2021, RoFormer eq. 34), [seq_len, head_dim / 2]."""
+    inv = 1.0 / ROPE_THETA ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, heads, T, head_dim]; rotates (even, odd) pairs."""
+    t = x.shape[2]
+    cos, sin = cos[:t].to(x.dtype), sin[:t].to(x.dtype)
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
+
+
+def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flash: bool) -> torch.Tensor:
+    """Causal softmax(q k^T / sqrt(d)) v over [B, heads, T, head_dim]; k and v may have
+    fewer heads (grouped-query attention). `flash` uses PyTorch's fused SDPA kernel;
+    otherwise the score matrix is materialised (and counted by FlopCounterMode)."""
+    repeat = q.shape[1] // k.shape[1]
+    if repeat > 1:
+        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+    if flash:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    t = q.shape[2]
+    scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    mask = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    return scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+
+
+class Attention(nn.Module):
+    """Q, K, V and output projections. Heads are read off the local projection width
+    (`view(B, T, -1, head_dim)`), so a column-wise split over tp ranks runs as it is."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        h, kv, bias = spec.hidden_size, spec.kv_size, spec.is_gpt
+        self.head_dim = spec.head_dim
+        self.rope = not spec.is_gpt
+        self.wq = nn.Linear(h, h, bias=bias)
+        self.wk = nn.Linear(h, kv, bias=bias)
+        self.wv = nn.Linear(h, kv, bias=bias)
+        self.wo = nn.Linear(h, h, bias=bias)
+        self.flash = True
+        self.recompute_core = False   # selective recompute: checkpoint the attention core
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (w(x).view(b, t, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        if self.rope:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.recompute_core:
+            out = checkpoint(attention_core, q, k, v, self.flash, use_reentrant=False)
+        else:
+            out = attention_core(q, k, v, self.flash)
+        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    """GPT: w2(gelu(w1 x)); Llama: w2(silu(w1 x) * w3 x) (Shazeer 2020, SwiGLU)."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        h, f = spec.hidden_size, spec.intermediate_size
+        self.gated = not spec.is_gpt
+        self.w1 = nn.Linear(h, f, bias=spec.is_gpt)
+        self.w2 = nn.Linear(f, h, bias=spec.is_gpt)
+        self.w3 = nn.Linear(h, f, bias=False) if self.gated else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated:
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(F.gelu(self.w1(x), approximate="tanh"))
+
+
+class MoE(nn.Module):
+    """Top-k mixture of SwiGLU experts (Mixtral: softmax over the k chosen router logits,
+    Jiang et al. 2024 §2.1), dropless. The experts' weights are stacked on dim 0 so expert
+    parallelism shards that dim; `dispatch` (set by executor.parallelize) moves tokens to
+    the rank holding their expert and back."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        h, f, e = spec.hidden_size, spec.intermediate_size, spec.num_local_experts
+        self.num_experts, self.top_k = e, spec.num_experts_per_tok
+        self.router = nn.Linear(h, e, bias=False)
+        self.w1 = nn.Parameter(torch.empty(e, f, h))
+        self.w3 = nn.Parameter(torch.empty(e, f, h))
+        self.w2 = nn.Parameter(torch.empty(e, h, f))
+        self.expert_range = (0, e)     # experts held here; expert parallelism narrows it
+        self.dispatch = None           # executor.parallelize's all-to-all exchange under ep > 1
+
+    def experts(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Run the local experts on rows of x grouped by expert, `counts[e]` rows each."""
+        outs, start = [], 0
+        for e, n in enumerate(counts):
+            rows = x[start:start + n]
+            outs.append((F.silu(rows @ self.w1[e].t()) * (rows @ self.w3[e].t())) @ self.w2[e].t())
+            start += n
+        return torch.cat(outs) if outs else x[:0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])
+        weights, chosen = self.router(tokens).topk(self.top_k, dim=-1)
+        weights = weights.softmax(-1)
+        # One row per (token, choice), sorted by expert: each expert sees its rows together.
+        flat = chosen.flatten()
+        order = flat.argsort(stable=True)
+        rows = tokens[order // self.top_k]
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        if self.dispatch is None:
+            out_rows = self.experts(rows, counts)
+        else:
+            out_rows = self.dispatch(self, rows, counts)
+        combined = torch.zeros_like(tokens).index_add(
+            0, order // self.top_k, out_rows * weights.flatten()[order].unsqueeze(-1))
+        return combined.view(shape)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer layer. `recompute` is "none", "selective" (the attention
+    core) or "full" (the whole layer; Chen et al. 2016 checkpointing)."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        norm = (lambda: nn.LayerNorm(spec.hidden_size)) if spec.is_gpt else (lambda: RMSNorm(spec.hidden_size))
+        self.attention_norm = norm()
+        self.attention = Attention(spec)
+        self.ffn_norm = norm()
+        self.feed_forward = MoE(spec) if spec.is_moe else MLP(spec)
+        self.recompute = "none"
+
+    def set_recompute(self, mode: str) -> None:
+        if mode not in RECOMPUTE_MODES:
+            raise ValueError(f"recompute: expected one of {RECOMPUTE_MODES}, got {mode!r}")
+        self.recompute = mode
+        self.attention.recompute_core = mode == "selective"
+
+    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.recompute == "full":
+            return checkpoint(self._forward, x, cos, sin, use_reentrant=False)
+        return self._forward(x, cos, sin)
+
+
+class Transformer(nn.Module):
+    """Embedding -> layers -> final norm -> LM head. Any of the ends and any layer may
+    be None (a pipeline stage); the forward takes token ids when the embedding is
+    present and hidden states otherwise, and returns logits when the head is present."""
+
+    def __init__(self, spec: ModelSpec, seq_len: int | None = None):
+        super().__init__()
+        self.spec = spec
+        self.seq_len = seq_len or spec.max_position_embeddings
+        h = spec.hidden_size
+        self.tok_embeddings = nn.Embedding(spec.vocab_size, h)
+        self.pos_embeddings = nn.Embedding(spec.max_position_embeddings, h) if spec.is_gpt else None
+        self.layers = nn.ModuleDict({str(i): Block(spec) for i in range(spec.num_hidden_layers)})
+        self.norm = nn.LayerNorm(h) if spec.is_gpt else RMSNorm(h)
+        self.output = nn.Linear(h, spec.vocab_size, bias=False)
+        cos, sin = rope_tables(self.seq_len, spec.head_dim)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.tied = False
+        if spec.tie_word_embeddings:
+            self.tie()
+
+    def tie(self) -> None:
+        self.output.weight = self.tok_embeddings.weight
+        self.tied = True
+
+    def untie(self) -> None:
+        """Give the head its own copy of the tied embedding (pipeline ends on different
+        ranks, or tensor parallelism): the trainer keeps the two copies' gradients summed."""
+        if self.tied:
+            self.output.weight = nn.Parameter(self.tok_embeddings.weight.detach().clone())
+            self.tied = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tok_embeddings is not None:
+            positions = x.shape[1]
+            x = self.tok_embeddings(x)
+            if self.pos_embeddings is not None:
+                x = x + self.pos_embeddings.weight[:positions]
+        for layer in self.layers.values():
+            x = layer(x, self.rope_cos, self.rope_sin)
+        if self.norm is not None:
+            x = self.norm(x)
+        if self.output is not None:
+            x = self.output(x)
+        return x
+
+
+def build_model(spec: ModelSpec, seq_len: int | None = None, device: str | torch.device = "meta") -> Transformer:
+    """The whole model, by default on the meta device (no memory): parallelize, then
+    `materialize`."""
+    with torch.device(device):
+        return Transformer(spec, seq_len)
+
+
+def canonical_name(name: str) -> str:
+    """A parameter's name without wrapper prefixes, as in the unsplit model."""
+    for wrapper in ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "module."):
+        name = name.replace(wrapper, "")
+    return name
+
+
+def initial_value(name: str, shape: torch.Size, seed: int, tied: bool) -> torch.Tensor:
+    """The full initial value of parameter `name`: N(0, 0.02) for matrices and
+    embeddings, zero biases, unit norm weights. Seeded by name, so every rank and every
+    layout draws the same numbers. A head tied to the embedding starts as the embedding."""
+    if tied and name == "output.weight":
+        name = "tok_embeddings.weight"
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    if name.endswith(".bias"):
+        return torch.zeros(shape)
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    return torch.randn(shape, generator=generator) * INIT_STD
+
+
+@torch.no_grad()
+def materialize(model: Transformer, device: str | torch.device, seed: int = 0) -> Transformer:
+    """Allocate a (possibly sharded, meta-device) model on `device` and fill in each
+    rank's part of the initial weights. A rank holds its own shards plus, for one
+    parameter at a time, that parameter's full initial value."""
+    model.to_empty(device=device)
+    if model.tied:
+        model.tie()   # to_empty gave the head a parameter of its own
+    tied = model.spec.tie_word_embeddings
+    expert_ranges = {f"{name}.{leaf}": module.expert_range for name, module in model.named_modules()
+                     if isinstance(module, MoE) for leaf in ("w1", "w2", "w3")}
+    for name, param in model.named_parameters():
+        name = canonical_name(name)
+        if isinstance(param, DTensor):
+            full = initial_value(name, param.shape, seed, tied)
+            local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+            param.to_local().copy_(local)
+        elif name in expert_ranges:
+            first, last = expert_ranges[name]
+            total = model.spec.num_local_experts
+            full = initial_value(name, (total, *param.shape[1:]), seed, tied)
+            param.copy_(full[first:last])
+        else:
+            param.copy_(initial_value(name, param.shape, seed, tied))
+    cos, sin = rope_tables(model.seq_len, model.spec.head_dim, device=device)
+    model.rope_cos.copy_(cos)
+    model.rope_sin.copy_(sin)
+    return model
+
+
+def num_parameters(model: nn.Module) -> int:
+    """Unique parameters (a tied head counts once), full sizes even when sharded."""
+    return sum(p.numel() for p in model.parameters())

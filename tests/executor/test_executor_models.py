@@ -1,0 +1,70 @@
+"""The executor's models against the cost model's view of the same spec: parameter
+counts exactly, forward FLOPs exactly, backward twice the forward."""
+
+import dataclasses
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from costmodel.graph import head_forward_flops, layer_forward_flops, total_parameters
+from costmodel.loading import load_model
+from executor.models import build_model, initial_value, materialize, num_parameters
+
+# The tiny built-ins and every built-in family shrunk to a few small layers (the
+# counts are formulas in the sizes, so small sizes test the same code paths).
+SPECS = ["tiny-gpt", "tiny-llama", "tiny-moe", "gpt3-1.3b", "llama2-7b", "llama3-8b", "mixtral-8x7b"]
+
+
+def small(name):
+    spec = load_model(name)
+    if spec.name.startswith("tiny"):
+        return spec
+    heads, kv = spec.num_attention_heads, spec.num_key_value_heads
+    shrink = 8
+    return dataclasses.replace(
+        spec, hidden_size=spec.hidden_size // shrink // heads * heads or heads, num_hidden_layers=2,
+        intermediate_size=spec.intermediate_size // shrink, vocab_size=spec.vocab_size // shrink,
+        max_position_embeddings=128, num_key_value_heads=kv)
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_parameter_count_equals_cost_model(name):
+    spec = small(name)
+    model = build_model(spec)
+    assert num_parameters(model) == total_parameters(spec)
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_flops_equal_cost_model(name):
+    spec = small(name)
+    seq, batch = 32, 2
+    model = build_model(spec, seq_len=seq, device="cpu")   # MoE routing has no meta kernels
+    for layer in model.layers.values():
+        layer.attention.flash = False   # count the score matrix as the cost model does
+    tokens = torch.randint(0, spec.vocab_size, (batch, seq), device="cpu")
+    with FlopCounterMode(display=False) as forward:
+        logits = model(tokens)
+    expected = batch * (spec.num_hidden_layers * layer_forward_flops(spec, seq) + head_forward_flops(spec, seq))
+    assert forward.get_total_flops() == expected
+    with FlopCounterMode(display=False) as backward:
+        logits.sum().backward()
+    assert backward.get_total_flops() == 2 * expected
+
+
+def test_materialize_is_deterministic_and_tied():
+    spec = load_model("tiny-gpt")
+    a = materialize(build_model(spec), "cpu", seed=3)
+    b = materialize(build_model(spec), "cpu", seed=3)
+    c = materialize(build_model(spec), "cpu", seed=4)
+    for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
+        assert torch.equal(pa, pb), name
+    assert not torch.equal(a.tok_embeddings.weight, c.tok_embeddings.weight)
+    assert a.output.weight is a.tok_embeddings.weight
+    assert torch.equal(a.layers["0"].attention_norm.weight, torch.ones(spec.hidden_size))
+    assert float(a.layers["1"].attention.wq.weight.std()) == pytest.approx(0.02, rel=0.1)
+    untied = build_model(spec)
+    untied.untie()
+    materialize(untied, "cpu", seed=3)
+    assert torch.equal(untied.output.weight, a.tok_embeddings.weight)
+    assert torch.equal(initial_value("layers.0.attention.wq.bias", (4,), 0, False), torch.zeros(4))
