@@ -208,6 +208,7 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.tied = False
+        self.sequence_shard = None   # (tp rank, tp size) under sequence parallelism
         if spec.tie_word_embeddings:
             self.tie()
 
@@ -224,10 +225,12 @@ class Transformer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tok_embeddings is not None:
-            positions = x.shape[1]
             x = self.tok_embeddings(x)
             if self.pos_embeddings is not None:
-                x = x + self.pos_embeddings.weight[:positions]
+                # Under sequence parallelism x holds this rank's slice of the positions.
+                t = x.shape[1]
+                first = self.sequence_shard[0] * t if self.sequence_shard else 0
+                x = x + self.pos_embeddings.weight[first:first + t]
         for layer in self.layers.values():
             x = layer(x, self.rope_cos, self.rope_sin)
         if self.norm is not None:

@@ -1,0 +1,1 @@
+"""Executor: runs a planned strategy as real training steps."""

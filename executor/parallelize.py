@@ -1,0 +1,191 @@
+"""How one rank's part of the model is built from a strategy: the device mesh, the
+pipeline stages it holds, tensor (and sequence) parallelism with DTensor, expert
+parallelism, activation checkpointing and data parallelism by ZeRO stage.
+
+The mesh is the one place a strategy becomes ranks: dims ("pp", "edp", "ep", "tp"),
+tp innermost, so global rank = tp_rank + tp * (dp_rank + dp * pp_rank) as in
+costmodel.strategy, with the data-parallel rank split as edp_rank * ep + ep_rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from costmodel.specs import ModelSpec
+from costmodel.strategy import Stage, Strategy
+from executor.models import MoE, Transformer, build_model
+
+
+class UnsupportedPlan(ValueError):
+    """The plan asks for something this executor cannot build; the message says what."""
+
+
+def build_mesh(strategy: Strategy, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:
+    """The (pp, edp, ep, tp) mesh of the whole job, and its dp = edp x ep sub-mesh."""
+    shape = (strategy.pp, strategy.dp // strategy.ep, strategy.ep, strategy.tp)
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=("pp", "edp", "ep", "tp"))
+    return mesh, mesh["edp", "ep"]._flatten("dp")
+
+
+def check_supported(spec: ModelSpec, strategy: Strategy) -> None:
+    """Refuse, before any weights exist, what cannot be built."""
+    if spec.is_moe and strategy.tp > 1:
+        raise UnsupportedPlan("strategy.tp: tensor parallelism inside the experts of an MoE model is not supported; plan with --fix tp=1")
+    if spec.num_attention_heads % strategy.tp or spec.num_key_value_heads % strategy.tp:
+        raise UnsupportedPlan(f"strategy.tp: {strategy.tp} does not divide the {spec.num_attention_heads} heads "
+                              f"and {spec.num_key_value_heads} kv heads")
+    if spec.is_moe and spec.num_local_experts % strategy.ep:
+        raise UnsupportedPlan(f"strategy.ep: {strategy.ep} does not divide the {spec.num_local_experts} experts")
+    if strategy.ep > 1 and strategy.zero_stage in (1, 2):
+        raise UnsupportedPlan("strategy.zero_stage: ZeRO 1 and 2 with expert parallelism are not supported; use 0 or 3")
+
+
+def stage_module(spec: ModelSpec, seq_len: int, stage: Stage | None, num_stages: int) -> Transformer:
+    """The model on the meta device, keeping only what `stage` holds (all of it when None)."""
+    model = build_model(spec, seq_len)
+    if stage is None:
+        return model
+    model.untie()   # the ends sit on different ranks
+    if stage.index != 0:
+        model.tok_embeddings = None
+        model.pos_embeddings = None
+    if stage.index != num_stages - 1:
+        model.norm = None
+        model.output = None
+    owned = {str(i) for i in range(stage.first_layer, stage.first_layer + stage.num_layers)}
+    for key in list(model.layers.keys()):
+        if key not in owned:
+            del model.layers[key]
+    return model
+
+
+def apply_recompute(model: Transformer, stage: Stage | None, strategy: Strategy) -> None:
+    """The stage's first `full_recompute_layers` layers recompute whole, the next
+    `selective_recompute_layers` their attention core (costmodel.strategy.Stage)."""
+    layers = list(model.layers.values())
+    if stage is None:   # pp = 1: one stage holding every layer
+        stage = strategy.stages[0]
+    full, selective = stage.full_recompute_layers, stage.selective_recompute_layers
+    for i, layer in enumerate(layers):
+        layer.set_recompute("full" if i < full else "selective" if i < full + selective else "none")
+
+
+def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """Megatron-LM's split (Shoeybi et al. 2019 §3): Q/K/V and the first MLP matrices
+    column-wise, the output projections row-wise, the embedding and LM head over the
+    vocabulary. Each block's input becomes one DTensor before the column-wise layers, so
+    its gradient is reduced once, not once per projection. With sequence parallelism
+    (Korthikanti et al. 2022 §4.2.2) norms and residuals hold a sequence shard and the
+    all-reduces become all-gathers and reduce-scatters."""
+    seq = Shard(1) if sequence_parallel else Replicate()
+    for layer in model.layers.values():
+        plan = {
+            "attention": PrepareModuleInput(input_layouts=(seq, None, None), desired_input_layouts=(Replicate(), None, None)),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=seq),
+            "feed_forward": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+        }
+        if layer.feed_forward.w3 is not None:
+            plan["feed_forward.w3"] = ColwiseParallel()
+        if sequence_parallel:
+            plan["attention_norm"] = SequenceParallel()
+            plan["ffn_norm"] = SequenceParallel()
+        parallelize_module(layer, tp_mesh, plan)
+    ends = {}
+    if model.tok_embeddings is not None:
+        ends["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+    if model.output is not None:
+        if sequence_parallel:
+            ends["norm"] = SequenceParallel()
+        # Logits stay sharded over the vocabulary; the loss runs under loss_parallel
+        # (Megatron-LM's vocab-parallel cross-entropy).
+        ends["output"] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)
+    if ends:
+        parallelize_module(model, tp_mesh, ends)
+    if sequence_parallel:
+        model.sequence_shard = (tp_mesh.get_local_rank(), tp_mesh.size())
+
+
+@dataclass
+class ExpertDispatch:
+    """Expert parallelism (Lepikhin et al. 2020, GShard §2.2): each rank of the ep group
+    holds num_experts / ep experts; rows go to the rank of their expert by an
+    all-to-all and come back by a second one, both differentiable."""
+
+    group: dist.ProcessGroup
+    ep: int
+    ep_rank: int
+
+    def __call__(self, moe: MoE, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        local = moe.num_experts // self.ep
+        # counts[e] rows for global expert e; send_counts[r, j]: rows for rank r's j-th expert.
+        send_counts = torch.tensor(counts, dtype=torch.int64).view(self.ep, local)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        send_splits = send_counts.sum(1).tolist()
+        recv_splits = recv_counts.sum(1).tolist()
+        received = all_to_all_single_autograd(rows, recv_splits, send_splits, self.group)
+        # Received rows are grouped by source rank, then by local expert: regroup by expert.
+        source_of = torch.repeat_interleave(torch.arange(self.ep * local), recv_counts.flatten())
+        expert_major = (source_of % local) * self.ep + source_of // local
+        order = expert_major.argsort(stable=True)
+        by_expert = recv_counts.sum(0).tolist()
+        out = torch.empty_like(received)
+        out_sorted = moe.experts(received[order], by_expert)
+        out = out.index_copy(0, order, out_sorted)
+        return all_to_all_single_autograd(out, send_splits, recv_splits, self.group)
+
+
+def apply_expert_parallel(model: Transformer, ep_mesh: DeviceMesh) -> None:
+    """Keep this rank's experts (the ep_rank-th slice of dim 0) and route rows to them."""
+    ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
+    dispatch = ExpertDispatch(ep_mesh.get_group(), ep, rank)
+    for layer in model.layers.values():
+        moe = layer.feed_forward
+        local = moe.num_experts // ep
+        moe.expert_range = (rank * local, (rank + 1) * local)
+        for name in ("w1", "w2", "w3"):
+            full = getattr(moe, name)
+            setattr(moe, name, nn.Parameter(torch.empty((local, *full.shape[1:]), device=full.device)))
+        moe.dispatch = dispatch
+
+
+def expert_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """Parameters sharded over the ep group; every other parameter is replicated over dp."""
+    return [(f"{name}.{leaf}", getattr(module, leaf)) for name, module in model.named_modules()
+            if isinstance(module, MoE) and module.dispatch is not None for leaf in ("w1", "w2", "w3")]
+
+
+def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, zero_stage: int, ignored: set[nn.Parameter]) -> None:
+    """ZeRO-3 (Rajbhandari et al. 2020 §5.3) as FSDP2: each layer, the embedding and the
+    head are units gathered before use and freed after, forward and backward. ZeRO-2
+    keeps each unit gathered from forward to backward (`reshard_after_forward=False`),
+    so a step gathers the weights once and reduce-scatters the gradients once."""
+    reshard = zero_stage == 3
+    for layer in model.layers.values():
+        fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard, ignored_params=ignored or None)
+    if not model.tied:   # a tied embedding and head share one parameter: the root unit holds both
+        for name in ("tok_embeddings", "output"):
+            module = getattr(model, name)
+            if module is not None:
+                fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, ignored_params=ignored or None)
