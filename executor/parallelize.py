@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, Shard
@@ -173,6 +174,15 @@ def expert_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """Parameters sharded over the ep group; every other parameter is replicated over dp."""
     return [(f"{name}.{leaf}", getattr(module, leaf)) for name, module in model.named_modules()
             if isinstance(module, MoE) and module.dispatch is not None for leaf in ("w1", "w2", "w3")]
+
+
+def apply_replicate(model: Transformer, dp_mesh: DeviceMesh, ignored: set[nn.Parameter]) -> None:
+    """ZeRO-0 over DTensor (tensor-parallel) weights: PyTorch's FSDP-based `replicate`,
+    DDP's all-reduce of gradients per layer (Li et al. 2020 §3.2), which composes with
+    DTensor where DistributedDataParallel does not."""
+    for layer in model.layers.values():
+        replicate(layer, mesh=dp_mesh, ignored_params=ignored or None)
+    replicate(model, mesh=dp_mesh, ignored_params=ignored or None)
 
 
 def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, zero_stage: int, ignored: set[nn.Parameter]) -> None:

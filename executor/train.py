@@ -18,8 +18,8 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.distributed.tensor.parallel import loss_parallel
-from torch.distributed.tensor.parallel.ddp import _pre_dp_module_transform
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from costmodel.specs import ModelSpec, TrainingSpec
@@ -31,6 +31,8 @@ from executor.parallelize import (
     apply_recompute,
     apply_tensor_parallel,
     build_mesh,
+    UnsupportedPlan,
+    apply_replicate,
     check_supported,
     expert_parameters,
     stage_module,
@@ -84,12 +86,28 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
+def data_parallel_kind(strategy: Strategy) -> str:
+    """How the dp replicas are kept in step: "none", "ddp" (ZeRO-0, and ZeRO-1 with
+    ZeroRedundancyOptimizer, Rajbhandari et al. 2020 §5.1), "replicate" (ZeRO-0 over
+    tensor-parallel weights) or "fsdp" (ZeRO-2 and 3; ZeRO-1 over tensor-parallel weights
+    runs as ZeRO-2: the same traffic per step, less memory than planned)."""
+    if strategy.dp == 1:
+        return "none"
+    if strategy.zero_stage >= 2 or (strategy.zero_stage == 1 and strategy.tp > 1):
+        return "fsdp"
+    return "replicate" if strategy.tp > 1 else "ddp"
+
+
 class Trainer:
     """The model parts, optimizer and schedule of this rank for `strategy`."""
 
     def __init__(self, spec: ModelSpec, training: TrainingSpec, strategy: Strategy,
                  config: TrainConfig = TrainConfig(), device: torch.device | str = "cpu"):
         check_supported(spec, strategy)
+        if dist.get_world_size() != strategy.num_gpus:
+            raise UnsupportedPlan(f"plan.strategy: the plan needs {strategy.num_gpus} processes "
+                                  f"(dp {strategy.dp} x tp {strategy.tp} x pp {strategy.pp}), "
+                                  f"{dist.get_world_size()} were started")
         self.spec, self.training, self.strategy, self.config = spec, training, strategy, config
         self.device = torch.device(device)
         self.mesh, self.dp_mesh = build_mesh(strategy, self.device.type)
@@ -98,9 +116,10 @@ class Trainer:
         self.dp_rank = self.dp_mesh.get_local_rank()
         self.is_last = self.pp_rank == strategy.pp - 1
         self.tied_ends = self._tied_ends_group()
+        self.data_parallel = data_parallel_kind(strategy)
         self.modules = [self._build(stage) for stage in self._stages()]
         self.optimizer = make_optimizer(training.optimizer, self._parameters(), config,
-                                        self.dp_mesh.get_group() if strategy.zero_stage == 1 else None)
+                                        self.dp_mesh.get_group() if self.data_parallel == "ddp" and strategy.zero_stage == 1 else None)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(config, s))
         self.schedule = self._pipeline_schedule() if strategy.pp > 1 else None
         self.step_count = 0
@@ -125,13 +144,13 @@ class Trainer:
         if s.tp > 1:
             apply_tensor_parallel(model, self.mesh["tp"], s.sequence_parallel)
         experts = {p for _, p in expert_parameters(model)}
-        if s.zero_stage >= 2:
-            apply_fsdp(model, self.dp_mesh, s.zero_stage, experts)
+        if self.data_parallel == "fsdp":
+            apply_fsdp(model, self.dp_mesh, max(2, s.zero_stage), experts)
+        elif self.data_parallel == "replicate":
+            apply_replicate(model, self.dp_mesh, experts)
         materialize(model, self.device, self.config.seed)
         model.stage = stage
-        if s.zero_stage < 2 and s.dp > 1:
-            if s.tp > 1:
-                _pre_dp_module_transform(model)   # DDP sees the DTensor weights' local shards
+        if self.data_parallel == "ddp":
             DDP._set_params_and_buffers_to_ignore_for_model(model, [n for n, _ in expert_parameters(model)])
             model = DDP(model, process_group=self.dp_mesh.get_group())
         return model
@@ -210,7 +229,9 @@ class Trainer:
         ZeRO-2 keeps weights gathered and gradients unreduced until then."""
         if isinstance(model, DDP) and not last:
             stack.enter_context(model.no_sync())
-        if self.strategy.zero_stage == 2:
+        if self.data_parallel == "replicate":
+            model.set_requires_gradient_sync(last)
+        if self.data_parallel == "fsdp" and self.strategy.zero_stage < 3:
             model.set_requires_gradient_sync(last)
             model.set_reshard_after_backward(last)
 
@@ -298,7 +319,8 @@ class Trainer:
         spec = param._spec if isinstance(param, DTensor) else getattr(param, "_st_info", None)
         if spec is not None:
             for name, placement in zip(spec.mesh.mesh_dim_names, spec.placements):
-                if placement.is_shard() and name in sizes:
+                # FSDP over TP shards as _StridedShard, which is not a Shard subclass.
+                if (placement.is_shard() or isinstance(placement, _StridedShard)) and name in sizes:
                     sizes[name] = 1
         return sizes["dp"] * sizes["tp"]
 
