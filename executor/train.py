@@ -16,7 +16,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.distributed.tensor.parallel import loss_parallel
@@ -24,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from costmodel.specs import ModelSpec, TrainingSpec
 from costmodel.strategy import Strategy
+from executor.data import dp_shard
 from executor.models import canonical_name, materialize
 from executor.parallelize import (
     apply_expert_parallel,
@@ -38,7 +38,6 @@ from executor.parallelize import (
     stage_module,
 )
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
 
 
 @dataclass(frozen=True)
@@ -174,6 +173,10 @@ class Trainer:
         return mine
 
     def _pipeline_schedule(self):
+        # Imported here: torch.distributed.pipelining pulls in torch.export (seconds of
+        # start-up that runs without a pipeline need not pay).
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
         s, b, t = self.strategy, self.strategy.micro_batch_size, self.training.seq_len
         h, v = self.spec.hidden_size, self.spec.vocab_size
         local_t = t // s.tp if s.sequence_parallel else t
@@ -189,18 +192,17 @@ class Trainer:
             stages.append(PipelineStage(module, index, s.num_virtual_stages, self.device,
                                         input_args=example_in, output_args=example_out,
                                         group=self.mesh["pp"].get_group()))
-        cls = SCHEDULES[s.schedule]
-        if cls is ScheduleInterleaved1F1B:
-            return cls(stages, n_microbatches=s.num_microbatches, loss_fn=cross_entropy)
+        if s.schedule == "interleaved":
+            return ScheduleInterleaved1F1B(stages, n_microbatches=s.num_microbatches, loss_fn=cross_entropy)
+        cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[s.schedule]
         return cls(stages[0], n_microbatches=s.num_microbatches, loss_fn=cross_entropy)
 
     # -- one step -------------------------------------------------------------------
 
     def local_batch(self, inputs: torch.Tensor, targets: torch.Tensor):
         """This rank's dp share of the global batch."""
-        share = inputs.shape[0] // self.strategy.dp
-        rows = slice(self.dp_rank * share, (self.dp_rank + 1) * share)
-        return inputs[rows].to(self.device), targets[rows].to(self.device)
+        x, y = dp_shard(inputs, targets, self.dp_rank, self.strategy.dp)
+        return x.to(self.device), y.to(self.device)
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         """Forward and backward of this rank's share; the mean loss on the last stage."""

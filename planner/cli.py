@@ -1,5 +1,6 @@
 """The `shardwise` command line: `plan` searches for the best parallel strategy and
-writes a plan file, `explain` prints a plan file's breakdowns.
+writes a plan file, `explain` prints a plan file's breakdowns, `run` trains with a plan
+(the executor, imported only there).
 
 Exit codes: 0 ok, 2 bad input (one line naming the field), 3 nothing feasible (the
 binding constraint with its numbers and a relaxation that would make a plan exist).
@@ -11,7 +12,7 @@ import sys
 
 import click
 
-from costmodel.loading import SpecError, as_int, parse_overrides
+from costmodel.loading import SpecError, as_float, as_int, parse_overrides
 from planner.api import make_problem
 from planner.plan import dumps, plan_document, read_plan, write_plan
 from planner.report import print_explain, print_plan
@@ -91,6 +92,52 @@ def explain(plan_file) -> None:
     except SpecError as err:
         _fail(EXIT_BAD_INPUT, str(err))
     print_explain(doc)
+
+
+@main.command()
+@click.argument("plan_file")
+@click.option("--steps", default="10", show_default=True, help="Training steps to run.")
+@click.option("--model", "model_name", default=None, help="Refuse the plan unless it was made for this model.")
+@click.option("--data", default="synthetic", show_default=True,
+              help="synthetic (seeded random tokens) | corpus (the built-in text, byte tokens) | a .txt path.")
+@click.option("--seed", default="0", show_default=True, help="Seed of the weights and the data.")
+@click.option("--lr", default=None, help="Peak learning rate [default: 1e-3, warm-up then cosine].")
+@click.option("--metrics-out", default=None, help="Write one JSON line per step and a closing summary here.")
+@click.option("--nproc-per-node", default=None, help="Processes on this node [default: the plan's GPUs / --nnodes].")
+@click.option("--nnodes", default="1", show_default=True, help="Nodes taking part; each runs this same command.")
+@click.option("--node-rank", default="0", show_default=True, help="This node's index (0 .. nnodes-1).")
+@click.option("--rdzv-endpoint", default=None, help="host:port of node 0, for --nnodes > 1.")
+@click.option("--rdzv-id", default="shardwise", show_default=True, help="Job id shared by the nodes.")
+def run(plan_file, steps, model_name, data, seed, lr, metrics_out, nproc_per_node, nnodes, node_rank,
+        rdzv_endpoint, rdzv_id) -> None:
+    """Train with a plan: torchrun starts one process per GPU (or CPU rank, gloo),
+    each builds its share of the model (DTensor TP, pipeline stages, DDP/FSDP) and
+    trains; rank 0 prints progress and the measured figures beside the estimate.
+
+    \b
+    One machine:   shardwise run plan.json --steps 20 --metrics-out m.jsonl
+    Two nodes:     shardwise run plan.json --nnodes 2 --node-rank 0 --rdzv-endpoint node0:29500
+                   shardwise run plan.json --nnodes 2 --node-rank 1 --rdzv-endpoint node0:29500
+    """
+    from executor.launch import plan_launch, run_torchrun
+    from executor.run import load_job
+
+    try:
+        job = load_job(plan_file, model_name)
+        launch = plan_launch(job.strategy.num_gpus, as_int(nproc_per_node, "--nproc-per-node") if nproc_per_node else None,
+                             as_int(nnodes, "--nnodes"), as_int(node_rank, "--node-rank", minimum=0),
+                             rdzv_endpoint, rdzv_id)
+        worker = [plan_file, "--steps", str(as_int(steps, "--steps")), "--data", data,
+                  "--seed", str(as_int(seed, "--seed", minimum=0))]
+        if lr is not None:
+            worker += ["--lr", str(as_float(lr, "--lr"))]
+        if model_name:
+            worker += ["--model", model_name]
+        if metrics_out:
+            worker += ["--metrics-out", metrics_out]
+    except SpecError as err:
+        _fail(EXIT_BAD_INPUT, str(err))
+    sys.exit(run_torchrun(launch, worker))
 
 
 if __name__ == "__main__":
