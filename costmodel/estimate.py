@@ -189,7 +189,10 @@ def unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
     layer_work = {
         "none": base,
         "selective": base + Work(recompute_s=layer.attention_core_s),
-        "full": base + Work(recompute_s=fwd_compute, tp_comm_s=tp_one_way, ep_comm_s=ep_one_way, dp_comm_s=zero3_fwd),
+        # Full recompute repeats the forward's TP and EP collectives, but not ZeRO-3's
+        # gather: the recomputed forward runs inside backward, on the weights already
+        # gathered for it (FSDP2's pre-backward unshard; counted in the executor).
+        "full": base + Work(recompute_s=fwd_compute, tp_comm_s=tp_one_way, ep_comm_s=ep_one_way),
     }
     if training.flash_attention:
         # FlashAttention already recomputes the scores in its backward pass, so
@@ -197,12 +200,23 @@ def unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
         layer_work["selective"] = base
     activation = {mode: memory.layer_activation_bytes(model, training, b, tp, sp, mode) for mode in RECOMPUTE_MODES}
 
-    # Embedding (vocab-parallel: an all-reduce, or reduce-scatter with SP, of its output)
-    # and LM head (its input gathered with SP, its gradient reduced without).
+    # Embedding and LM head, both split over the vocabulary (Shoeybi et al. 2019 §3).
+    # The embedding's output is all-reduced (with SP reduce-scattered forward and its
+    # gradient all-gathered backward); the head's input gradient is all-reduced backward
+    # (with SP its input all-gathered forward and the gradient reduce-scattered back).
+    # Counted from the executor's collectives (tests/executor/test_executor_comms.py).
     emb_fwd = compute.embedding_compute_s(model, cluster, training, b)
-    emb_comm = collective_time_s("reduce_scatter" if sp else "all_reduce", message, where["tp"], cluster)
     head_fwd = compute.head_compute_s(model, cluster, training, b, tp)
-    head_comm = 2 * collective_time_s("all_gather" if sp else "all_reduce", message, where["tp"], cluster)
+    if sp:
+        boundary = (collective_time_s("reduce_scatter", message, where["tp"], cluster)
+                    + collective_time_s("all_gather", message, where["tp"], cluster))
+        emb_comm = head_comm = boundary
+    else:
+        emb_comm = head_comm = collective_time_s("all_reduce", message, where["tp"], cluster)
+    # Vocabulary-parallel cross-entropy all-reduces three fp32 values per token (the
+    # max logit, the target's logit, the sum of exponentials; Megatron-LM
+    # `_VocabParallelCrossEntropy`, PyTorch `loss_parallel`).
+    head_comm += 3 * collective_time_s("all_reduce", cross_entropy_bytes(b, training.seq_len), where["tp"], cluster)
 
     last_parameters = head_parameters(model)
     if model.tie_word_embeddings and strategy.pp > 1:
@@ -242,6 +256,11 @@ def unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
         p2p_s=p2p_s,
         p2p_bytes=p2p_bytes,
     )
+
+
+def cross_entropy_bytes(micro_batch_size: int, seq_len: int) -> int:
+    """One fp32 value per token of a micro-batch: each all-reduce of the vocabulary-parallel loss."""
+    return 4 * micro_batch_size * seq_len
 
 
 def stage_work(units: UnitCosts, stage: Stage) -> Work:

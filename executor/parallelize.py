@@ -193,9 +193,13 @@ def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, zero_stage: int, ignored
     reshard = zero_stage == 3
     for layer in model.layers.values():
         fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard, ignored_params=ignored or None)
-    if not model.tied:   # a tied embedding and head share one parameter: the root unit holds both
-        for name in ("tok_embeddings", "output"):
-            module = getattr(model, name)
-            if module is not None:
-                fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard)
+    # The embedding (with the learned positions) and the head (with the final norm) are
+    # units of their own, as the cost model counts them; a tied embedding and head share
+    # one parameter, so the root unit holds both.
+    if not model.tied:
+        first = [m for m in (model.tok_embeddings, model.pos_embeddings) if m is not None]
+        last = [m for m in (model.norm, model.output) if m is not None]
+        for unit in (first, last):
+            if unit:
+                fully_shard(unit, mesh=dp_mesh, reshard_after_forward=reshard)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, ignored_params=ignored or None)

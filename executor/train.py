@@ -151,7 +151,9 @@ class Trainer:
         model.stage = stage
         if self.data_parallel == "ddp":
             DDP._set_params_and_buffers_to_ignore_for_model(model, [n for n, _ in expert_parameters(model)])
-            model = DDP(model, process_group=self.dp_mesh.get_group())
+            # Buffers (the RoPE tables) are computed identically on every rank: no
+            # per-step broadcast.
+            model = DDP(model, process_group=self.dp_mesh.get_group(), forward_sync_buffers=False)
         return model
 
     def _parameters(self):
@@ -326,8 +328,8 @@ class Trainer:
                     sizes[name] = 1
         return sizes["dp"] * sizes["tp"]
 
-    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
-        """One optimizer step on the global batch; returns its mean loss on every rank."""
+    def train_step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        """One optimizer step on the global batch; this rank's loss (last stage only)."""
         x, y = self.local_batch(inputs, targets)
         loss = self.forward_backward(x, y)
         self.synchronize_gradients()
@@ -336,7 +338,11 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step_count += 1
-        return self.global_loss(loss)
+        return loss
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+        """`train_step`, and the global batch's mean loss on every rank."""
+        return self.global_loss(self.train_step(inputs, targets))
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -1,0 +1,103 @@
+"""The collectives one rank issues in a training step, as the cost model charges them:
+kind, group, bytes per call (the convention of `comm.collective_time_s`) and calls per
+step. `estimate.unit_costs` and `estimate.dp_sync_s` price exactly these; this listing
+names them one by one so that a run can be checked against it (the executor's
+`CommCounter`, tests/executor/test_executor_comms.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from costmodel import compute, memory
+from costmodel.estimate import cross_entropy_bytes, p2p_sends, rank_parameters, unit_costs
+from costmodel.specs import Problem
+from costmodel.strategy import Strategy
+
+# The global gradient norm for clipping: one fp64 scalar summed over every rank.
+GRAD_NORM_BYTES = 8
+
+
+@dataclass(frozen=True)
+class Collective:
+    kind: str     # all_reduce | all_gather | reduce_scatter | all_to_all | p2p
+    group: str    # tp | dp | ep | expert_dp | pp | pp_ends | world
+    bytes: float  # per call
+    calls: int    # per step
+    what: str
+
+
+def group_sizes(strategy: Strategy) -> dict[str, int]:
+    s = strategy
+    return {"tp": s.tp, "dp": s.dp, "ep": s.ep, "expert_dp": s.dp // s.ep, "pp": s.pp,
+            "pp_ends": 2 if s.pp > 1 else 1, "world": s.num_gpus}
+
+
+def step_collectives(problem: Problem, strategy: Strategy, pp_rank: int) -> tuple[Collective, ...]:
+    """Every collective rank `pp_rank` (any of its dp and tp ranks) issues in one step;
+    groups of one rank are left out."""
+    model, training, s = problem.model, problem.training, strategy
+    units = unit_costs(problem, s)
+    states = memory.state_bytes(training)
+    b, m = s.micro_batch_size, s.num_microbatches
+    message = compute.activation_bytes_per_value(training) * b * training.seq_len * model.hidden_size
+    stages = s.rank_stages(pp_rank)
+    layers = sum(st.num_layers for st in stages)
+    full = sum(st.full_recompute_layers for st in stages)
+    first = any(st.index == 0 for st in stages)
+    last = any(st.index == s.num_virtual_stages - 1 for st in stages)
+    out: list[Collective] = []
+
+    def add(kind, group, nbytes, calls, what):
+        if calls and nbytes > 0 and group_sizes(s)[group] > 1:
+            out.append(Collective(kind, group, float(nbytes), int(calls), what))
+
+    # Per micro-batch, as unit_costs charges each layer (full recompute repeats the forward's).
+    if s.sequence_parallel:
+        add("all_gather", "tp", message, m * (2 * (layers + full) + 2 * layers + 2 * layers), "layer TP (SP)")
+        add("reduce_scatter", "tp", message, m * (2 * (layers + full) + 2 * layers), "layer TP (SP)")
+    else:
+        add("all_reduce", "tp", message, m * (2 * (layers + full) + 2 * layers), "layer TP")
+    if model.is_moe:
+        add("all_to_all", "ep", message * model.num_experts_per_tok / s.tp, m * (2 * (layers + full) + 2 * layers),
+            "MoE dispatch and combine")
+    if s.zero_stage == 3:
+        dense, experts = units.layer_dense_parameters, units.layer_expert_parameters
+        add("all_gather", "dp", dense * states.weights, m * 2 * layers, "ZeRO-3 layer weights")
+        add("reduce_scatter", "dp", dense * states.gradients, m * layers, "ZeRO-3 layer gradients")
+        add("all_gather", "expert_dp", experts * states.weights, m * 2 * layers, "ZeRO-3 expert weights")
+        add("reduce_scatter", "expert_dp", experts * states.gradients, m * layers, "ZeRO-3 expert gradients")
+    for end, present, local in (("embedding", first, units.first_parameters), ("head", last, units.last_parameters)):
+        if not present:
+            continue
+        if s.sequence_parallel:
+            add("all_gather", "tp", message, m, f"{end} TP (SP)")
+            add("reduce_scatter", "tp", message, m, f"{end} TP (SP)")
+        else:
+            add("all_reduce", "tp", message, m, f"{end} TP")
+        if s.zero_stage == 3:
+            add("all_gather", "dp", local * states.weights, 2 * m, f"ZeRO-3 {end} weights")
+            add("reduce_scatter", "dp", local * states.gradients, m, f"ZeRO-3 {end} gradients")
+    if last:
+        add("all_reduce", "tp", cross_entropy_bytes(b, training.seq_len), 3 * m, "vocab-parallel cross-entropy")
+    add("p2p", "pp", units.p2p_bytes, m * p2p_sends(s, pp_rank), "pipeline activations and gradients")
+
+    # Per step (dp_sync_s).
+    dense, experts = rank_parameters(units, s, pp_rank)
+    if s.zero_stage == 0:
+        add("all_reduce", "dp", dense * states.gradients, 1, "DDP gradients")
+        add("all_reduce", "expert_dp", experts * states.gradients, 1, "expert gradients")
+    elif s.zero_stage in (1, 2):
+        # The same volume as one all-reduce, issued per unit as FSDP2 does (each layer,
+        # the embedding, the head); dp_sync_s prices the sum.
+        units_of = [(units.layer_dense_parameters, layers, "layer")]
+        units_of += [(units.first_parameters, 1, "embedding")] if first else []
+        units_of += [(units.last_parameters, 1, "head")] if last else []
+        for params, calls, what in units_of:
+            add("reduce_scatter", "dp", params * states.gradients, calls, f"ZeRO {what} gradients")
+            add("all_gather", "dp", params * states.weights, calls, f"ZeRO {what} updated weights")
+    if model.tie_word_embeddings and s.pp > 1 and (first or last):
+        add("all_reduce", "pp_ends", model.vocab_size * model.hidden_size / s.tp * states.gradients, 1,
+            "tied embedding gradient")
+    add("all_reduce", "world", GRAD_NORM_BYTES, 1, "gradient norm")
+    return tuple(out)

@@ -1,0 +1,71 @@
+"""The collectives the executor issues in a step equal, kind by kind, in calls and in
+bytes, the ones the cost model charges for the same plan (costmodel.collectives)."""
+
+import pytest
+from collections import Counter
+
+from costmodel.collectives import group_sizes, step_collectives
+from costmodel.loading import load_cluster, load_model
+from costmodel.specs import Problem
+from executor.comms import CommCounter
+from executor.train import Trainer
+from executor_test_helpers import CONFIG, batches, run_ranks, strategy, training
+
+PLANS = {
+    "dp2": ("tiny-llama", strategy(dp=2)),
+    "dp2-gpt": ("tiny-gpt", strategy(dp=2, m=2)),
+    "tp2": ("tiny-llama", strategy(tp=2)),
+    "tp2-gpt": ("tiny-gpt", strategy(tp=2, m=2)),
+    "pp2": ("tiny-llama", strategy(pp=2, m=4)),
+    "pp2-tied": ("tiny-gpt", strategy(pp=2)),
+    "pp2-interleaved": ("tiny-llama", strategy(pp=2, vpp=2, schedule="interleaved")),
+    "zero2": ("tiny-llama", strategy(dp=2, zero=2, m=2)),
+    "zero3": ("tiny-llama", strategy(dp=2, zero=3, m=2)),
+    "zero3-recompute": ("tiny-llama", strategy(dp=2, zero=3, recompute="full")),
+    "ep2": ("tiny-moe", strategy(dp=2, ep=2)),
+}
+
+
+def issued(rank, world, model, strat):
+    """(kind, group size, bytes) -> calls for one step after two warm-up steps (DDP
+    settles its gradient buckets on the second)."""
+    trainer = Trainer(load_model(model), training(), strat, CONFIG, "cpu")
+    warm, warm_again, measured = batches(trainer.spec, 3)
+    trainer.step(*warm)
+    trainer.step(*warm_again)
+    with CommCounter() as counter:
+        trainer.train_step(*measured)
+    return {(c.kind, c.group_size, c.bytes): n for c, n in Counter(counter.issued).items()}, trainer.pp_rank
+
+
+def charged(model, strat, pp_rank):
+    problem = Problem(load_model(model), load_cluster("cpu", gpus=strat.num_gpus), training())
+    sizes = group_sizes(strat)
+    out = Counter()
+    for c in step_collectives(problem, strat, pp_rank):
+        out[(c.kind, sizes[c.group], int(c.bytes))] += c.calls
+    return dict(out)
+
+
+@pytest.mark.parametrize("plan", sorted(PLANS))
+def test_collectives_match_cost_model(plan):
+    model, strat = PLANS[plan]
+    spec = load_model(model)
+    routed_measured = routed_charged = 0
+    for measured, pp_rank in run_ranks(issued, strat.num_gpus, model, strat):
+        charge = charged(model, strat, pp_rank)
+        if strat.ep > 1:
+            # Each MoE layer first exchanges its per-expert row counts (ep x local experts
+            # int64), which the cost model does not charge.
+            counts = ("all_to_all", strat.ep, 8 * spec.num_local_experts)
+            assert measured.pop(counts) == spec.num_hidden_layers * strat.num_microbatches
+            # The rows a rank sends back depend on the routing; over the ranks they add
+            # up to what the cost model charges each rank on average.
+            routed_measured += sum(k[2] * n for k, n in measured.items() if k[0] == "all_to_all")
+            routed_charged += sum(k[2] * n for k, n in charge.items() if k[0] == "all_to_all")
+            count = sum(n for k, n in measured.items() if k[0] == "all_to_all")
+            assert count == sum(n for k, n in charge.items() if k[0] == "all_to_all")
+            measured = {k: n for k, n in measured.items() if k[0] != "all_to_all"}
+            charge = {k: n for k, n in charge.items() if k[0] != "all_to_all"}
+        assert measured == charge, f"pipeline rank {pp_rank}"
+    assert routed_measured == routed_charged
