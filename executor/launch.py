@@ -1,13 +1,23 @@
 """Starting a run: the torchrun command line for a plan, on one machine (standalone
-rendezvous) or across nodes (c10d rendezvous at an endpoint every node can reach).
-Each node runs the same command with its own --node-rank."""
+rendezvous) or across nodes (c10d rendezvous at an endpoint every node can reach);
+each node runs the same command with its own --node-rank. And `run_local`, the
+in-process launcher that tests and benchmarks use (fork, gloo over loopback TCP:
+0.06 s for two ranks against ~3 s for torchrun)."""
 
 from __future__ import annotations
 
+import datetime
+import io
 import os
+import socket
 import subprocess
 import sys
+import traceback
 from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from costmodel.loading import SpecError
 
@@ -58,3 +68,46 @@ def run_torchrun(launch: Launch, worker_args: list[str]) -> int:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")   # one intra-op thread per rank: ranks share the cores
     return subprocess.call(torchrun_command(launch, worker_args), env=env)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world, port, queue, fn, args):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=60))
+        result = fn(rank, world, *args)
+        buffer = io.BytesIO()   # by value: a shared-memory tensor would die with this process
+        torch.save(result, buffer)
+        queue.put((rank, "ok", buffer.getvalue()))
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:   # report every failure to the parent, then exit
+        queue.put((rank, "error", traceback.format_exc()))
+
+
+def run_local(fn, world: int, *args) -> list:
+    """Run fn(rank, world, *args) on `world` forked ranks; their return values by rank."""
+    ctx = mp.get_context("fork")
+    queue = ctx.SimpleQueue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, queue, fn, args)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = {}
+    for _ in range(world):
+        rank, status, value = queue.get()
+        if status == "error":
+            for p in procs:
+                p.kill()
+            raise RuntimeError(f"rank {rank} failed:\n{value}")
+        results[rank] = torch.load(io.BytesIO(value), weights_only=True)
+    for p in procs:
+        p.join(timeout=30)
+    return [results[r] for r in range(world)]

@@ -7,6 +7,7 @@ calls `Trainer.step` with the same global batch; each takes its own share.
 
 from __future__ import annotations
 
+import inspect
 import math
 from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
@@ -85,6 +86,12 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
+# DDP's switch for not broadcasting buffers each forward: `forward_sync_buffers` in
+# recent PyTorch, `broadcast_buffers` (deprecated there) before.
+NO_BUFFER_SYNC = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters
+                  else {"broadcast_buffers": False})
+
+
 def data_parallel_kind(strategy: Strategy) -> str:
     """How the dp replicas are kept in step: "none", "ddp" (ZeRO-0, and ZeRO-1 with
     ZeroRedundancyOptimizer, Rajbhandari et al. 2020 §5.1), "replicate" (ZeRO-0 over
@@ -153,7 +160,7 @@ class Trainer:
             DDP._set_params_and_buffers_to_ignore_for_model(model, [n for n, _ in expert_parameters(model)])
             # Buffers (the RoPE tables) are computed identically on every rank: no
             # per-step broadcast.
-            model = DDP(model, process_group=self.dp_mesh.get_group(), forward_sync_buffers=False)
+            model = DDP(model, process_group=self.dp_mesh.get_group(), **NO_BUFFER_SYNC)
         return model
 
     def _parameters(self):

@@ -1,26 +1,18 @@
-"""Shared helpers for the executor tests: the one multi-process launcher (fork, gloo over
-TCP on loopback: 0.06 s for two ranks against ~3 s for torchrun) and the single-process
-reference training loop, written with plain PyTorch pieces (one unsplit model,
+"""Shared helpers for the executor tests: plans, data, the rank body of a parallel run
+(launched with executor.launch.run_local) and the single-process reference training loop, written with plain PyTorch pieces (one unsplit model,
 torch.optim, clip_grad_norm_) so the parallel runs are compared with something they do
 not share code with beyond the model and its initial weights.
 """
 
 from __future__ import annotations
 
-import datetime
-import io
-import os
-import socket
-import traceback
-
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from costmodel.loading import load_model
 from costmodel.specs import TrainingSpec
 from costmodel.strategy import Strategy, even_stages
 from executor.data import SyntheticTokens
+from executor.launch import run_local as run_ranks
 from executor.models import build_model, materialize
 from executor.train import TrainConfig, Trainer, cross_entropy, lr_factor
 
@@ -28,49 +20,6 @@ SEQ_LEN = 16
 GLOBAL_BATCH = 8
 STEPS = 5
 CONFIG = TrainConfig(lr=3e-3, warmup_steps=2, total_steps=5)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank, world, port, queue, fn, args):
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=60))
-        result = fn(rank, world, *args)
-        buffer = io.BytesIO()   # by value: a shared-memory tensor would die with this process
-        torch.save(result, buffer)
-        queue.put((rank, "ok", buffer.getvalue()))
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:   # report every failure to the parent, then exit
-        queue.put((rank, "error", traceback.format_exc()))
-
-
-def run_ranks(fn, world: int, *args) -> list:
-    """Run fn(rank, world, *args) on `world` forked ranks; their return values by rank."""
-    ctx = mp.get_context("fork")
-    queue = ctx.SimpleQueue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, queue, fn, args)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results = {}
-    for _ in range(world):
-        rank, status, value = queue.get()
-        if status == "error":
-            for p in procs:
-                p.kill()
-            raise AssertionError(f"rank {rank} failed:\n{value}")
-        results[rank] = torch.load(io.BytesIO(value), weights_only=True)
-    for p in procs:
-        p.join(timeout=30)
-    return [results[r] for r in range(world)]
 
 
 def training(optimizer: str = "adamw") -> TrainingSpec:
