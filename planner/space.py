@@ -128,6 +128,11 @@ def _schedule_options(problem: Problem, rules: Rules, pp: int, m: int, why: Excl
     for schedule in ("gpipe", "1f1b", "interleaved"):
         if not _admits(rules, why, "schedule", schedule):
             continue
+        if schedule == "1f1b" and m < pp:
+            # torch.distributed.pipelining's Schedule1F1B (what the executor runs) needs
+            # at least one micro-batch per stage.
+            why.add("schedule", f"1f1b needs at least pp {pp} micro-batches, there are {m}")
+            continue
         if schedule != "interleaved":
             if rules.permits("vpp", 1):
                 out.append((schedule, 1))
