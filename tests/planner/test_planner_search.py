@@ -44,6 +44,16 @@ def test_space_obeys_rules():
     assert all(s.dp * s.tp * s.pp == 8 for s in space)
 
 
+def test_space_offers_1f1b_only_with_a_micro_batch_per_stage():
+    spec = load_model("tiny-gpt")
+    cluster = load_cluster("cpu", gpus=4)
+    p = Problem(spec, cluster, make_training(spec, cluster, 2, 16))
+    space, why = enumerate_space(p, load_rules())
+    pipelined = [s for s in space if s.pp > 1]
+    assert pipelined and all(s.schedule == "gpipe" or s.num_microbatches >= s.pp for s in pipelined)
+    assert any(s.schedule == "gpipe" and s.num_microbatches < s.pp for s in pipelined)
+
+
 @pytest.mark.parametrize("strategy", [
     Strategy(dp=1, tp=2, pp=4, micro_batch_size=4, num_microbatches=8, schedule="1f1b"),
     Strategy(dp=2, tp=1, pp=4, micro_batch_size=2, num_microbatches=8, schedule="1f1b", zero_stage=1),
