@@ -27,13 +27,13 @@ from costmodel.strategy import Strategy
 from executor.data import dp_shard
 from executor.models import canonical_name, materialize
 from executor.parallelize import (
+    UnsupportedPlan,
     apply_expert_parallel,
     apply_fsdp,
     apply_recompute,
+    apply_replicate,
     apply_tensor_parallel,
     build_mesh,
-    UnsupportedPlan,
-    apply_replicate,
     check_supported,
     expert_parameters,
     stage_module,
