@@ -20,9 +20,9 @@ from executor.launch import run_local
 from executor.train import TrainConfig, Trainer
 from planner.space import describe
 
-MODEL = {"hidden_size": "256", "num_hidden_layers": "4", "intermediate_size": "1024",
+MODEL = {"hidden_size": "512", "num_hidden_layers": "4", "intermediate_size": "2048",
          "max_position_embeddings": "128", "num_attention_heads": "8", "num_key_value_heads": "8"}
-SEQ, BATCH, STEPS = 128, 8, 6
+SEQ, BATCH, ROUNDS, STEPS = 128, 8, 3, 2
 PLANS = [  # dp, tp, pp, m, extra
     (2, 1, 1, 1, {}), (2, 1, 1, 2, {}), (2, 1, 1, 1, {"zero_stage": 2}), (2, 1, 1, 1, {"zero_stage": 3}),
     (2, 1, 1, 1, {"recompute": "full"}), (2, 1, 1, 2, {"zero_stage": 3, "recompute": "full"}),
@@ -42,20 +42,25 @@ def strategies(layers):
 
 
 def measure(rank, world):
+    """Median step of each plan; the plans take turns in rounds so that the machine's
+    drift touches all of them alike."""
     spec = load_model("tiny-gpt", MODEL)
     training = TrainingSpec(BATCH, SEQ, precision="fp32", optimizer="adamw")
     source = SyntheticTokens(spec.vocab_size)
-    medians = []
-    for strategy in strategies(spec.num_hidden_layers):
-        trainer = Trainer(spec, training, strategy, TrainConfig(total_steps=STEPS), "cpu")
-        times = []
-        for step in range(STEPS):
-            x, y = source.global_batch(step, BATCH, SEQ)
-            start = time.perf_counter()
-            trainer.step(x, y)
-            times.append(time.perf_counter() - start)
-        medians.append(statistics.median(times[1:]))
-    return medians
+    total = 1 + ROUNDS * STEPS
+    trainers = [Trainer(spec, training, s, TrainConfig(total_steps=total), "cpu")
+                for s in strategies(spec.num_hidden_layers)]
+    times = [[] for _ in trainers]
+    for trainer in trainers:   # warm-up step, not timed
+        trainer.step(*source.global_batch(0, BATCH, SEQ))
+    for r in range(ROUNDS):
+        for trainer, timed in zip(trainers, times):
+            for i in range(STEPS):
+                x, y = source.global_batch(1 + r * STEPS + i, BATCH, SEQ)
+                start = time.perf_counter()
+                trainer.step(x, y)
+                timed.append(time.perf_counter() - start)
+    return [statistics.median(t) for t in times]
 
 
 def spearman(a, b) -> float:

@@ -37,6 +37,7 @@ def _ring_time_s(kind: str, total_bytes: float, n: int, link: LinkSpec) -> float
     """Ring collective of `total_bytes` (the full, unsharded buffer) over n ranks."""
     if n <= 1 or total_bytes <= 0:
         return 0.0
+    link = link.for_kind(kind)
     bw = link.achieved_bytes_per_s
     if kind == "all_reduce":  # reduce-scatter + all-gather: 2(n-1)/n of the buffer
         return 2 * (n - 1) / n * total_bytes / bw + 2 * (n - 1) * link.latency_s
@@ -56,9 +57,10 @@ def collective_time_s(kind: str, total_bytes: float, group: Placement, cluster: 
     if total_bytes <= 0 or group.size <= 1:
         return 0.0
     if kind == "p2p":
-        link = inter if group.nodes > 1 else intra
+        link = (inter if group.nodes > 1 else intra).for_kind(kind)
         return link.latency_s + total_bytes / link.achieved_bytes_per_s
     if kind == "all_to_all":
+        intra, inter = intra.for_kind(kind), inter.for_kind(kind)
         n, k = group.size, group.per_node
         on_node = (k - 1) / n * total_bytes / intra.achieved_bytes_per_s
         off_node = (n - k) / n * total_bytes / inter.achieved_bytes_per_s

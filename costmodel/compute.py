@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from costmodel.specs import ClusterSpec, ModelSpec, TrainingSpec
+from costmodel.specs import ClusterSpec, GPUSpec, ModelSpec, TrainingSpec
 
 # Best fraction of peak a large bf16/fp16 GEMM reaches (cuBLAS on A100 sustains ~80-85%
 # of the 312 TFLOP/s peak on large square GEMMs); fitted to Korthikanti Table 4.
@@ -38,18 +38,22 @@ FLASH_CAUSAL_FRACTION = 0.5
 BACKWARD_FACTOR = 2.0
 
 
-def gemm_efficiency(m: float, n: float, k: float) -> float:
-    """Fraction of peak for an (m x k) @ (k x n) GEMM."""
+def gemm_efficiency(m: float, n: float, k: float, device: GPUSpec | None = None) -> float:
+    """Fraction of peak for an (m x k) @ (k x n) GEMM; the device may carry its own
+    measured curve (its `gemm_efficiency_max` and `gemm_half_dim`)."""
+    best = GEMM_EFFICIENCY_MAX if device is None or device.gemm_efficiency_max is None else device.gemm_efficiency_max
+    half = GEMM_DIM_HALF if device is None or device.gemm_half_dim is None else device.gemm_half_dim
     factor = 1.0
     for d in (m, n, k):
-        factor *= d / (d + GEMM_DIM_HALF)
-    return GEMM_EFFICIENCY_MAX * factor
+        factor *= d / (d + half)
+    return best * factor
 
 
-def gemm_time_s(m: float, n: float, k: float, peak_flops_per_s: float, batch: float = 1.0) -> float:
+def gemm_time_s(m: float, n: float, k: float, peak_flops_per_s: float, batch: float = 1.0,
+                device: GPUSpec | None = None) -> float:
     if m <= 0 or n <= 0 or k <= 0:
         return 0.0
-    return 2.0 * m * n * k * batch / (peak_flops_per_s * gemm_efficiency(m, n, k))
+    return 2.0 * m * n * k * batch / (peak_flops_per_s * gemm_efficiency(m, n, k, device))
 
 
 def memory_bound_time_s(num_bytes: float, cluster: ClusterSpec) -> float:
@@ -76,28 +80,32 @@ def activation_bytes_per_value(training: TrainingSpec) -> int:
 def layer_compute(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
                   micro_batch_size: int, tp: int, sequence_parallel: bool, ep: int = 1) -> LayerCompute:
     peak = cluster.gpu.peak_for(training.precision)
+
+    def gemm_s(m: float, n: float, k: float, batch: float = 1.0) -> float:
+        return gemm_time_s(m, n, k, peak, batch, cluster.gpu)
+
     b, s, h, f = micro_batch_size, training.seq_len, model.hidden_size, model.intermediate_size
     tokens = b * s
     heads_local = model.num_attention_heads / tp
     hd = model.head_dim
     qkv_width = (model.num_attention_heads * hd + 2 * model.kv_size) / tp
 
-    gemm = gemm_time_s(tokens, qkv_width, h, peak) + gemm_time_s(tokens, h, h / tp, peak)
+    gemm = gemm_s(tokens, qkv_width, h) + gemm_s(tokens, h, h / tp)
     if model.is_moe:
         # Balanced routing: each rank's experts see tokens * k * ep / E tokens each
         # (the all-to-all gathers them from the ep group), E / ep experts per rank.
         local_experts = model.num_local_experts / ep
         tokens_per_expert = tokens * model.num_experts_per_tok * ep / model.num_local_experts
-        per_expert = gemm_time_s(tokens_per_expert, 2 * f / tp, h, peak) + gemm_time_s(tokens_per_expert, h, f / tp, peak)
-        gemm += local_experts * per_expert + gemm_time_s(tokens, model.num_local_experts, h, peak)
+        per_expert = gemm_s(tokens_per_expert, 2 * f / tp, h) + gemm_s(tokens_per_expert, h, f / tp)
+        gemm += local_experts * per_expert + gemm_s(tokens, model.num_local_experts, h)
     elif model.is_gpt:
-        gemm += gemm_time_s(tokens, f / tp, h, peak) + gemm_time_s(tokens, h, f / tp, peak)
+        gemm += gemm_s(tokens, f / tp, h) + gemm_s(tokens, h, f / tp)
     else:
-        gemm += gemm_time_s(tokens, 2 * f / tp, h, peak) + gemm_time_s(tokens, h, f / tp, peak)
+        gemm += gemm_s(tokens, 2 * f / tp, h) + gemm_s(tokens, h, f / tp)
 
     # Attention core: b * heads_local batched (s x hd) @ (hd x s) and (s x s) @ (s x hd).
     batch = b * heads_local
-    core = gemm_time_s(s, s, hd, peak, batch) + gemm_time_s(s, hd, s, peak, batch)
+    core = gemm_s(s, s, hd, batch) + gemm_s(s, hd, s, batch)
     if training.flash_attention:
         core *= FLASH_CAUSAL_FRACTION
     else:
@@ -124,7 +132,7 @@ def head_compute_s(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpe
     loss reads and writes fp32 logits (vocab-parallel cross-entropy, Megatron-LM)."""
     peak = cluster.gpu.peak_for(training.precision)
     tokens = micro_batch_size * training.seq_len
-    logits = gemm_time_s(tokens, model.vocab_size / tp, model.hidden_size, peak)
+    logits = gemm_time_s(tokens, model.vocab_size / tp, model.hidden_size, peak, device=cluster.gpu)
     loss = memory_bound_time_s(2 * 4 * tokens * model.vocab_size / tp, cluster)
     return logits + loss
 

@@ -62,7 +62,7 @@ class UnitCosts:
     """Costs that do not depend on the partition, for one micro-batch on one rank."""
 
     layer_work: dict[str, Work]            # forward + backward of one layer, by recompute mode
-    layer_backward_s: float                # backward without recompute (the DP overlap window)
+    layer_backward_s: float                # the DP overlap window: backward without recompute x comm_overlap
     layer_activation_bytes: dict[str, float]
     layer_working_bytes: float             # one layer's full activations, live while recomputing
     layer_dense_parameters: float          # per rank, after tp
@@ -118,6 +118,22 @@ class Estimate:
     rank_memory_bytes: tuple[float, ...]
 
 
+def sharded_collective_s(kind: str, total_bytes: float, group: Placement, cluster) -> float:
+    """A ZeRO-3 all-gather or reduce-scatter of one unit, with the copies around it:
+    FSDP2 copies the shard into the all-gather buffer and the gathered buffer out into
+    the weights, and the gradients into the reduce-scatter buffer and the shard out
+    (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py: foreach_all_gather,
+    foreach_all_gather_copy_out, foreach_reduce_scatter_copy_in), each a read and a
+    write of the full buffer and of the shard, memory-bound. On GPUs they hide behind
+    the layer's compute with the collective; on CPU ranks (bench/executor_correlation.py)
+    they take as long as the collective. ZeRO-1/2 engines keep gradients and weights in
+    flat buffers the collectives use in place, so they are charged none."""
+    if group.size <= 1 or total_bytes <= 0:
+        return 0.0
+    copies = compute.memory_bound_time_s(2 * total_bytes * (1 + 1 / group.size), cluster)
+    return collective_time_s(kind, total_bytes, group, cluster) + copies
+
+
 def groups(problem: Problem, strategy: Strategy) -> dict[str, Placement]:
     """Where each kind of process group sits (rank order tp, dp, pp; ep inside dp)."""
     g = problem.cluster.gpus_per_node
@@ -156,7 +172,8 @@ def unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
         tp_one_way = 2 * collective_time_s("all_reduce", message, where["tp"], cluster)
     # Backward TP collectives overlap the weight-gradient GEMMs (Megatron-LM's
     # asynchronous tensor-parallel all-reduce / all-gather, Korthikanti et al. §4.2.2).
-    tp_backward = max(0.0, tp_one_way - layer.gemm_s)
+    hide = cluster.comm_overlap   # the fraction of compute a collective can run behind
+    tp_backward = max(0.0, tp_one_way - hide * layer.gemm_s)
     if sp:
         # Sequence parallelism stores the sharded input of each linear block and
         # gathers it again in backward before the weight-gradient GEMM can start
@@ -175,12 +192,12 @@ def unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
     # (Zhao et al. 2023, PyTorch FSDP §3.3 prefetching).
     zero3_fwd = zero3_bwd = 0.0
     if strategy.zero_stage == 3:
-        gather = (collective_time_s("all_gather", dense_local * states.weights, where["dp"], cluster)
-                  + collective_time_s("all_gather", expert_local * states.weights, where["expert_dp"], cluster))
-        scatter = (collective_time_s("reduce_scatter", dense_local * states.gradients, where["dp"], cluster)
-                   + collective_time_s("reduce_scatter", expert_local * states.gradients, where["expert_dp"], cluster))
-        zero3_fwd = max(0.0, gather - layer.forward_s)
-        zero3_bwd = max(0.0, gather + scatter - compute.BACKWARD_FACTOR * layer.forward_s)
+        gather = (sharded_collective_s("all_gather", dense_local * states.weights, where["dp"], cluster)
+                  + sharded_collective_s("all_gather", expert_local * states.weights, where["expert_dp"], cluster))
+        scatter = (sharded_collective_s("reduce_scatter", dense_local * states.gradients, where["dp"], cluster)
+                   + sharded_collective_s("reduce_scatter", expert_local * states.gradients, where["expert_dp"], cluster))
+        zero3_fwd = max(0.0, gather - hide * layer.forward_s)
+        zero3_bwd = max(0.0, gather + scatter - hide * compute.BACKWARD_FACTOR * layer.forward_s)
 
     fwd_compute = layer.forward_s
     bwd_compute = compute.BACKWARD_FACTOR * layer.forward_s
@@ -230,8 +247,8 @@ def unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
         # layer to hide behind: charged in full.
         if strategy.zero_stage != 3:
             return 0.0
-        return (2 * collective_time_s("all_gather", local_parameters * states.weights, where["dp"], cluster)
-                + collective_time_s("reduce_scatter", local_parameters * states.gradients, where["dp"], cluster))
+        return (2 * sharded_collective_s("all_gather", local_parameters * states.weights, where["dp"], cluster)
+                + sharded_collective_s("reduce_scatter", local_parameters * states.gradients, where["dp"], cluster))
 
     first_work = Work(compute_s=emb_fwd * (1 + compute.BACKWARD_FACTOR), tp_comm_s=emb_comm,
                       dp_comm_s=zero3_ends_s(first_local))
@@ -243,7 +260,7 @@ def unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
     p2p_s = collective_time_s("p2p", p2p_bytes, where["pp"], cluster) if strategy.pp > 1 else 0.0
     return UnitCosts(
         layer_work=layer_work,
-        layer_backward_s=bwd_compute + tp_backward,
+        layer_backward_s=hide * (bwd_compute + tp_backward),
         layer_activation_bytes=activation,
         layer_working_bytes=activation["none"],
         layer_dense_parameters=dense_local,

@@ -28,6 +28,9 @@ from costmodel.specs import (
 )
 
 
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
+
+
 class SpecError(ValueError):
     """Bad input: `field` names what is wrong."""
 
@@ -197,7 +200,8 @@ def load_model(source: str | Path, overrides: dict[str, str] | None = None) -> M
 
 
 def gpu_from_dict(data: dict, field: str = "gpu") -> GPUSpec:
-    _check_keys(data, {"name", "peak_flops_per_s", "memory_bytes", "hbm_bandwidth_bytes_per_s"}, field)
+    _check_keys(data, {"name", "peak_flops_per_s", "memory_bytes", "hbm_bandwidth_bytes_per_s",
+                       "gemm_efficiency_max", "gemm_half_dim"}, field)
     peaks = data.get("peak_flops_per_s")
     if not isinstance(peaks, dict) or not peaks:
         raise SpecError(f"{field}.peak_flops_per_s", "expected a mapping of precision to FLOP/s")
@@ -209,27 +213,53 @@ def gpu_from_dict(data: dict, field: str = "gpu") -> GPUSpec:
         peak_flops_per_s={p: as_float(v, f"{field}.peak_flops_per_s.{p}") for p, v in sorted(peaks.items())},
         memory_bytes=as_int(data.get("memory_bytes"), f"{field}.memory_bytes"),
         hbm_bandwidth_bytes_per_s=as_float(data.get("hbm_bandwidth_bytes_per_s"), f"{field}.hbm_bandwidth_bytes_per_s"),
+        gemm_efficiency_max=_optional_fraction(data, "gemm_efficiency_max", field),
+        gemm_half_dim=(as_float(data["gemm_half_dim"], f"{field}.gemm_half_dim", exclusive=False)
+                       if "gemm_half_dim" in data else None),
     )
+
+
+def _optional_fraction(data: dict, key: str, field: str) -> float | None:
+    if key not in data:
+        return None
+    value = as_float(data[key], f"{field}.{key}", exclusive=False)
+    if value > 1:
+        raise SpecError(f"{field}.{key}", f"must be at most 1, got {value}")
+    return value
 
 
 def link_from_dict(data: Any, field: str) -> LinkSpec:
     if not isinstance(data, dict):
         raise SpecError(field, "expected a mapping with bandwidth_bytes_per_s and latency_s")
-    _check_keys(data, {"bandwidth_bytes_per_s", "latency_s", "efficiency"}, field)
+    _check_keys(data, {"bandwidth_bytes_per_s", "latency_s", "efficiency", "collectives"}, field)
     efficiency = as_float(data.get("efficiency", 1.0), f"{field}.efficiency")
     if efficiency > 1:
         raise SpecError(f"{field}.efficiency", f"must be at most 1, got {efficiency}")
+    per_kind = data.get("collectives", {})
+    if not isinstance(per_kind, dict):
+        raise SpecError(f"{field}.collectives", "expected a mapping of collective kind to bandwidth and latency")
+    collectives = {}
+    for kind, figures in sorted(per_kind.items()):
+        where = f"{field}.collectives.{kind}"
+        if kind not in COLLECTIVE_KINDS:
+            raise SpecError(where, f"unknown collective (known: {', '.join(COLLECTIVE_KINDS)})")
+        if not isinstance(figures, dict):
+            raise SpecError(where, "expected bandwidth_bytes_per_s and latency_s")
+        _check_keys(figures, {"bandwidth_bytes_per_s", "latency_s"}, where)
+        collectives[kind] = (as_float(figures.get("bandwidth_bytes_per_s"), f"{where}.bandwidth_bytes_per_s"),
+                             as_float(figures.get("latency_s"), f"{where}.latency_s", exclusive=False))
     return LinkSpec(
         bandwidth_bytes_per_s=as_float(data.get("bandwidth_bytes_per_s"), f"{field}.bandwidth_bytes_per_s"),
         latency_s=as_float(data.get("latency_s"), f"{field}.latency_s", exclusive=False),
         efficiency=efficiency,
+        collectives=collectives,
     )
 
 
 def load_cluster(source: str | Path, nodes: int | None = None, gpus: int | None = None) -> ClusterSpec:
     """A cluster by name or path, resized by `nodes` or `gpus` (not both)."""
     data, name = read_document(source, "clusters", "--cluster")
-    _check_keys(data, {"name", "gpu", "gpus_per_node", "num_nodes", "intra_node", "inter_node"}, "cluster")
+    _check_keys(data, {"name", "gpu", "gpus_per_node", "num_nodes", "intra_node", "inter_node", "comm_overlap"}, "cluster")
     gpu_data = data.get("gpu")
     if isinstance(gpu_data, str):
         gpu_data, _ = read_document(gpu_data, "hardware", "cluster.gpu")
@@ -256,6 +286,7 @@ def load_cluster(source: str | Path, nodes: int | None = None, gpus: int | None 
         num_nodes=num_nodes,
         intra_node=link_from_dict(data.get("intra_node"), "cluster.intra_node"),
         inter_node=link_from_dict(data.get("inter_node", data.get("intra_node")), "cluster.inter_node"),
+        comm_overlap=_optional_fraction(data, "comm_overlap", "cluster") if "comm_overlap" in data else 1.0,
     )
 
 

@@ -7,7 +7,7 @@ in YAML, in a `config.json` and in code. Loading and validation live in
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 FAMILIES = ("gpt", "llama", "mixtral")
 PRECISIONS = ("bf16", "fp16", "fp32")
@@ -60,6 +60,10 @@ class GPUSpec:
     peak_flops_per_s: dict[str, float]
     memory_bytes: int
     hbm_bandwidth_bytes_per_s: float
+    # GEMM efficiency curve (costmodel.compute.gemm_efficiency); None keeps the
+    # constants fitted on A100 tensor cores.
+    gemm_efficiency_max: float | None = None
+    gemm_half_dim: float | None = None
 
     def peak_for(self, precision: str) -> float:
         return self.peak_flops_per_s[precision]
@@ -76,10 +80,21 @@ class LinkSpec:
     bandwidth_bytes_per_s: float
     latency_s: float
     efficiency: float = 1.0
+    # Measured figures for collectives that differ from the link's (kind -> achieved
+    # bandwidth, latency): gloo's all-gather and reduce-scatter run at a fraction of
+    # its all-reduce, for instance.
+    collectives: dict[str, tuple[float, float]] = field(default_factory=dict)
 
     @property
     def achieved_bytes_per_s(self) -> float:
         return self.bandwidth_bytes_per_s * self.efficiency
+
+    def for_kind(self, kind: str) -> LinkSpec:
+        """The link as one collective kind sees it."""
+        if kind not in self.collectives:
+            return self
+        bandwidth, latency = self.collectives[kind]
+        return LinkSpec(bandwidth, latency)
 
 
 @dataclass(frozen=True)
@@ -90,6 +105,10 @@ class ClusterSpec:
     num_nodes: int
     intra_node: LinkSpec
     inter_node: LinkSpec
+    # Fraction of computation a collective can hide behind: 1 where collectives run on
+    # their own engine (NCCL kernels on their own stream), 0 where they share the
+    # rank's only core with the computation (gloo on one CPU core per rank).
+    comm_overlap: float = 1.0
 
     @property
     def num_gpus(self) -> int:

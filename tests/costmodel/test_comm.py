@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from costmodel.comm import Placement, collective_time_s, placement
-from costmodel.loading import load_cluster
+from costmodel.loading import SpecError, load_cluster
 from costmodel.specs import LinkSpec
 from costmodel_test_helpers import IB_BW, IB_LAT, NVLINK_BW, NVLINK_LAT, ring_all_reduce, ring_gather
 
@@ -62,11 +62,25 @@ def test_reduce_scatter_plus_all_gather_equals_all_reduce_on_one_node(dgx):
     assert rs_ag == pytest.approx(collective_time_s("all_reduce", B, g, dgx), rel=1e-12)
 
 
-def test_two_rank_all_reduce_on_cpu_cluster():
-    cpu = load_cluster("cpu")  # gloo fit: 2.3e9 B/s, 250 us, efficiency 1
-    B = 4 * MB
-    expected = 2 * (1 / 2) * B / 2.3e9 + 2 * 1 * 2.5e-4
-    assert collective_time_s("all_reduce", B, placement(2, 1, 2), cpu) == pytest.approx(expected, rel=1e-12)
+def test_two_rank_collectives_on_cpu_cluster():
+    # gloo fits (configs/clusters/cpu.yaml): all-reduce 2.3e9 B/s with 120 us per ring
+    # step, all-gather 1.1e9 / 180 us, reduce-scatter 6.5e8 / 280 us, p2p 5.3e9 / 42 us.
+    cpu = load_cluster("cpu")
+    B, pair = 4 * MB, placement(2, 1, 2)
+    assert collective_time_s("all_reduce", B, pair, cpu) == pytest.approx(B / 2.3e9 + 2 * 1.2e-4, rel=1e-12)
+    assert collective_time_s("all_gather", B, pair, cpu) == pytest.approx(B / 2 / 1.1e9 + 1.8e-4, rel=1e-12)
+    assert collective_time_s("reduce_scatter", B, pair, cpu) == pytest.approx(B / 2 / 6.5e8 + 2.8e-4, rel=1e-12)
+    assert collective_time_s("p2p", B, pair, cpu) == pytest.approx(4.2e-5 + B / 5.3e9, rel=1e-12)
+    # all-to-all has no fit of its own: the link's figures.
+    assert collective_time_s("all_to_all", B, pair, cpu) == pytest.approx(B / 2 / 2.3e9 + 1.2e-4, rel=1e-12)
+
+
+def test_per_collective_figures_are_validated(tmp_path):
+    bad = tmp_path / "c.yaml"
+    bad.write_text("name: x\ngpu: cpu\ngpus_per_node: 2\nintra_node:\n  bandwidth_bytes_per_s: 1e9\n"
+                   "  latency_s: 1e-4\n  collectives:\n    broadcast: {bandwidth_bytes_per_s: 1e9, latency_s: 0}\n")
+    with pytest.raises(SpecError, match="cluster.intra_node.collectives.broadcast: unknown collective"):
+        load_cluster(str(bad))
 
 
 def test_trivial_groups_and_empty_buffers_cost_nothing(dgx):

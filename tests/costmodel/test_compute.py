@@ -184,3 +184,11 @@ def test_embedding_compute(dgx):
         (2 + 1) * 2 * 4 * 2048 * 6144 / (A100_HBM * 0.8), rel=1e-12)
     assert embedding_compute_s(llama, dgx, training(llama, dgx), 2) == pytest.approx(
         (1 + 1) * 2 * 2 * 4096 * 4096 / (A100_HBM * 0.8), rel=1e-12)
+
+
+def test_device_gemm_curve_overrides_the_a100_fit():
+    from costmodel.loading import load_cluster
+    cpu = load_cluster("cpu").gpu   # configs/hardware/cpu.yaml: max 1.0, half dimension 5
+    assert gemm_efficiency(16, 16, 16, cpu) == pytest.approx((16 / 21) ** 3, rel=1e-12)
+    assert gemm_efficiency(16, 16, 16) == pytest.approx(0.84 * (16 / 144) ** 3, rel=1e-12)
+    assert gemm_time_s(16, 16, 16, 1e11, device=cpu) == pytest.approx(2 * 16 ** 3 / (1e11 * (16 / 21) ** 3), rel=1e-12)

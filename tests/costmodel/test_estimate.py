@@ -551,3 +551,23 @@ def test_pipeline_across_nodes_uses_the_inter_node_link():
         prob = problem("gpt3-13b", cluster=cluster, global_batch=16)
         times.append(run(prob, tp=4, pp=4)[0].step_time_s)  # dp 1: the only off-node traffic is p2p
     assert times[1] > times[0]
+
+
+def test_cpu_ranks_hide_no_communication_and_zero3_pays_fsdp_copies():
+    # configs/clusters/cpu.yaml: comm_overlap 0; all-gather 1.1e9 B/s + 180 us,
+    # reduce-scatter 6.5e8 B/s + 280 us (2 ranks); hardware: copies at 0.8 x 5.4e9 B/s.
+    spec = load_model("tiny-llama")
+    cpu = load_cluster("cpu", gpus=2)
+    prob = Problem(spec, cpu, make_training(spec, cpu, 8, 16, precision="fp32"))
+    zero3 = Strategy(dp=2, tp=1, pp=1, micro_batch_size=4, num_microbatches=1, zero_stage=3,
+                     stages=even_stages(4, 1))
+    u = unit_costs(prob, zero3)
+    full = layer_parameters(spec)[0] * 4
+    copies = 2 * full * 1.5 / (0.8 * 5.4e9)
+    gather = full / 2 / 1.1e9 + 1.8e-4 + copies
+    scatter = full / 2 / 6.5e8 + 2.8e-4 + copies
+    assert u.layer_work["none"].dp_comm_s == pytest.approx(2 * gather + scatter, rel=1e-9)
+    assert u.layer_backward_s == 0.0   # no window for DDP's all-reduce to hide in
+    ddp = dataclasses.replace(zero3, zero_stage=0)
+    e = estimate(prob, ddp)
+    assert e.time.dp_comm_s == pytest.approx(dp_sync_s(prob, unit_costs(prob, ddp), ddp, 0), rel=1e-12)
