@@ -25,14 +25,21 @@ def gemm_flops_per_s(m: int, n: int, k: int, reps: int = 5) -> float:
     return 2 * m * n * k / best
 
 
-def elementwise_bytes_per_s(num_bytes: int = 64 << 20, reps: int = 5) -> float:
+def elementwise_bytes_per_s(num_bytes: int = 64 << 20, reps: int = 5, fresh: bool = False) -> float:
+    """One read and one write per element: into an existing buffer (what the optimizer
+    and a caching allocator see), or into a freshly allocated one (each pass then pays
+    the page faults of a new mapping)."""
     x = torch.randn(num_bytes // 4)
+    out = torch.empty_like(x)
     best = float("inf")
     for _ in range(reps):
         start = time.perf_counter()
-        x.mul(2.0)
+        if fresh:
+            x.mul(2.0)
+        else:
+            torch.mul(x, 2.0, out=out)
         best = min(best, time.perf_counter() - start)
-    return 2 * num_bytes / best   # one read and one write
+    return 2 * num_bytes / best
 
 
 def main() -> None:
@@ -42,14 +49,15 @@ def main() -> None:
         print(f"GEMM {r['m']:5d} x {r['n']:5d} x {r['k']:5d}  {r['flops_per_s'] / 1e9:6.1f} GFLOP/s")
     large = statistics.median(r["flops_per_s"] for r in rows if r["m"] >= 512)
     small = statistics.median(r["flops_per_s"] for r in rows if r["m"] == 16)
-    bandwidth = elementwise_bytes_per_s()
+    bandwidth, fresh = elementwise_bytes_per_s(), elementwise_bytes_per_s(fresh=True)
     print(f"median GEMM with m >= 512: {large / 1e9:.1f} GFLOP/s; m = 16: {small / 1e9:.1f} GFLOP/s "
-          f"({small / large:.2f} of it); elementwise {bandwidth / 1e9:.2f} GB/s")
+          f"({small / large:.2f} of it); elementwise {bandwidth / 1e9:.2f} GB/s into a buffer, "
+          f"{fresh / 1e9:.2f} GB/s into a fresh allocation")
     out = Path(__file__).parent / "results"
     out.mkdir(exist_ok=True)
     (out / "cpu_device.json").write_text(json.dumps(
         {"gemm": rows, "median_large_flops_per_s": large, "median_m16_flops_per_s": small,
-         "elementwise_bytes_per_s": bandwidth}, indent=2) + "\n")
+         "elementwise_bytes_per_s": bandwidth, "elementwise_fresh_bytes_per_s": fresh}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -315,7 +315,7 @@ class Trainer:
             grads.append(self._local(p.grad))
             if id(p) in skip:
                 continue
-            total += grads[-1].double().pow(2).sum() / self._replicas(p, id(p) in experts)
+            total += torch.linalg.vector_norm(grads[-1], dtype=torch.float64).square() / self._replicas(p, id(p) in experts)
         dist.all_reduce(total)
         norm = total.sqrt()
         scale = torch.clamp(self.config.grad_clip / (norm + 1e-6), max=1.0)

@@ -555,7 +555,7 @@ def test_pipeline_across_nodes_uses_the_inter_node_link():
 
 def test_cpu_ranks_hide_no_communication_and_zero3_pays_fsdp_copies():
     # configs/clusters/cpu.yaml: comm_overlap 0; all-gather 1.1e9 B/s + 180 us,
-    # reduce-scatter 6.5e8 B/s + 280 us (2 ranks); hardware: copies at 0.8 x 5.4e9 B/s.
+    # reduce-scatter 6.5e8 B/s + 280 us (2 ranks); hardware: copies at 0.8 x 2.2e10 B/s.
     spec = load_model("tiny-llama")
     cpu = load_cluster("cpu", gpus=2)
     prob = Problem(spec, cpu, make_training(spec, cpu, 8, 16, precision="fp32"))
@@ -563,7 +563,7 @@ def test_cpu_ranks_hide_no_communication_and_zero3_pays_fsdp_copies():
                      stages=even_stages(4, 1))
     u = unit_costs(prob, zero3)
     full = layer_parameters(spec)[0] * 4
-    copies = 2 * full * 1.5 / (0.8 * 5.4e9)
+    copies = 2 * full * 1.5 / (0.8 * 2.2e10)
     gather = full / 2 / 1.1e9 + 1.8e-4 + copies
     scatter = full / 2 / 6.5e8 + 2.8e-4 + copies
     assert u.layer_work["none"].dp_comm_s == pytest.approx(2 * gather + scatter, rel=1e-9)
