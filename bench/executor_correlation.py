@@ -22,7 +22,7 @@ from planner.space import describe
 
 MODEL = {"hidden_size": "512", "num_hidden_layers": "4", "intermediate_size": "2048",
          "max_position_embeddings": "128", "num_attention_heads": "8", "num_key_value_heads": "8"}
-SEQ, BATCH, ROUNDS, STEPS = 128, 8, 3, 2
+SEQ, BATCH, ROUNDS, STEPS = 128, 8, 5, 2
 PLANS = [  # dp, tp, pp, m, extra
     (2, 1, 1, 1, {}), (2, 1, 1, 2, {}), (2, 1, 1, 1, {"zero_stage": 2}), (2, 1, 1, 1, {"zero_stage": 3}),
     (2, 1, 1, 1, {"recompute": "full"}), (2, 1, 1, 2, {"zero_stage": 3, "recompute": "full"}),
@@ -75,7 +75,7 @@ def main() -> None:
     predicted = [estimate(problem, s).step_time_s for s in plans]
     measured = run_local(measure, 2)[0]
     rho = spearman(predicted, measured)
-    rows = [{"plan": describe(s), "predicted_step_s": p, "measured_step_s": m}
+    rows = [{"plan": f"{describe(s)} recompute={s.recompute}", "predicted_step_s": p, "measured_step_s": m}
             for s, p, m in zip(plans, predicted, measured)]
     print(f"{'plan':70s} {'predicted ms':>12s} {'measured ms':>12s}")
     for r in rows:
