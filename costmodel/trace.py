@@ -1,0 +1,187 @@
+"""Layer graphs of arbitrary PyTorch modules, traced on the meta device (no weights, no
+real memory): one node per block the model runs (the root's children, with
+ModuleList / ModuleDict / Sequential containers opened), edges where one block's output
+reaches another's input (skip connections and encoder-decoder links included), and per
+node what the planner needs:
+
+- `forward_flops`, `backward_flops`: FlopCounterMode's counts for the example inputs;
+- `parameters`, `parameter_bytes`: the node's own weights (a shared weight counts once,
+  at its first user);
+- `saved_bytes`: activations autograd saves for backward while the node runs
+  (saved-tensor hooks; weights and repeats of one tensor excluded);
+- `output_bytes`: what the node hands on;
+- `linears`: its nn.Linear layers by name, with the tensor-parallel split their name
+  suggests (`column`, `row`, or None; Megatron-LM's roles: q/k/v/gate/up column-wise,
+  o/down row-wise);
+- `signature`: class and weight shapes; equal signatures are repeats of one block.
+
+Glue that runs in the root's own forward between blocks (an added position table, a
+reshape) belongs to no node: its tensors carry the blocks they came from, so the edges
+pass through it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+import networkx as nx
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.weak import WeakIdKeyDictionary
+
+CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+COLUMN_NAMES = re.compile(r"(^|[._])(q|k|v|wq|wk|wv|q_proj|k_proj|v_proj|query|key|value|qkv|c_attn|in_proj|"
+                          r"gate|gate_proj|up|up_proj|w1|w3|fc1|c_fc)$")
+ROW_NAMES = re.compile(r"(^|[._])(o|wo|o_proj|out_proj|dense|c_proj|down|down_proj|w2|fc2)$")
+
+
+def blocks(root: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The root's children with containers opened, in definition order."""
+    out = []
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        for name, child in module.named_children():
+            full = f"{prefix}{name}"
+            if isinstance(child, CONTAINERS):
+                visit(full + ".", child)
+            else:
+                out.append((full, child))
+
+    visit("", root)
+    return out
+
+
+def split_role(name: str) -> str | None:
+    if COLUMN_NAMES.search(name):
+        return "column"
+    if ROW_NAMES.search(name):
+        return "row"
+    return None
+
+
+def _nbytes(values) -> int:
+    return sum(t.numel() * t.element_size() for t in tree_leaves(values) if isinstance(t, torch.Tensor))
+
+
+class _Provenance(TorchDispatchMode):
+    """Tags every tensor made outside the blocks with the blocks it was computed from."""
+
+    def __init__(self, tags: WeakIdKeyDictionary, inside: list[str]):
+        super().__init__()
+        self.tags, self.inside = tags, inside
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not self.inside:
+            sources = set()
+            for t in tree_leaves((args, kwargs)):
+                if isinstance(t, torch.Tensor):
+                    sources |= self.tags.get(t, set())
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self.tags[t] = set(sources)
+        return out
+
+
+def trace_module(module: nn.Module, example_inputs: tuple, loss_fn: Callable | None = None) -> nx.DiGraph:
+    """Run `module` forward and backward on `example_inputs` (meta tensors, or real ones
+    for a module already on a device) and return its layer graph. The loss is
+    `loss_fn(output)`, by default the sum of the output."""
+    nodes = dict(blocks(module))
+    graph = nx.DiGraph(name=type(module).__name__)
+    tags: WeakIdKeyDictionary = WeakIdKeyDictionary()
+    inside: list[str] = []
+    saved: dict[str, int] = {}
+    seen_saved: dict[str, WeakIdKeyDictionary] = {}
+    weights = {id(p) for p in module.parameters()}
+    owner: dict[int, str] = {}
+    order: list[str] = []
+    hooks = []
+
+    def pre_hook(name):
+        def hook(mod, args, kwargs):
+            if name not in graph:
+                order.append(name)
+                graph.add_node(name, module_type=type(mod).__name__, calls=0)
+            graph.nodes[name]["calls"] += 1
+            for t in tree_leaves((args, kwargs)):
+                if isinstance(t, torch.Tensor):
+                    for source in tags.get(t, ()):
+                        if source != name:
+                            graph.add_edge(source, name, bytes=graph.edges[source, name]["bytes"] + _nbytes(t)
+                                           if graph.has_edge(source, name) else _nbytes(t))
+            inside.append(name)
+        return hook
+
+    def post_hook(name):
+        def hook(mod, args, kwargs, output):
+            inside.pop()
+            graph.nodes[name]["output_bytes"] = _nbytes(output)
+            for t in tree_leaves(output):
+                if isinstance(t, torch.Tensor):
+                    tags[t] = {name}
+        return hook
+
+    def pack(t: torch.Tensor):
+        if inside and id(t) not in weights:
+            name = inside[-1]
+            seen = seen_saved.setdefault(name, WeakIdKeyDictionary())
+            if t not in seen:
+                seen[t] = True
+                saved[name] = saved.get(name, 0) + _nbytes(t)
+        return t
+
+    for name, mod in nodes.items():
+        hooks.append(mod.register_forward_pre_hook(pre_hook(name), with_kwargs=True))
+        hooks.append(mod.register_forward_hook(post_hook(name), with_kwargs=True))
+    try:
+        # One FlopCounterMode around forward and backward: it attributes backward FLOPs
+        # to modules only when it saw their forward.
+        with FlopCounterMode(display=False) as flops:
+            with _Provenance(tags, inside), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                output = module(*example_inputs)
+                loss = loss_fn(output) if loss_fn else output.float().sum()
+            forward = {k: sum(v.values()) for k, v in flops.get_flop_counts().items()}
+            loss.backward()
+    finally:
+        for h in hooks:
+            h.remove()
+    total = {k: sum(v.values()) for k, v in flops.get_flop_counts().items()}
+    root = type(module).__name__
+
+    for name in order:
+        mod = nodes[name]
+        own = []
+        for p in mod.parameters():
+            if id(p) not in owner:
+                owner[id(p)] = name
+                own.append(p)
+        key = f"{root}.{name}"
+        data = graph.nodes[name]
+        data.update(
+            forward_flops=float(forward.get(key, 0)),
+            backward_flops=float(total.get(key, 0) - forward.get(key, 0)),
+            parameters=sum(p.numel() for p in own),
+            parameter_bytes=sum(p.numel() * p.element_size() for p in own),
+            saved_bytes=saved.get(name, 0),
+            linears={n: split_role(n) for n, m in mod.named_modules() if isinstance(m, nn.Linear)},
+            signature=(type(mod).__name__, tuple((n, tuple(p.shape)) for n, p in mod.named_parameters())),
+        )
+    unused = [p for p in module.parameters() if id(p) not in owner]
+    graph.graph["glue_parameters"] = sum(p.numel() for p in unused)   # the root's own, or blocks never run
+    graph.graph["order"] = order
+    graph.graph["total_forward_flops"] = float(forward.get("Global", 0))
+    graph.graph["total_backward_flops"] = float(total.get("Global", 0) - forward.get("Global", 0))
+    return graph
+
+
+def repeats(graph: nx.DiGraph) -> dict[tuple, list[str]]:
+    """Nodes grouped by signature: a transformer's layers form one group."""
+    groups: dict[tuple, list[str]] = {}
+    for name in graph.graph["order"]:
+        groups.setdefault(graph.nodes[name]["signature"], []).append(name)
+    return groups
