@@ -40,13 +40,17 @@ ROW_NAMES = re.compile(r"(^|[._])(o|wo|o_proj|out_proj|dense|c_proj|down|down_pr
 
 
 def blocks(root: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The root's children with containers opened, in definition order."""
+    """The root's children in definition order, with containers opened, and so are the
+    wrappers that hold one (a Hugging Face `model` around its `layers`)."""
     out = []
+
+    def opens(module: nn.Module) -> bool:
+        return isinstance(module, CONTAINERS) or any(isinstance(c, CONTAINERS) for c in module.children())
 
     def visit(prefix: str, module: nn.Module) -> None:
         for name, child in module.named_children():
             full = f"{prefix}{name}"
-            if isinstance(child, CONTAINERS):
+            if opens(child):
                 visit(full + ".", child)
             else:
                 out.append((full, child))
@@ -87,7 +91,8 @@ class _Provenance(TorchDispatchMode):
         return out
 
 
-def trace_module(module: nn.Module, example_inputs: tuple, loss_fn: Callable | None = None) -> nx.DiGraph:
+def trace_module(module: nn.Module, example_inputs: tuple, loss_fn: Callable | None = None,
+                 example_kwargs: dict | None = None) -> nx.DiGraph:
     """Run `module` forward and backward on `example_inputs` (meta tensors, or real ones
     for a module already on a device) and return its layer graph. The loss is
     `loss_fn(output)`, by default the sum of the output."""
@@ -143,7 +148,7 @@ def trace_module(module: nn.Module, example_inputs: tuple, loss_fn: Callable | N
         # to modules only when it saw their forward.
         with FlopCounterMode(display=False) as flops:
             with _Provenance(tags, inside), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                output = module(*example_inputs)
+                output = module(*example_inputs, **(example_kwargs or {}))
                 loss = loss_fn(output) if loss_fn else output.float().sum()
             forward = {k: sum(v.values()) for k, v in flops.get_flop_counts().items()}
             loss.backward()

@@ -1,0 +1,48 @@
+"""Hugging Face models built from a config.json on the meta device and traced: the same
+parameter count as the cost model's spec of that config, layer and head FLOPs within 1%."""
+
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from costmodel.graph import build_graph, total_parameters  # noqa: E402
+from costmodel.hf import trace_hf  # noqa: E402
+from costmodel.loading import SpecError, load_model  # noqa: E402
+from costmodel_test_helpers import HF_DIR  # noqa: E402
+
+GPT2 = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": 128, "n_head": 4, "n_layer": 3,
+        "n_positions": 64, "vocab_size": 500, "transformers_version": "4.44.2"}
+
+
+def check(source, seq=32):
+    spec = load_model(str(source))
+    graph, analytic = trace_hf(source, seq), build_graph(spec, seq)
+    assert sum(graph.nodes[n]["parameters"] for n in graph) + graph.graph["glue_parameters"] == total_parameters(spec)
+    layers = [n for n in graph.graph["order"] if n.rsplit(".", 1)[0].endswith(("layers", ".h"))]
+    assert len(layers) == spec.num_hidden_layers
+    for i, node in enumerate(layers):
+        assert graph.nodes[node]["forward_flops"] == pytest.approx(analytic.nodes[f"layer.{i}"]["forward_flops"], rel=0.01)
+        assert graph.nodes[node]["backward_flops"] == pytest.approx(2 * graph.nodes[node]["forward_flops"], rel=0.01)
+    head = graph.nodes[graph.graph["order"][-1]]["forward_flops"]
+    assert head == pytest.approx(analytic.nodes["head"]["forward_flops"], rel=0.01)
+    return graph
+
+
+def test_llama_config_folder():
+    graph = check(HF_DIR / "tinyllama-folder")
+    assert graph.nodes["model.layers.0"]["linears"]["self_attn.q_proj"] == "column"
+    assert graph.nodes["model.layers.0"]["linears"]["mlp.down_proj"] == "row"
+
+
+def test_gpt2_config_with_tied_head(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(GPT2))
+    graph = check(path)
+    assert graph.nodes["lm_head"]["parameters"] == 0   # tied to the token embedding
+
+
+def test_missing_config_names_the_field(tmp_path):
+    with pytest.raises(SpecError, match="--model: no Hugging Face config.json"):
+        trace_hf(tmp_path, 16)
