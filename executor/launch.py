@@ -76,11 +76,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world, port, queue, fn, args):
+def _worker(rank, world, port, queue, fn, args, backend):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=60))
         result = fn(rank, world, *args)
         buffer = io.BytesIO()   # by value: a shared-memory tensor would die with this process
@@ -92,12 +94,13 @@ def _worker(rank, world, port, queue, fn, args):
         queue.put((rank, "error", traceback.format_exc()))
 
 
-def run_local(fn, world: int, *args) -> list:
-    """Run fn(rank, world, *args) on `world` forked ranks; their return values by rank."""
-    ctx = mp.get_context("fork")
+def run_local(fn, world: int, *args, backend: str = "gloo") -> list:
+    """Run fn(rank, world, *args) on `world` forked ranks of this machine (gloo, or
+    nccl with one GPU per rank); their return values by rank."""
+    ctx = mp.get_context("spawn" if backend == "nccl" else "fork")   # CUDA cannot be forked
     queue = ctx.SimpleQueue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, queue, fn, args)) for r in range(world)]
+    procs = [ctx.Process(target=_worker, args=(r, world, port, queue, fn, args, backend)) for r in range(world)]
     for p in procs:
         p.start()
     results = {}

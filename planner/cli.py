@@ -1,6 +1,7 @@
 """The `shardwise` command line: `plan` searches for the best parallel strategy and
-writes a plan file, `explain` prints a plan file's breakdowns, `run` trains with a plan
-(the executor, imported only there).
+writes a plan file, `explain` prints a plan file's breakdowns, `run` trains with a plan,
+`profile` measures this machine and fits a cluster spec (the executor is imported only
+by those two).
 
 Exit codes: 0 ok, 2 bad input (one line naming the field), 3 nothing feasible (the
 binding constraint with its numbers and a relaxation that would make a plan exist).
@@ -138,6 +139,64 @@ def run(plan_file, steps, model_name, data, seed, lr, metrics_out, nproc_per_nod
     except SpecError as err:
         _fail(EXIT_BAD_INPUT, str(err))
     sys.exit(run_torchrun(launch, worker))
+
+
+@main.command()
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--nproc", default="2", show_default=True, help="Local processes (GPUs) for the collectives.")
+@click.option("--precision", type=click.Choice(["fp32", "bf16", "fp16"]), default="fp32", show_default=True)
+@click.option("-o", "--output", required=True, help="Profile JSON to write.")
+@click.option("--extend", is_flag=True, help="Merge into the profile already at --output.")
+@click.option("--spec-out", default=None, help="Also write the fitted cluster spec (YAML) here.")
+@click.option("--quick", is_flag=True, help="Fewer shapes and sizes (seconds instead of a minute).")
+def profile(device, nproc, precision, output, extend, spec_out, quick) -> None:
+    """Measure this machine (GEMMs over shapes, elementwise bandwidth, collectives over
+    message sizes) and fit the cost model's parameters to it.
+
+    \b
+    shardwise profile --device cpu --nproc 2 -o cpu.json --spec-out my-cpu.yaml
+    shardwise plan --model tiny-gpt --cluster my-cpu.yaml --gpus 2 --global-batch 8
+    """
+    import json
+    from pathlib import Path
+
+    import yaml
+
+    from costmodel.calibrate import PROFILE_SCHEMA_VERSION, cluster_spec
+    from executor.profile import extend as extend_profile
+    from executor.profile import profile as measure
+
+    try:
+        ranks = as_int(nproc, "--nproc")
+        old = None
+        if extend:
+            try:
+                old = json.loads(Path(output).read_text())
+            except (OSError, json.JSONDecodeError) as err:
+                raise SpecError("--extend", f"cannot read the profile at {output}: {err}") from None
+            if old.get("schema_version") != PROFILE_SCHEMA_VERSION:
+                raise SpecError("--extend", f"{output} is not a version {PROFILE_SCHEMA_VERSION} profile")
+            if (old.get("device"), old.get("precision"), old.get("ranks")) != (device, precision, ranks):
+                raise SpecError("--extend", "can only extend a profile of the same device, precision and process count")
+        if device == "cuda" and not __import__("torch").cuda.is_available():
+            raise SpecError("--device", "cuda is not available on this machine")
+    except SpecError as err:
+        _fail(EXIT_BAD_INPUT, str(err))
+    result = measure(device, ranks, precision, quick, progress=lambda line: click.echo(f"measuring {line}", err=True))
+    if old is not None:
+        try:
+            result = extend_profile(old, result)
+        except ValueError as err:
+            _fail(EXIT_BAD_INPUT, str(err))
+    tmp = Path(output + ".tmp")
+    tmp.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+    tmp.replace(output)
+    click.echo(f"profile written to {output}")
+    if spec_out:
+        spec = json.loads(json.dumps(cluster_spec(result, Path(spec_out).stem)))   # no shared objects: no YAML anchors
+        Path(spec_out).write_text("# Fitted by shardwise profile from " + output + "\n"
+                                  + yaml.safe_dump(spec, sort_keys=False))
+        click.echo(f"cluster spec written to {spec_out}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,108 @@
+"""From measurements to the cost model's parameters: a GEMM efficiency curve, the
+memory bandwidth of elementwise passes, and alpha-beta figures per collective, fitted to
+a profile (what `shardwise profile` measures), and written as a cluster spec a user can
+keep (`--cluster that.yaml`). Pure arithmetic on the profile's numbers.
+
+The curve and the collective formulas are the ones costmodel.compute and costmodel.comm
+evaluate, so a fitted spec reproduces the measurements it came from.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+from costmodel.compute import MEMORY_BOUND_EFFICIENCY
+
+PROFILE_SCHEMA_VERSION = 1
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+
+
+def fit_gemm_curve(points: list[dict]) -> dict:
+    """Fit efficiency = best * prod(d / (d + half)) over measured GEMMs, each point
+    {"m", "n", "k", "seconds"}, relative to the fastest measurement: `best` and `half`
+    minimise the squared error of the efficiency, `half` searched on a log grid and
+    `best` solved in closed form for each."""
+    rates = [2 * p["m"] * p["n"] * p["k"] / p["seconds"] for p in points]
+    peak = max(rates)
+    efficiency = [r / peak for r in rates]
+
+    def fit(half: float) -> tuple[float, float, float]:
+        shape = [math.prod(d / (d + half) for d in (p["m"], p["n"], p["k"])) for p in points]
+        best = sum(e * s for e, s in zip(efficiency, shape)) / sum(s * s for s in shape)
+        return sum((e - best * s) ** 2 for e, s in zip(efficiency, shape)), best, half
+
+    # A log grid from 1 to 1000, then a finer one around its best point.
+    coarse = min(fit(10 ** (step / 40)) for step in range(121))
+    fine = min(fit(coarse[2] * 10 ** (step / 4000)) for step in range(-100, 101))
+    _, best, half = fine
+    # Only peak x best matters; keep best a fraction (the fastest GEMM measured is
+    # itself below the curve's asymptote).
+    if best > 1.0:
+        peak, best = peak * best, 1.0
+    return {"peak_flops_per_s": peak, "gemm_efficiency_max": best, "gemm_half_dim": half}
+
+
+def fit_bandwidth(points: list[dict]) -> float:
+    """Median achieved bytes/s of elementwise passes ({"bytes", "seconds"}), as the
+    `hbm_bandwidth_bytes_per_s` that costmodel.compute derates by its efficiency."""
+    return statistics.median(p["bytes"] / p["seconds"] for p in points) / MEMORY_BOUND_EFFICIENCY
+
+
+def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares intercept and slope."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+    return my - slope * mx, slope
+
+
+def fit_collective(kind: str, points: list[dict], ranks: int) -> tuple[float, float]:
+    """(bandwidth_bytes_per_s, latency_s) of a ring collective over `ranks` ranks from
+    points {"bytes", "seconds"}, bytes in costmodel.comm's convention (the full buffer;
+    one way for p2p): t = steps * latency + volume * bytes / bandwidth with all-reduce
+    2(n-1) steps moving 2(n-1)/n of the buffer, all-gather and reduce-scatter (n-1)
+    steps moving (n-1)/n, p2p one step moving all of it (comm._ring_time_s)."""
+    n = ranks
+    steps, volume = {"all_reduce": (2 * (n - 1), 2 * (n - 1) / n), "all_gather": (n - 1, (n - 1) / n),
+                     "reduce_scatter": (n - 1, (n - 1) / n), "p2p": (1, 1.0)}[kind]
+    intercept, slope = _line([p["bytes"] for p in points], [p["seconds"] for p in points])
+    if slope <= 0 or intercept < 0:
+        # Too few or too noisy points for a line: the largest message's average rate,
+        # latency folded in (pessimistic for small messages, never faster than measured).
+        largest = max(points, key=lambda p: p["bytes"])
+        return volume * largest["bytes"] / largest["seconds"], 0.0
+    return volume / slope, intercept / steps
+
+
+def cluster_spec(profile: dict, name: str) -> dict:
+    """A cluster spec (the YAML's dict) of one node of the profiled device."""
+    ranks = profile["ranks"]
+    curve = fit_gemm_curve(profile["gemm"])
+    peak = curve["peak_flops_per_s"]
+    device = {
+        "name": profile["device_name"],
+        "peak_flops_per_s": {profile["precision"]: float(f"{peak:.4g}")},
+        "memory_bytes": int(profile["memory_bytes"]),
+        "hbm_bandwidth_bytes_per_s": float(f"{fit_bandwidth(profile['elementwise']):.4g}"),
+        "gemm_efficiency_max": round(curve["gemm_efficiency_max"], 4),
+        "gemm_half_dim": round(curve["gemm_half_dim"], 2),
+    }
+    fits = {kind: fit_collective(kind, pts, ranks) for kind, pts in sorted(profile["collectives"].items()) if pts}
+    base_bw, base_lat = fits.get("all_reduce", next(iter(fits.values()), (1e9, 0.0)))
+    link = {"bandwidth_bytes_per_s": float(f"{base_bw:.4g}"), "latency_s": float(f"{base_lat:.4g}")}
+    others = {k: {"bandwidth_bytes_per_s": float(f"{bw:.4g}"), "latency_s": float(f"{lat:.4g}")}
+              for k, (bw, lat) in fits.items() if k != "all_reduce"}
+    if others:
+        link["collectives"] = others
+    return {
+        "name": name,
+        "gpu": device,
+        "gpus_per_node": ranks,
+        "num_nodes": 1,
+        # Collectives hide behind compute only where they run on an engine of their own.
+        "comm_overlap": 1.0 if profile["device"] == "cuda" else 0.0,
+        "intra_node": link,
+        "inter_node": dict(link),   # one node measured: the same figures
+    }

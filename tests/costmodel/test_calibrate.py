@@ -1,0 +1,57 @@
+"""Fitting a profile: the fitted spec reproduces the measurements it came from, through
+the cost model's own formulas (costmodel.compute, costmodel.comm)."""
+
+import math
+
+import pytest
+import yaml
+
+from costmodel.calibrate import cluster_spec, fit_collective, fit_gemm_curve
+from costmodel.comm import collective_time_s, placement
+from costmodel.compute import gemm_time_s
+from costmodel.loading import load_cluster
+
+SHAPES = [(m, n, k) for m in (16, 64, 256, 1024, 4096) for n, k in ((256, 256), (1024, 1024), (4096, 1024))]
+
+
+def gemm_points(peak=2e11, best=0.9, half=24.0):
+    eff = lambda m, n, k: best * math.prod(d / (d + half) for d in (m, n, k))  # noqa: E731
+    return [{"m": m, "n": n, "k": k, "seconds": 2 * m * n * k / (peak * eff(m, n, k))} for m, n, k in SHAPES]
+
+
+def test_gemm_curve_is_recovered():
+    fit = fit_gemm_curve(gemm_points())
+    assert fit["gemm_half_dim"] == pytest.approx(24.0, rel=0.002)
+    device = type("Device", (), {"gemm_efficiency_max": fit["gemm_efficiency_max"], "gemm_half_dim": fit["gemm_half_dim"]})
+    for p in gemm_points():
+        predicted = gemm_time_s(p["m"], p["n"], p["k"], fit["peak_flops_per_s"], device=device)
+        assert predicted == pytest.approx(p["seconds"], rel=0.01)
+
+
+@pytest.mark.parametrize("kind,steps,volume", [("all_reduce", 2 * 3, 2 * 3 / 4), ("all_gather", 3, 3 / 4),
+                                               ("reduce_scatter", 3, 3 / 4), ("p2p", 1, 1.0)])
+def test_alpha_beta_is_recovered(kind, steps, volume):
+    bw, lat = 3e9, 5e-5
+    points = [{"bytes": b, "seconds": steps * lat + volume * b / bw} for b in (1 << 16, 1 << 20, 1 << 24)]
+    assert fit_collective(kind, points, ranks=4) == pytest.approx((bw, lat), rel=1e-9)
+
+
+def test_fitted_cluster_spec_loads_and_reproduces_the_profile(tmp_path):
+    ranks = 2
+    truth = {"all_reduce": (2.3e9, 1.2e-4), "all_gather": (1.1e9, 1.8e-4), "reduce_scatter": (6.5e8, 2.8e-4),
+             "p2p": (5.3e9, 4.2e-5)}
+    shape = {"all_reduce": (2, 1.0), "all_gather": (1, 0.5), "reduce_scatter": (1, 0.5), "p2p": (1, 1.0)}
+    collectives = {k: [{"bytes": b, "seconds": shape[k][0] * lat + shape[k][1] * b / bw} for b in (1 << 16, 1 << 20, 1 << 24)]
+                   for k, (bw, lat) in truth.items()}
+    profile = {"device": "cpu", "device_name": "CPU", "precision": "fp32", "ranks": ranks, "memory_bytes": 8 << 30,
+               "gemm": gemm_points(), "elementwise": [{"bytes": 1 << 26, "seconds": (1 << 26) / 1.6e10}],
+               "collectives": collectives}
+    path = tmp_path / "fitted.yaml"
+    path.write_text(yaml.safe_dump(cluster_spec(profile, "fitted")))
+    cluster = load_cluster(str(path))
+    assert cluster.comm_overlap == 0.0 and cluster.gpus_per_node == 2
+    assert cluster.gpu.hbm_bandwidth_bytes_per_s == pytest.approx(1.6e10 / 0.8, rel=1e-3)
+    pair = placement(2, 1, 2)
+    for kind, points in collectives.items():
+        for p in points:
+            assert collective_time_s(kind, p["bytes"], pair, cluster) == pytest.approx(p["seconds"], rel=1e-3)
