@@ -41,11 +41,13 @@ ROW_NAMES = re.compile(r"(^|[._])(o|wo|o_proj|out_proj|dense|c_proj|down|down_pr
 
 def blocks(root: nn.Module) -> list[tuple[str, nn.Module]]:
     """The root's children in definition order, with containers opened, and so are the
-    wrappers that hold one (a Hugging Face `model` around its `layers`)."""
+    wrappers that hold a stack of layers (a Hugging Face `model` around its `layers`
+    ModuleList)."""
     out = []
 
     def opens(module: nn.Module) -> bool:
-        return isinstance(module, CONTAINERS) or any(isinstance(c, CONTAINERS) for c in module.children())
+        stacks = (nn.ModuleList, nn.ModuleDict)
+        return isinstance(module, CONTAINERS) or any(isinstance(c, stacks) for c in module.children())
 
     def visit(prefix: str, module: nn.Module) -> None:
         for name, child in module.named_children():
