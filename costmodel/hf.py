@@ -66,6 +66,18 @@ def build_hf_model(source: str | Path) -> nn.Module:
         return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
 
 
+def check_spec(source: str | Path, spec) -> None:
+    """Refuse a config whose model transformers builds differently from the spec the
+    cost model reads out of it (a family the gpt / llama / mixtral specs do not cover)."""
+    from costmodel.graph import total_parameters
+
+    built = sum(p.numel() for p in build_hf_model(source).parameters())
+    if built != total_parameters(spec):
+        raise SpecError("--model", f"transformers builds {built:,} parameters from {source}, the "
+                                   f"{spec.model_type} spec read from it has {total_parameters(spec):,}: "
+                                   f"an architecture Shardwise does not model yet")
+
+
 def trace_hf(source: str | Path, seq_len: int, batch: int = 1) -> nx.DiGraph:
     """Layer graph of a Hugging Face model for `batch` sequences of `seq_len` tokens."""
     transformers = _transformers()

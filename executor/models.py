@@ -155,8 +155,9 @@ class MoE(nn.Module):
             out_rows = self.experts(rows, counts)
         else:
             out_rows = self.dispatch(self, rows, counts)
-        combined = torch.zeros_like(tokens).index_add(
-            0, order // self.top_k, out_rows * weights.flatten()[order].unsqueeze(-1))
+        weighted = out_rows * weights.flatten()[order].unsqueeze(-1)
+        # In the experts' dtype: under autocast they run in bf16 while the stream is fp32.
+        combined = tokens.new_zeros(tokens.shape, dtype=weighted.dtype).index_add(0, order // self.top_k, weighted)
         return combined.view(shape)
 
 

@@ -43,8 +43,14 @@ def build_mesh(strategy: Strategy, device_type: str) -> tuple[DeviceMesh, Device
     return mesh, mesh["edp", "ep"]._flatten("dp")
 
 
-def check_supported(spec: ModelSpec, strategy: Strategy) -> None:
+def check_supported(spec: ModelSpec, strategy: Strategy, seq_len: int) -> None:
     """Refuse, before any weights exist, what cannot be built."""
+    if strategy.sequence_parallel and seq_len % strategy.tp:
+        raise UnsupportedPlan(f"strategy.sequence_parallel: tp {strategy.tp} does not divide the sequence "
+                              f"of {seq_len} tokens")
+    if strategy.vpp > 1 and strategy.schedule != "interleaved":
+        raise UnsupportedPlan(f"strategy.vpp: {strategy.vpp} virtual stages need the interleaved schedule, "
+                              f"the plan says {strategy.schedule}")
     if spec.is_moe and strategy.tp > 1:
         raise UnsupportedPlan("strategy.tp: tensor parallelism inside the experts of an MoE model is not supported; plan with --fix tp=1")
     if spec.num_attention_heads % strategy.tp or spec.num_key_value_heads % strategy.tp:
@@ -139,20 +145,21 @@ class ExpertDispatch:
     def __call__(self, moe: MoE, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         local = moe.num_experts // self.ep
         # counts[e] rows for global expert e; send_counts[r, j]: rows for rank r's j-th expert.
-        send_counts = torch.tensor(counts, dtype=torch.int64).view(self.ep, local)
+        # On the rows' device: NCCL exchanges device tensors only.
+        send_counts = torch.tensor(counts, dtype=torch.int64, device=rows.device).view(self.ep, local)
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)
         send_splits = send_counts.sum(1).tolist()
         recv_splits = recv_counts.sum(1).tolist()
         received = all_to_all_single_autograd(rows, recv_splits, send_splits, self.group)
         # Received rows are grouped by source rank, then by local expert: regroup by expert.
-        source_of = torch.repeat_interleave(torch.arange(self.ep * local), recv_counts.flatten())
+        source_of = torch.repeat_interleave(torch.arange(self.ep * local, device=rows.device), recv_counts.flatten())
         expert_major = (source_of % local) * self.ep + source_of // local
         order = expert_major.argsort(stable=True)
         by_expert = recv_counts.sum(0).tolist()
-        out = torch.empty_like(received)
         out_sorted = moe.experts(received[order], by_expert)
-        out = out.index_copy(0, order, out_sorted)
+        # The experts' dtype (bf16 under autocast), not the received rows'.
+        out = out_sorted.new_empty(out_sorted.shape).index_copy(0, order, out_sorted)
         return all_to_all_single_autograd(out, send_splits, recv_splits, self.group)
 
 

@@ -67,7 +67,7 @@ def load_job(plan_path: str, model_name: str | None = None, world_size: int | No
         raise SpecError("plan.strategy.num_microbatches", f"{strategy.schedule} needs at least pp "
                                                           f"{strategy.pp} micro-batches, the plan has {strategy.num_microbatches}")
     try:
-        check_supported(model, strategy)
+        check_supported(model, strategy, training.seq_len)
     except UnsupportedPlan as err:
         raise SpecError(*str(err).split(": ", 1)) from None
     return RunJob(doc, model, training, strategy)

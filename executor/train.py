@@ -109,7 +109,7 @@ class Trainer:
 
     def __init__(self, spec: ModelSpec, training: TrainingSpec, strategy: Strategy,
                  config: TrainConfig = TrainConfig(), device: torch.device | str = "cpu"):
-        check_supported(spec, strategy)
+        check_supported(spec, strategy, training.seq_len)
         if dist.get_world_size() != strategy.num_gpus:
             raise UnsupportedPlan(f"plan.strategy: the plan needs {strategy.num_gpus} processes "
                                   f"(dp {strategy.dp} x tp {strategy.tp} x pp {strategy.pp}), "

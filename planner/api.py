@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from costmodel.hf import check_spec
 from costmodel.loading import load_cluster, load_model, make_training
 from costmodel.specs import Problem
 from planner.plan import plan_document
@@ -20,8 +21,15 @@ from planner.space import check_fix
 def make_problem(model: str, cluster: str, global_batch: Any, *, nodes: Any = None, gpus: Any = None,
                  seq_len: Any = None, precision: str = "bf16", optimizer: str = "adamw",
                  flash_attention: bool = True, overrides: dict | None = None, fix: dict | None = None) -> Problem:
-    """Load and validate the specs; raises SpecError naming the bad field."""
-    model_spec = load_model(model, overrides)
+    """Load and validate the specs; raises SpecError naming the bad field. `hf:PATH`
+    reads a Hugging Face config.json (or its folder) and checks it against the model
+    transformers builds from it on the meta device."""
+    if str(model).startswith("hf:"):
+        source = str(model)[3:]
+        model_spec = load_model(source, overrides)
+        check_spec(source, model_spec)
+    else:
+        model_spec = load_model(model, overrides)
     cluster_spec = load_cluster(cluster, nodes=nodes, gpus=gpus)
     training = make_training(model_spec, cluster_spec, global_batch, seq_len, precision, optimizer, flash_attention)
     problem = Problem(model_spec, cluster_spec, training)

@@ -186,7 +186,11 @@ def enumerate_space(problem: Problem, rules: Rules) -> tuple[list[Strategy], Exc
                         for zero in (range(4) if dp > 1 else (0,)):
                             if not _admits(rules, why, "zero", zero):
                                 continue
-                            for sp in ((False, True) if tp > 1 else (False,)):
+                            # Sequence parallelism splits the sequence evenly over the tp ranks.
+                            sp_options = (False, True) if tp > 1 and training.seq_len % tp == 0 else (False,)
+                            if tp > 1 and training.seq_len % tp:
+                                why.add("sp", f"tp {tp} does not divide the sequence of {training.seq_len} tokens")
+                            for sp in sp_options:
                                 if not _admits(rules, why, "sp", sp):
                                     continue
                                 out.append(Strategy(

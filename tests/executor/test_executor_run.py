@@ -85,3 +85,18 @@ def test_run_trains_like_one_process(plan_file, tmp_path):
     assert all(s["step_time_s"] > 0 and s["peak_memory_bytes"] > 0 for s in steps)
     assert summary["steps"] == STEPS and summary["estimated_step_time_s"] > 0
     assert "Run against the plan" in done.stdout
+
+
+def test_plans_the_executor_cannot_build_are_refused(plan_file, tmp_path):
+    doc = json.loads(plan_file.read_text())
+    for change, field in (({"vpp": 2, "schedule": "1f1b"}, "strategy.vpp"),
+                          ({"tp": 2, "dp": 1, "micro_batch_size": 8, "sequence_parallel": True}, None)):
+        bad = json.loads(json.dumps(doc))
+        bad["strategy"].update(change)
+        if field is None:   # SP over a sequence tp does not divide
+            bad["training"]["seq_len"] = 15
+            field = "strategy.sequence_parallel"
+        path = tmp_path / "bad.json"
+        path.write_text(json.dumps(bad))
+        code, out = run_cli(path)
+        assert code == 2 and field in out, out

@@ -54,6 +54,14 @@ def test_space_offers_1f1b_only_with_a_micro_batch_per_stage():
     assert any(s.schedule == "gpipe" and s.num_microbatches < s.pp for s in pipelined)
 
 
+def test_space_offers_sequence_parallelism_only_when_tp_divides_the_sequence():
+    spec = load_model("tiny-gpt")
+    cluster = load_cluster("cpu", gpus=2)
+    odd = enumerate_space(Problem(spec, cluster, make_training(spec, cluster, 8, 15)), load_rules())[0]
+    even = enumerate_space(Problem(spec, cluster, make_training(spec, cluster, 8, 16)), load_rules())[0]
+    assert not any(s.sequence_parallel for s in odd) and any(s.sequence_parallel for s in even)
+
+
 @pytest.mark.parametrize("strategy", [
     Strategy(dp=1, tp=2, pp=4, micro_batch_size=4, num_microbatches=8, schedule="1f1b"),
     Strategy(dp=2, tp=1, pp=4, micro_batch_size=2, num_microbatches=8, schedule="1f1b", zero_stage=1),
