@@ -46,3 +46,18 @@ def test_gpt2_config_with_tied_head(tmp_path):
 def test_missing_config_names_the_field(tmp_path):
     with pytest.raises(SpecError, match="--model: no Hugging Face config.json"):
         trace_hf(tmp_path, 16)
+
+
+def test_hf_prefix_refuses_an_architecture_the_spec_cannot_describe(tmp_path):
+    from planner.api import make_problem
+
+    neox = {"architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox", "hidden_size": 64,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 256, "vocab_size": 500,
+            "max_position_embeddings": 64, "transformers_version": "4.44.2"}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(neox))
+    with pytest.raises(SpecError, match=r"--model: transformers builds 164,096 parameters .* has 136,192"):
+        make_problem(f"hf:{path}", "cpu", 8, gpus=2, seq_len=64)
+    # A family the spec does describe passes the check and plans.
+    problem = make_problem(f"hf:{HF_DIR / 'tinyllama-folder'}", "cpu", 8, gpus=2, seq_len=64)
+    assert problem.model.num_hidden_layers == 2
