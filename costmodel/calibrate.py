@@ -15,7 +15,6 @@ import statistics
 from costmodel.compute import MEMORY_BOUND_EFFICIENCY
 
 PROFILE_SCHEMA_VERSION = 1
-COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
 
 
 def fit_gemm_curve(points: list[dict]) -> dict:

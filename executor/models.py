@@ -24,10 +24,10 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.checkpoint import checkpoint
 
 from costmodel.specs import ModelSpec
+from costmodel.strategy import RECOMPUTE_MODES
 
 INIT_STD = 0.02   # GPT-2 / Megatron-LM default initialisation
 ROPE_THETA = 10000.0
-RECOMPUTE_MODES = ("none", "selective", "full")
 
 
 class RMSNorm(nn.Module):

@@ -140,7 +140,6 @@ class ExpertDispatch:
 
     group: dist.ProcessGroup
     ep: int
-    ep_rank: int
 
     def __call__(self, moe: MoE, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         local = moe.num_experts // self.ep
@@ -166,7 +165,7 @@ class ExpertDispatch:
 def apply_expert_parallel(model: Transformer, ep_mesh: DeviceMesh) -> None:
     """Keep this rank's experts (the ep_rank-th slice of dim 0) and route rows to them."""
     ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
-    dispatch = ExpertDispatch(ep_mesh.get_group(), ep, rank)
+    dispatch = ExpertDispatch(ep_mesh.get_group(), ep)
     for layer in model.layers.values():
         moe = layer.feed_forward
         local = moe.num_experts // ep

@@ -40,7 +40,6 @@ from executor.parallelize import (
 )
 
 
-
 @dataclass(frozen=True)
 class TrainConfig:
     """Optimizer and schedule settings (GPT-3's recipe, Brown et al. 2020 §B: Adam
@@ -118,7 +117,7 @@ class Trainer:
         self.device = torch.device(device)
         self.mesh, self.dp_mesh = build_mesh(strategy, self.device.type)
         coords = dict(zip(self.mesh.mesh_dim_names, self.mesh.get_coordinate()))
-        self.pp_rank, self.tp_rank = coords["pp"], coords["tp"]
+        self.pp_rank = coords["pp"]
         self.dp_rank = self.dp_mesh.get_local_rank()
         self.is_last = self.pp_rank == strategy.pp - 1
         self.tied_ends = self._tied_ends_group()
@@ -128,7 +127,6 @@ class Trainer:
                                         self.dp_mesh.get_group() if self.data_parallel == "ddp" and strategy.zero_stage == 1 else None)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(config, s))
         self.schedule = self._pipeline_schedule() if strategy.pp > 1 else None
-        self.step_count = 0
 
     # -- building -------------------------------------------------------------------
 
@@ -166,6 +164,10 @@ class Trainer:
     def _parameters(self):
         return [p for m in self.modules for p in m.parameters()]
 
+    def _models(self) -> list[nn.Module]:
+        """This rank's model parts, without their DDP wrappers."""
+        return [m.module if isinstance(m, DDP) else m for m in self.modules]
+
     def _tied_ends_group(self):
         """Ranks holding the embedding and the head's copy of it (first and last pipeline
         stage, same dp and tp coordinate): their gradients are summed (Megatron-LM)."""
@@ -190,8 +192,8 @@ class Trainer:
         h, v = self.spec.hidden_size, self.spec.vocab_size
         local_t = t // s.tp if s.sequence_parallel else t
         stages = []
-        for module in self.modules:
-            index = module.module.stage.index if isinstance(module, DDP) else module.stage.index
+        for module, inner in zip(self.modules, self._models()):
+            index = inner.stage.index
             first, last = index == 0, index == s.num_virtual_stages - 1
             # Shapes given up front (pipelining's static metadata): no shape-inference
             # pass. Hidden states carry gradients between stages; token ids do not.
@@ -219,7 +221,7 @@ class Trainer:
         with loss_parallel() if s.tp > 1 else nullcontext():
             if self.schedule is not None:
                 losses = []
-                first = any((m.module if isinstance(m, DDP) else m).stage.index == 0 for m in self.modules)
+                first = any(m.stage.index == 0 for m in self._models())
                 self.schedule.step(*((inputs,) if first else ()),
                                    **(dict(target=targets, losses=losses) if self.is_last else {}))
                 return torch.stack([self._plain(l.detach()) for l in losses]).mean() if self.is_last else None
@@ -257,8 +259,7 @@ class Trainer:
         if s.sequence_parallel and s.tp > 1:
             # Each tp rank adds only its slice of the learned positions, so the
             # replicated table's gradient is the sum over the tp ranks.
-            for module in self.modules:
-                inner = module.module if isinstance(module, DDP) else module
+            for inner in self._models():
                 if inner.pos_embeddings is not None:
                     dist.all_reduce(self._local(inner.pos_embeddings.weight.grad), group=self.mesh["tp"].get_group())
         if self.spec.tie_word_embeddings and (s.pp > 1 or s.tp > 1):
@@ -271,8 +272,8 @@ class Trainer:
                 dist.all_reduce(grads[0], group=self.tied_ends)
         # Expert weights see tokens from every dp rank through the all-to-all: the
         # gradient of the dp-mean loss is their sum over edp divided by dp.
-        for module in self.modules:
-            for _, p in expert_parameters(module):
+        for inner in self._models():
+            for _, p in expert_parameters(inner):
                 if p.grad is not None:
                     if s.dp // s.ep > 1:
                         dist.all_reduce(p.grad, group=self.mesh["edp"].get_group())
@@ -280,8 +281,7 @@ class Trainer:
 
     def _tied_parameters(self) -> list[nn.Parameter]:
         out = []
-        for module in self.modules:
-            inner = module.module if isinstance(module, DDP) else module
+        for inner in self._models():
             if inner.tok_embeddings is not None:
                 out.append(inner.tok_embeddings.weight)
             if inner.output is not None:
@@ -304,9 +304,8 @@ class Trainer:
         s = self.strategy
         skip = set()
         if self.spec.tie_word_embeddings and (s.pp > 1 or s.tp > 1):
-            skip = {id(inner.output.weight) for m in self.modules
-                    if (inner := m.module if isinstance(m, DDP) else m).output is not None}
-        experts = {id(p) for m in self.modules for _, p in expert_parameters(m)}
+            skip = {id(inner.output.weight) for inner in self._models() if inner.output is not None}
+        experts = {id(p) for inner in self._models() for _, p in expert_parameters(inner)}
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         grads = []
         for p in self._parameters():
@@ -326,10 +325,8 @@ class Trainer:
     def _replicas(self, param: torch.Tensor, expert: bool) -> int:
         s = self.strategy
         sizes = {"dp": s.dp // s.ep if expert else s.dp, "tp": s.tp}
-        # A DTensor weight, or its local shard under DDP (which keeps the DTensor's spec).
-        spec = param._spec if isinstance(param, DTensor) else getattr(param, "_st_info", None)
-        if spec is not None:
-            for name, placement in zip(spec.mesh.mesh_dim_names, spec.placements):
+        if isinstance(param, DTensor):
+            for name, placement in zip(param.device_mesh.mesh_dim_names, param.placements):
                 # FSDP over TP shards as _StridedShard, which is not a Shard subclass.
                 if (placement.is_shard() or isinstance(placement, _StridedShard)) and name in sizes:
                     sizes[name] = 1
@@ -344,7 +341,6 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.step_count += 1
         return loss
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> float:
@@ -356,13 +352,9 @@ class Trainer:
         """Unsharded weights of this rank's pipeline stages, by their names in the unsplit
         model (gathered over tp, dp and ep; every rank of the stage gets them)."""
         out = {}
-        for module in self.modules:
-            inner = module.module if isinstance(module, DDP) else module
+        for inner in self._models():
             experts = {id(p) for _, p in expert_parameters(inner)}
             for name, p in inner.named_parameters():
-                spec = getattr(p, "_st_info", None)
-                if spec is not None:
-                    p = DTensor.from_local(p, spec.mesh, spec.placements)
                 value = p.full_tensor() if isinstance(p, DTensor) else p.detach()
                 if id(p) in experts:
                     parts = [torch.empty_like(value) for _ in range(self.strategy.ep)]
