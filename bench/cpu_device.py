@@ -5,46 +5,25 @@ bench/results/cpu_device.json."""
 
 import json
 import statistics
-import time
 from pathlib import Path
 
 import torch
+
+from executor.profile import measure_elementwise, measure_gemm
 
 SHAPES = [(m, n, k) for m in (16, 64, 128, 512, 1024, 2048)
           for n, k in ((256, 256), (1024, 256), (256, 1024), (1024, 1024), (512, 512))]
 
 
-def gemm_flops_per_s(m: int, n: int, k: int, reps: int = 5) -> float:
-    a, b = torch.randn(m, k), torch.randn(k, n)
-    a @ b
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - start)
-    return 2 * m * n * k / best
-
-
-def elementwise_bytes_per_s(num_bytes: int = 64 << 20, reps: int = 5, fresh: bool = False) -> float:
-    """One read and one write per element: into an existing buffer (what the optimizer
-    and a caching allocator see), or into a freshly allocated one (each pass then pays
-    the page faults of a new mapping)."""
-    x = torch.randn(num_bytes // 4)
-    out = torch.empty_like(x)
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        if fresh:
-            x.mul(2.0)
-        else:
-            torch.mul(x, 2.0, out=out)
-        best = min(best, time.perf_counter() - start)
-    return 2 * num_bytes / best
+def elementwise_bytes_per_s(fresh: bool = False) -> float:
+    point = measure_elementwise(torch.device("cpu"), torch.float32, [64 << 20], fresh=fresh)[0]
+    return point["bytes"] / point["seconds"]
 
 
 def main() -> None:
     torch.set_num_threads(1)   # one rank per core, as the executor runs here
-    rows = [{"m": m, "n": n, "k": k, "flops_per_s": gemm_flops_per_s(m, n, k)} for m, n, k in SHAPES]
+    rows = [p | {"flops_per_s": 2 * p["m"] * p["n"] * p["k"] / p["seconds"]}
+            for p in measure_gemm(torch.device("cpu"), torch.float32, SHAPES)]
     for r in rows:
         print(f"GEMM {r['m']:5d} x {r['n']:5d} x {r['k']:5d}  {r['flops_per_s'] / 1e9:6.1f} GFLOP/s")
     large = statistics.median(r["flops_per_s"] for r in rows if r["m"] >= 512)

@@ -48,6 +48,9 @@ def check_supported(spec: ModelSpec, strategy: Strategy, seq_len: int) -> None:
     if strategy.sequence_parallel and seq_len % strategy.tp:
         raise UnsupportedPlan(f"strategy.sequence_parallel: tp {strategy.tp} does not divide the sequence "
                               f"of {seq_len} tokens")
+    if strategy.pp > 1 and strategy.schedule != "gpipe" and strategy.num_microbatches < strategy.pp:
+        raise UnsupportedPlan(f"strategy.num_microbatches: {strategy.schedule} needs at least pp {strategy.pp} "
+                              f"micro-batches, the plan has {strategy.num_microbatches}")
     if strategy.vpp > 1 and strategy.schedule != "interleaved":
         raise UnsupportedPlan(f"strategy.vpp: {strategy.vpp} virtual stages need the interleaved schedule, "
                               f"the plan says {strategy.schedule}")

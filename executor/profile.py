@@ -49,13 +49,16 @@ def measure_gemm(device: torch.device, dtype: torch.dtype, shapes=GEMM_SHAPES, r
     return out
 
 
-def measure_elementwise(device: torch.device, dtype: torch.dtype, sizes=ELEMENTWISE_BYTES, reps: int = 5) -> list[dict]:
-    """One read and one write of `bytes` each pass, into an existing buffer."""
+def measure_elementwise(device: torch.device, dtype: torch.dtype, sizes=ELEMENTWISE_BYTES, reps: int = 5,
+                        fresh: bool = False) -> list[dict]:
+    """One read and one write of `bytes` each pass, into an existing buffer (what the
+    optimizer and a caching allocator see) or, `fresh`, into a new allocation (which on
+    CPU pays the page faults of a new mapping)."""
     out = []
     for size in sizes:
         x = torch.randn(size // torch.tensor([], dtype=dtype).element_size(), device=device, dtype=dtype)
         y = torch.empty_like(x)
-        seconds = _best_s(lambda: torch.mul(x, 2.0, out=y), device, reps)
+        seconds = _best_s((lambda: x.mul(2.0)) if fresh else (lambda: torch.mul(x, 2.0, out=y)), device, reps)
         out.append({"bytes": 2 * size, "seconds": seconds})
     return out
 

@@ -63,9 +63,6 @@ def load_job(plan_path: str, model_name: str | None = None, world_size: int | No
                                             f"{world_size} would be started")
     if strategy.dp * strategy.micro_batch_size * strategy.num_microbatches != training.global_batch:
         raise SpecError("plan.strategy", "dp x micro_batch_size x num_microbatches does not equal the global batch")
-    if strategy.pp > 1 and strategy.schedule != "gpipe" and strategy.num_microbatches < strategy.pp:
-        raise SpecError("plan.strategy.num_microbatches", f"{strategy.schedule} needs at least pp "
-                                                          f"{strategy.pp} micro-batches, the plan has {strategy.num_microbatches}")
     try:
         check_supported(model, strategy, training.seq_len)
     except UnsupportedPlan as err:
