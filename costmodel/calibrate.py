@@ -13,8 +13,7 @@ import math
 import statistics
 
 from costmodel.compute import MEMORY_BOUND_EFFICIENCY
-
-PROFILE_SCHEMA_VERSION = 1
+from costmodel.profile import PROFILE_SCHEMA_VERSION  # noqa: F401  (the profile format's version, kept importable here)
 
 
 def fit_gemm_curve(points: list[dict]) -> dict:
@@ -62,10 +61,13 @@ def fit_collective(kind: str, points: list[dict], ranks: int) -> tuple[float, fl
     points {"bytes", "seconds"}, bytes in costmodel.comm's convention (the full buffer;
     one way for p2p): t = steps * latency + volume * bytes / bandwidth with all-reduce
     2(n-1) steps moving 2(n-1)/n of the buffer, all-gather and reduce-scatter (n-1)
-    steps moving (n-1)/n, p2p one step moving all of it (comm._ring_time_s)."""
+    steps moving (n-1)/n, all-to-all (bytes: what one rank sends in all) n-1 exchanges
+    moving (n-1)/n of it (comm.collective_time_s on one node), p2p one step moving all of
+    it (comm._ring_time_s)."""
     n = ranks
     steps, volume = {"all_reduce": (2 * (n - 1), 2 * (n - 1) / n), "all_gather": (n - 1, (n - 1) / n),
-                     "reduce_scatter": (n - 1, (n - 1) / n), "p2p": (1, 1.0)}[kind]
+                     "reduce_scatter": (n - 1, (n - 1) / n), "all_to_all": (n - 1, (n - 1) / n),
+                     "p2p": (1, 1.0)}[kind]
     intercept, slope = _line([p["bytes"] for p in points], [p["seconds"] for p in points])
     if slope <= 0 or intercept < 0:
         # Too few or too noisy points for a line: the largest message's average rate,

@@ -17,6 +17,7 @@ from costmodel.graph import (
     model_flops_per_step,
 )
 from costmodel.pipeline import pipeline_time_s
+from costmodel.profile import profiled_layer
 from costmodel.specs import Problem
 from costmodel.strategy import RECOMPUTE_MODES, Stage, Strategy
 
@@ -162,6 +163,12 @@ def unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
     message = value * b * training.seq_len * model.hidden_size
 
     layer = compute.layer_compute(model, cluster, training, b, tp, sp, ep)
+    layer_backward = compute.BACKWARD_FACTOR * layer.forward_s
+    # Measured times (costmodel.profile, `--profile`) replace the analytic layer where
+    # the profile covers this micro-batch size and TP width.
+    measured = profiled_layer(problem.profile, model, cluster, training, b, tp, sp, ep) if problem.profile else None
+    if measured is not None:
+        layer, layer_backward = measured
     # Tensor parallelism per layer (Shoeybi et al. 2019 §3; Korthikanti et al. 2022 §4.2.2):
     # two all-reduces forward and two backward, or with sequence parallelism an all-gather
     # and a reduce-scatter in their place, each of the full b*s*h activation.
@@ -197,10 +204,10 @@ def unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
         scatter = (sharded_collective_s("reduce_scatter", dense_local * states.gradients, where["dp"], cluster)
                    + sharded_collective_s("reduce_scatter", expert_local * states.gradients, where["expert_dp"], cluster))
         zero3_fwd = max(0.0, gather - hide * layer.forward_s)
-        zero3_bwd = max(0.0, gather + scatter - hide * compute.BACKWARD_FACTOR * layer.forward_s)
+        zero3_bwd = max(0.0, gather + scatter - hide * layer_backward)
 
     fwd_compute = layer.forward_s
-    bwd_compute = compute.BACKWARD_FACTOR * layer.forward_s
+    bwd_compute = layer_backward
     base = Work(compute_s=fwd_compute + bwd_compute, tp_comm_s=tp_one_way + tp_backward,
                 ep_comm_s=2 * ep_one_way, dp_comm_s=zero3_fwd + zero3_bwd)
     layer_work = {
@@ -224,6 +231,10 @@ def unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
     # Counted from the executor's collectives (tests/executor/test_executor_comms.py).
     emb_fwd = compute.embedding_compute_s(model, cluster, training, b)
     head_fwd = compute.head_compute_s(model, cluster, training, b, tp)
+    emb_bwd, head_bwd = compute.BACKWARD_FACTOR * emb_fwd, compute.BACKWARD_FACTOR * head_fwd
+    if problem.profile is not None:
+        emb_fwd, emb_bwd = problem.profile.times("embedding", b, tp) or (emb_fwd, emb_bwd)
+        head_fwd, head_bwd = problem.profile.times("head", b, tp) or (head_fwd, head_bwd)
     if sp:
         boundary = (collective_time_s("reduce_scatter", message, where["tp"], cluster)
                     + collective_time_s("all_gather", message, where["tp"], cluster))
@@ -250,9 +261,9 @@ def unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
         return (2 * sharded_collective_s("all_gather", local_parameters * states.weights, where["dp"], cluster)
                 + sharded_collective_s("reduce_scatter", local_parameters * states.gradients, where["dp"], cluster))
 
-    first_work = Work(compute_s=emb_fwd * (1 + compute.BACKWARD_FACTOR), tp_comm_s=emb_comm,
+    first_work = Work(compute_s=emb_fwd + emb_bwd, tp_comm_s=emb_comm,
                       dp_comm_s=zero3_ends_s(first_local))
-    last_work = Work(compute_s=head_fwd * (1 + compute.BACKWARD_FACTOR), tp_comm_s=head_comm,
+    last_work = Work(compute_s=head_fwd + head_bwd, tp_comm_s=head_comm,
                      dp_comm_s=zero3_ends_s(last_local))
     # With tp > 1 the activation is scattered over the tp ranks before the send and
     # gathered after (Narayanan et al. 2021 §4.1, scatter/gather optimisation).

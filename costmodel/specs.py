@@ -8,6 +8,10 @@ in YAML, in a `config.json` and in code. Loading and validation live in
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:   # costmodel.profile imports these specs
+    from costmodel.profile import MeasuredTimes
 
 FAMILIES = ("gpt", "llama", "mixtral")
 PRECISIONS = ("bf16", "fp16", "fp32")
@@ -138,3 +142,5 @@ class Problem:
     model: ModelSpec
     cluster: ClusterSpec
     training: TrainingSpec
+    # Measured layer times (`shardwise plan --profile`); None prices every layer analytically.
+    profile: MeasuredTimes | None = None

@@ -1,8 +1,11 @@
 """Measuring the local device: GEMM throughput over the shapes a model's layers ask for,
-the bandwidth of elementwise passes, and collectives (all-reduce, all-gather,
-reduce-scatter, send/recv) over message sizes across `nproc` local processes. The
-result is a versioned JSON profile keyed by device, operation, shape and dtype;
-costmodel.calibrate fits it into a cluster spec.
+the bandwidth of elementwise passes, collectives (all-reduce, all-gather, reduce-scatter,
+all-to-all, send/recv) over message sizes across `nproc` local processes, and, given a
+model, the forward and backward seconds of its layer kinds (transformer layer,
+embedding, LM head with the loss) as the TP shard one rank runs, over micro-batch sizes
+and TP widths. The result is a versioned JSON profile keyed by device, operation, shape
+and dtype; costmodel.calibrate fits it into a cluster spec and costmodel.profile reads
+the layer times for `shardwise plan --profile`.
 """
 
 from __future__ import annotations
@@ -13,9 +16,13 @@ import warnings
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
 
-from costmodel.calibrate import PROFILE_SCHEMA_VERSION
+from costmodel.profile import LAYER_KINDS, PROFILE_SCHEMA_VERSION, layer_key, model_dims
+from costmodel.specs import ModelSpec
 from executor.launch import run_local
+from executor.models import INIT_STD, Block, RMSNorm, rope_tables
 
 GEMM_SHAPES = [(m, n, k) for m in (16, 64, 256, 1024, 4096) for n, k in ((256, 256), (1024, 1024), (4096, 1024))]
 ELEMENTWISE_BYTES = [1 << 22, 1 << 24, 1 << 26]
@@ -69,14 +76,19 @@ def _collectives(rank: int, world: int, sizes: list[int], reps: int, device_type
     # all_gather_into_tensor / reduce_scatter_tensor warn of a rename in recent torch.
     warnings.filterwarnings("ignore", category=FutureWarning)
     device = torch.device(device_type, rank) if device_type == "cuda" else torch.device("cpu")
-    out = {kind: [] for kind in ("all_reduce", "all_gather", "reduce_scatter", "p2p")}
+    out = {kind: [] for kind in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")}
     for size in sizes:
         full = torch.ones(size // 4, device=device)
         shard = torch.ones(size // 4 // world, device=device)
+        received = torch.empty_like(full)
         ops = {
             "all_reduce": lambda: dist.all_reduce(full),
             "all_gather": lambda: dist.all_gather_into_tensor(full[: shard.numel() * world], shard),
             "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, full[: shard.numel() * world]),
+            # Each rank sends 1/world of the buffer to every rank (costmodel.comm: the
+            # bytes of an all-to-all are what one rank sends in all).
+            "all_to_all": lambda: dist.all_to_all_single(received[: shard.numel() * world],
+                                                         full[: shard.numel() * world]),
         }
         for kind, op in ops.items():
             times = []
@@ -104,9 +116,176 @@ def _collectives(rank: int, world: int, sizes: list[int], reps: int, device_type
     return out
 
 
+# --- layer kinds --------------------------------------------------------------------
+
+DEFAULT_MICRO_BATCH_SIZES = (1, 2, 4, 8)
+QUICK_MICRO_BATCH_SIZES = (1, 2)
+
+
+def check_tp(spec: ModelSpec, tp: int) -> str | None:
+    """Why `tp` cannot shard this model's layers (None if it can): the heads, the kv
+    heads, the intermediate size and the vocabulary are split over the tp ranks."""
+    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
+        if getattr(spec, name) % tp:
+            return f"{tp} does not divide {name} {getattr(spec, name)}"
+    return None
+
+
+def default_tp_widths(spec: ModelSpec, nproc: int) -> list[int]:
+    """Powers of two up to the local process count that shard the model."""
+    widths, tp = [], 1
+    while tp <= max(1, nproc):
+        if check_tp(spec, tp) is None:
+            widths.append(tp)
+        tp *= 2
+    return widths
+
+
+class _Embedding(nn.Module):
+    """This rank's vocabulary shard of the embedding (rows [0, V/tp)), masking the ids
+    other ranks hold as a vocabulary-parallel embedding does (Shoeybi et al. 2019 §3), and
+    GPT's learned positions."""
+
+    def __init__(self, spec: ModelSpec, tp: int, seq_len: int):
+        super().__init__()
+        self.rows, self.tp = spec.vocab_size // tp, tp
+        self.tok = nn.Embedding(self.rows, spec.hidden_size)
+        self.pos = nn.Parameter(torch.empty(seq_len, spec.hidden_size)) if spec.is_gpt else None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp > 1:
+            outside = ids >= self.rows
+            x = self.tok(ids.masked_fill(outside, 0)).masked_fill(outside.unsqueeze(-1), 0.0)
+        else:
+            x = self.tok(ids)
+        return x + self.pos if self.pos is not None else x
+
+
+class _Head(nn.Module):
+    """Final norm, this rank's vocabulary shard of the logits, and the cross-entropy over
+    them (compute only: vocabulary-parallel cross-entropy adds three all-reduces of one
+    value per token, which the cost model prices as communication)."""
+
+    def __init__(self, spec: ModelSpec, tp: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(spec.hidden_size) if spec.is_gpt else RMSNorm(spec.hidden_size)
+        self.output = nn.Linear(spec.hidden_size, spec.vocab_size // tp, bias=False)
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.output(self.norm(x))
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def shard_block(spec: ModelSpec, tp: int) -> Block:
+    """The transformer layer as one of tp ranks holds it: Q, K, V and the first MLP
+    matrices split column-wise, the output projections row-wise (Megatron-LM's layout,
+    as executor.parallelize applies it), norms whole."""
+    block = Block(spec)
+    h, kv, f, bias = spec.hidden_size, spec.kv_size, spec.intermediate_size, spec.is_gpt
+    attention = block.attention
+    attention.wq = nn.Linear(h, h // tp, bias=bias)
+    attention.wk = nn.Linear(h, kv // tp, bias=bias)
+    attention.wv = nn.Linear(h, kv // tp, bias=bias)
+    attention.wo = nn.Linear(h // tp, h, bias=bias)
+    ffn = block.feed_forward
+    if spec.is_moe:
+        e = spec.num_local_experts
+        ffn.w1 = nn.Parameter(torch.empty(e, f // tp, h))
+        ffn.w3 = nn.Parameter(torch.empty(e, f // tp, h))
+        ffn.w2 = nn.Parameter(torch.empty(e, h, f // tp))
+    else:
+        ffn.w1 = nn.Linear(h, f // tp, bias=bias)
+        ffn.w2 = nn.Linear(f // tp, h, bias=bias)
+        if ffn.w3 is not None:
+            ffn.w3 = nn.Linear(h, f // tp, bias=False)
+    return block
+
+
+def _layer_case(spec: ModelSpec, kind: str, seq_len: int, micro_batch_size: int, tp: int,
+                device: torch.device, flash: bool):
+    """The module and its inputs for one layer kind at one shape (seeded: the same case
+    every time)."""
+    generator = torch.Generator().manual_seed(0)
+    b, h = micro_batch_size, spec.hidden_size
+    if kind == "embedding":
+        module = _Embedding(spec, tp, seq_len)
+        inputs = (torch.randint(0, spec.vocab_size, (b, seq_len), generator=generator),)
+    elif kind == "head":
+        module = _Head(spec, tp)
+        inputs = (torch.randn(b, seq_len, h, generator=generator).requires_grad_(),
+                  torch.randint(0, spec.vocab_size // tp, (b, seq_len), generator=generator))
+    else:
+        module = shard_block(spec, tp)
+        module.attention.flash = flash
+        cos, sin = rope_tables(seq_len, spec.head_dim)
+        inputs = (torch.randn(b, seq_len, h, generator=generator).requires_grad_(), cos, sin)
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.copy_(torch.randn(param.shape, generator=generator) * INIT_STD)
+    module = module.to(device)
+    inputs = tuple(x.detach().to(device).requires_grad_(x.requires_grad) for x in inputs)
+    return module, inputs
+
+
+def measure_layer(spec: ModelSpec, kind: str, seq_len: int, micro_batch_size: int, tp: int,
+                  device: torch.device, dtype: torch.dtype, flash: bool = True, reps: int = 5) -> tuple[float, float]:
+    """Best-of-`reps` forward and backward seconds of one layer kind's TP shard (after a
+    warm-up pass), with real tensors on `device`; bf16/fp16 run under autocast over fp32
+    weights, as the executor trains them. Best-of, because on a shared machine noise only
+    ever adds time. On CPU the clock is the thread's CPU time: with one thread per rank
+    the layer runs on the calling thread (autograd's CPU work included), so it equals the
+    wall time on a core of its own, and other processes sharing the cores do not inflate
+    it (a 2-core machine running anything else would otherwise add up to half again)."""
+    module, inputs = _layer_case(spec, kind, seq_len, micro_batch_size, tp, device, flash)
+    clock = time.thread_time if device.type == "cpu" else time.perf_counter
+    mixed = dtype != torch.float32
+    best_fwd = best_bwd = float("inf")
+    for rep in range(reps + 1):
+        module.zero_grad(set_to_none=True)   # as an optimizer step leaves them
+        for x in inputs:
+            x.grad = None
+        _sync(device)
+        start = clock()
+        with torch.autocast(device.type, dtype=dtype, enabled=mixed):
+            out = module(*inputs)
+        _sync(device)
+        middle = clock()
+        if out.dim() == 0:
+            out.backward()
+        else:
+            out.backward(torch.ones_like(out))
+        _sync(device)
+        end = clock()
+        if rep:   # the first pass warms up allocator and kernels
+            best_fwd, best_bwd = min(best_fwd, middle - start), min(best_bwd, end - middle)
+    return best_fwd, best_bwd
+
+
+def measure_layers(spec: ModelSpec, seq_len: int, micro_batch_sizes, tp_widths, device: torch.device,
+                   precision: str, flash: bool = True, reps: int = 5, progress=print) -> list[dict]:
+    """Every layer kind at every (micro-batch size, tp width): the profile's "layers"."""
+    shapes = [(tp, b) for tp in tp_widths for b in micro_batch_sizes]
+    out = []
+    for i, (tp, b) in enumerate(shapes, 1):
+        progress(f"layer kinds of {spec.name} at micro-batch {b}, tp {tp} ({i}/{len(shapes)})")
+        for kind in LAYER_KINDS:
+            forward_s, backward_s = measure_layer(spec, kind, seq_len, b, tp, device, DTYPES[precision], flash, reps)
+            out.append({"kind": kind, "model": model_dims(spec), "model_name": spec.name, "seq_len": seq_len,
+                        "precision": precision, "attention": "flash" if flash else "eager",
+                        "micro_batch_size": b, "tp": tp, "forward_s": forward_s, "backward_s": backward_s})
+    return sorted(out, key=layer_key)
+
+
 def profile(device_type: str = "cpu", nproc: int = 2, precision: str = "fp32", quick: bool = False,
-            progress=print) -> dict:
-    """Measure this machine; `quick` uses fewer shapes and sizes (for tests)."""
+            progress=print, model: ModelSpec | None = None, seq_len: int | None = None,
+            micro_batch_sizes=None, tp_widths=None, flash: bool = True) -> dict:
+    """Measure this machine; `quick` uses fewer shapes and sizes (for tests). With a
+    `model`, also its layer kinds at `seq_len` (default its max_position_embeddings) over
+    `micro_batch_sizes` and `tp_widths` (defaults: 1, 2, 4, 8 or with `quick` 1, 2; the
+    powers of two up to `nproc` that shard the model)."""
     device = torch.device(device_type)
     dtype = DTYPES[precision]
     shapes = GEMM_SHAPES[::3] if quick else GEMM_SHAPES
@@ -121,18 +300,26 @@ def profile(device_type: str = "cpu", nproc: int = 2, precision: str = "fp32", q
     progress(f"collectives over {len(sizes)} sizes on {nproc} processes")
     backend = "nccl" if device_type == "cuda" else "gloo"
     collectives = run_local(_collectives, nproc, sizes, reps, device_type, backend=backend)[0] if nproc > 1 else {}
+    layers = []
+    if model is not None:
+        mbs = list(micro_batch_sizes or (QUICK_MICRO_BATCH_SIZES if quick else DEFAULT_MICRO_BATCH_SIZES))
+        widths = list(tp_widths or default_tp_widths(model, nproc))
+        layers = measure_layers(model, seq_len or model.max_position_embeddings, mbs, widths, device, precision,
+                                flash, reps, progress)
     if device_type == "cuda":
         name, memory = torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).total_memory
     else:
         name, memory = "CPU", 8 << 30
     return {"schema_version": PROFILE_SCHEMA_VERSION, "device": device_type, "device_name": name,
             "precision": precision, "ranks": nproc, "memory_bytes": memory,
-            "gemm": gemm, "elementwise": elementwise, "collectives": collectives}
+            "gemm": gemm, "elementwise": elementwise, "collectives": collectives, "layers": layers}
 
 
 def extend(old: dict, new: dict) -> dict:
     """Merge two profiles of the same device: new measurements replace old ones of the
-    same operation and shape, the rest are kept."""
+    same operation and shape (layer kinds: of the same model dimensions, sequence
+    length, precision, attention, micro-batch size and tp), the rest are kept. An old
+    version 1 profile (no layer kinds) is carried over into the new version."""
     if (old.get("device"), old.get("precision"), old.get("ranks")) != (new["device"], new["precision"], new["ranks"]):
         raise ValueError("profile: can only extend a profile of the same device, precision and process count")
     merged = dict(new)
@@ -145,4 +332,6 @@ def extend(old: dict, new: dict) -> dict:
         points = {p["bytes"]: p for p in old["collectives"].get(kind, [])} | \
                  {p["bytes"]: p for p in new["collectives"].get(kind, [])}
         merged["collectives"][kind] = [points[k] for k in sorted(points)]
+    layers = {layer_key(p): p for p in old.get("layers", [])} | {layer_key(p): p for p in new.get("layers", [])}
+    merged["layers"] = [layers[k] for k in sorted(layers)]
     return merged

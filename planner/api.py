@@ -7,10 +7,12 @@ document (the same dict the plan file holds).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from costmodel.hf import check_spec
 from costmodel.loading import load_cluster, load_model, make_training
+from costmodel.profile import load_measured_times
 from costmodel.specs import Problem
 from planner.plan import plan_document
 from planner.rules import load_rules, parse_fix
@@ -20,10 +22,13 @@ from planner.space import check_fix
 
 def make_problem(model: str, cluster: str, global_batch: Any, *, nodes: Any = None, gpus: Any = None,
                  seq_len: Any = None, precision: str = "bf16", optimizer: str = "adamw",
-                 flash_attention: bool = True, overrides: dict | None = None, fix: dict | None = None) -> Problem:
+                 flash_attention: bool = True, overrides: dict | None = None, fix: dict | None = None,
+                 profile: str | Path | None = None) -> Problem:
     """Load and validate the specs; raises SpecError naming the bad field. `hf:PATH`
     reads a Hugging Face config.json (or its folder) and checks it against the model
-    transformers builds from it on the meta device."""
+    transformers builds from it on the meta device. `profile` is a `shardwise profile
+    --model` JSON whose measured layer times the cost model uses (costmodel.profile); one
+    of another model, sequence length, precision or attention kernel is refused."""
     if str(model).startswith("hf:"):
         source = str(model)[3:]
         model_spec = load_model(source, overrides)
@@ -32,7 +37,8 @@ def make_problem(model: str, cluster: str, global_batch: Any, *, nodes: Any = No
         model_spec = load_model(model, overrides)
     cluster_spec = load_cluster(cluster, nodes=nodes, gpus=gpus)
     training = make_training(model_spec, cluster_spec, global_batch, seq_len, precision, optimizer, flash_attention)
-    problem = Problem(model_spec, cluster_spec, training)
+    measured = load_measured_times(profile, model_spec, training) if profile is not None else None
+    problem = Problem(model_spec, cluster_spec, training, measured)
     check_fix(problem, fix or {})
     return problem
 
@@ -40,11 +46,12 @@ def make_problem(model: str, cluster: str, global_batch: Any, *, nodes: Any = No
 def plan(model: str, cluster: str, global_batch: Any, *, nodes: Any = None, gpus: Any = None,
          seq_len: Any = None, precision: str = "bf16", optimizer: str = "adamw", flash_attention: bool = True,
          rules: str | None = None, fix: dict | str | None = None, overrides: dict | None = None,
-         top: int = 3) -> dict:
-    """Search and return the plan document; raises SpecError or search.Infeasible."""
+         top: int = 3, profile: str | Path | None = None) -> dict:
+    """Search and return the plan document; raises SpecError or search.Infeasible.
+    `profile`: measured layer times to plan with (see make_problem)."""
     pins = parse_fix(fix)
     problem = make_problem(model, cluster, global_batch, nodes=nodes, gpus=gpus, seq_len=seq_len,
                            precision=precision, optimizer=optimizer, flash_attention=flash_attention,
-                           overrides=overrides, fix=pins)
+                           overrides=overrides, fix=pins, profile=profile)
     rule_set = load_rules(rules).with_fix(pins)
     return plan_document(problem, rule_set.name, search(problem, rule_set, top=top))

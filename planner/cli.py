@@ -53,16 +53,20 @@ def main() -> None:
 @click.option("--rules", "rules_name", default=None, help="Rule set: built-in (default, megatron, fsdp) or a YAML path.")
 @click.option("--fix", default=None, help="Pin knobs: dp=,tp=,pp=,vpp=,ep=,mbs=,zero=,recompute=none|selective|full,sp=on|off,schedule=gpipe|1f1b|interleaved.")
 @click.option("--set", "overrides", default=None, help="Override model fields: key=value,...")
+@click.option("--profile", "profile_file", default=None,
+              help="A `shardwise profile --model` JSON of this model, --seq, --precision and --attention: its "
+                   "measured layer, embedding and head times replace the analytic ones, interpolated between "
+                   "measured micro-batch sizes and tp widths; shapes it does not cover stay analytic.")
 @click.option("--top", default="3", show_default=True, help="Plans to report: the best and the next alternatives.")
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
 @click.option("-o", "--output", default=None, help="Write the plan file here.")
 def plan(model_name, cluster_name, nodes, gpus, global_batch, seq, precision, optimizer, attention,
-         rules_name, fix, overrides, top, fmt, output) -> None:
+         rules_name, fix, overrides, profile_file, top, fmt, output) -> None:
     """Find the fastest strategy that fits, and write it as a plan file."""
     try:
         problem = make_problem(model_name, cluster_name, global_batch, nodes=nodes, gpus=gpus, seq_len=seq,
                                precision=precision, optimizer=optimizer, flash_attention=attention == "flash",
-                               overrides=parse_overrides(overrides), fix=parse_fix(fix))
+                               overrides=parse_overrides(overrides), fix=parse_fix(fix), profile=profile_file)
         rules = load_rules(rules_name).with_fix(parse_fix(fix))
         top_k = as_int(top, "--top")
     except SpecError as err:
@@ -74,6 +78,14 @@ def plan(model_name, cluster_name, nodes, gpus, global_batch, seq, precision, op
         hint = f"; would fit if you {relax}" if relax else "; no relaxation up to 16x the GPUs helps"
         _fail(EXIT_INFEASIBLE, f"no feasible plan: {err.reason}{hint}")
     doc = plan_document(problem, rules.name, result)
+    if problem.profile is not None:
+        best = result.best.strategy
+        click.echo(f"profile {profile_file}: {problem.profile.describe()}", err=True)
+        analytic = problem.profile.uncovered(best.micro_batch_size, best.tp)
+        if analytic:
+            click.echo(f"profile {profile_file}: no measured {', '.join(analytic)} at micro-batch "
+                       f"{best.micro_batch_size}, tp {best.tp} (the best plan's shape): priced by the analytic model",
+                       err=True)
     if output:
         write_plan(doc, output)
     if fmt == "json":
@@ -142,61 +154,110 @@ def run(plan_file, steps, model_name, data, seed, lr, metrics_out, nproc_per_nod
 
 
 @main.command()
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
-@click.option("--nproc", default="2", show_default=True, help="Local processes (GPUs) for the collectives.")
-@click.option("--precision", type=click.Choice(["fp32", "bf16", "fp16"]), default="fp32", show_default=True)
-@click.option("-o", "--output", required=True, help="Profile JSON to write.")
-@click.option("--extend", is_flag=True, help="Merge into the profile already at --output.")
-@click.option("--spec-out", default=None, help="Also write the fitted cluster spec (YAML) here.")
-@click.option("--quick", is_flag=True, help="Fewer shapes and sizes (seconds instead of a minute).")
-def profile(device, nproc, precision, output, extend, spec_out, quick) -> None:
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
+              help="Where to measure: this machine's CPU (one thread per process, gloo) or its GPUs (NCCL).")
+@click.option("--nproc", default="2", show_default=True,
+              help="Local processes (GPUs) for the collectives; 1 skips them. Also the widest default --tp.")
+@click.option("--precision", type=click.Choice(["fp32", "bf16", "fp16"]), default="fp32", show_default=True,
+              help="dtype of the GEMMs and elementwise passes; bf16/fp16 layer kinds run under autocast.")
+@click.option("--model", "model_name", default=None,
+              help="Also measure this model's layer kinds (transformer layer, embedding, LM head + loss) as the "
+                   "TP shard one rank runs, forward and backward, compute only: a built-in, a YAML/JSON spec or a "
+                   "config.json, as for `plan`.")
+@click.option("--set", "overrides", default=None, help="Override model fields: key=value,...")
+@click.option("--seq", default=None, help="Sequence length of the layer kinds [default: the model's max_position_embeddings].")
+@click.option("--micro-batch-sizes", "micro_batch_sizes", default=None,
+              help="Comma-separated micro-batch sizes of the layer kinds [default: 1,2,4,8; with --quick 1,2].")
+@click.option("--tp", "tp_widths", default=None,
+              help="Comma-separated TP widths of the layer kinds: heads, kv heads, intermediate size and vocabulary "
+                   "divided by tp [default: the powers of two up to --nproc that divide them].")
+@click.option("--attention", type=click.Choice(["flash", "eager"]), default="flash", show_default=True,
+              help="Attention kernel of the layer kinds, as `plan --attention`.")
+@click.option("-o", "--output", required=True, help="Profile JSON to write (versioned; keyed by device, operation, shape and dtype).")
+@click.option("--extend", is_flag=True,
+              help="Merge into the profile already at --output: new measurements replace those of the same key, the rest are kept.")
+@click.option("--spec-out", default=None,
+              help="Also write the fitted cluster spec (YAML: GEMM curve, bandwidth, alpha-beta per collective) here.")
+@click.option("--quick", is_flag=True, help="Fewer shapes, sizes and repetitions (seconds instead of a minute).")
+def profile(device, nproc, precision, model_name, overrides, seq, micro_batch_sizes, tp_widths, attention, output,
+            extend, spec_out, quick) -> None:
     """Measure this machine (GEMMs over shapes, elementwise bandwidth, collectives over
-    message sizes) and fit the cost model's parameters to it.
+    message sizes and, with --model, the layer kinds over micro-batch sizes and TP
+    widths) and fit the cost model's parameters to it.
 
     \b
     shardwise profile --device cpu --nproc 2 -o cpu.json --spec-out my-cpu.yaml
     shardwise plan --model tiny-gpt --cluster my-cpu.yaml --gpus 2 --global-batch 8
+    shardwise profile --device cpu --model tiny-gpt --seq 64 --micro-batch-sizes 1,2,4 -o cpu.json --extend
+    shardwise plan --model tiny-gpt --cluster cpu --gpus 2 --global-batch 8 --seq 64 --precision fp32 --profile cpu.json
     """
     import json
     from pathlib import Path
 
     import yaml
 
-    from costmodel.calibrate import PROFILE_SCHEMA_VERSION, cluster_spec
+    from costmodel.calibrate import cluster_spec
+    from costmodel.loading import load_model
+    from costmodel.profile import READABLE_SCHEMA_VERSIONS
+    from executor.profile import check_tp
     from executor.profile import extend as extend_profile
     from executor.profile import profile as measure
 
     try:
         ranks = as_int(nproc, "--nproc")
+        spec = seq_len = mbs = widths = None
+        if model_name is not None:
+            spec = load_model(model_name, parse_overrides(overrides))
+            seq_len = as_int(seq, "--seq") if seq is not None else spec.max_position_embeddings
+            mbs = _int_list(micro_batch_sizes, "--micro-batch-sizes")
+            widths = _int_list(tp_widths, "--tp")
+            for tp in widths or []:
+                why = check_tp(spec, tp)
+                if why:
+                    raise SpecError("--tp", why)
+        elif any(v is not None for v in (overrides, seq, micro_batch_sizes, tp_widths)):
+            raise SpecError("--model", "--set, --seq, --micro-batch-sizes and --tp describe the layer kinds of a --model")
         old = None
         if extend:
             try:
                 old = json.loads(Path(output).read_text())
             except (OSError, json.JSONDecodeError) as err:
                 raise SpecError("--extend", f"cannot read the profile at {output}: {err}") from None
-            if old.get("schema_version") != PROFILE_SCHEMA_VERSION:
-                raise SpecError("--extend", f"{output} is not a version {PROFILE_SCHEMA_VERSION} profile")
+            if not isinstance(old, dict) or old.get("schema_version") not in READABLE_SCHEMA_VERSIONS:
+                raise SpecError("--extend", f"{output} is not a version {' or '.join(map(str, READABLE_SCHEMA_VERSIONS))} profile")
             if (old.get("device"), old.get("precision"), old.get("ranks")) != (device, precision, ranks):
                 raise SpecError("--extend", "can only extend a profile of the same device, precision and process count")
         if device == "cuda" and not __import__("torch").cuda.is_available():
             raise SpecError("--device", "cuda is not available on this machine")
     except SpecError as err:
         _fail(EXIT_BAD_INPUT, str(err))
-    result = measure(device, ranks, precision, quick, progress=lambda line: click.echo(f"measuring {line}", err=True))
+    result = measure(device, ranks, precision, quick, progress=lambda line: click.echo(f"measuring {line}", err=True),
+                     model=spec, seq_len=seq_len, micro_batch_sizes=mbs, tp_widths=widths,
+                     flash=attention == "flash")
     if old is not None:
         try:
             result = extend_profile(old, result)
-        except ValueError as err:
-            _fail(EXIT_BAD_INPUT, str(err))
+        except (ValueError, KeyError, TypeError) as err:
+            _fail(EXIT_BAD_INPUT, f"--extend: {err}")
     tmp = Path(output + ".tmp")
     tmp.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
     tmp.replace(output)
     click.echo(f"profile written to {output}")
     if spec_out:
-        spec = json.loads(json.dumps(cluster_spec(result, Path(spec_out).stem)))   # no shared objects: no YAML anchors
+        spec_doc = json.loads(json.dumps(cluster_spec(result, Path(spec_out).stem)))   # no shared objects: no YAML anchors
         Path(spec_out).write_text("# Fitted by shardwise profile from " + output + "\n"
-                                  + yaml.safe_dump(spec, sort_keys=False))
+                                  + yaml.safe_dump(spec_doc, sort_keys=False))
         click.echo(f"cluster spec written to {spec_out}")
+
+
+def _int_list(text: str | None, field: str) -> list[int] | None:
+    """`1,2,4` -> [1, 2, 4] (sorted, without repeats); None stays None."""
+    if text is None:
+        return None
+    values = sorted({as_int(item.strip(), field) for item in text.split(",") if item.strip()})
+    if not values:
+        raise SpecError(field, "expected comma-separated integers")
+    return values
 
 
 if __name__ == "__main__":

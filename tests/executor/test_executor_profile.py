@@ -1,8 +1,10 @@
 """`shardwise profile` on this machine: a quick profile of two CPU ranks fits into a
-cluster spec the planner loads, and --extend merges measurements by shape."""
+cluster spec the planner loads, a quick layer profile measures a model's layer kinds
+that `plan --profile` then uses, and --extend merges measurements by shape."""
 
 import json
 
+import pytest
 import yaml
 from click.testing import CliRunner
 
@@ -17,11 +19,12 @@ def test_quick_profile_fits_a_loadable_cluster(tmp_path):
                                       "--spec-out", str(spec), "--quick"])
     assert result.exit_code == 0, result.output
     profile = json.loads(out.read_text())
-    assert profile["schema_version"] == 1 and profile["ranks"] == 2
-    assert {"all_reduce", "all_gather", "reduce_scatter", "p2p"} == set(profile["collectives"])
+    assert profile["schema_version"] == 2 and profile["ranks"] == 2 and profile["layers"] == []
+    assert {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p"} == set(profile["collectives"])
     assert all(p["seconds"] > 0 for pts in profile["collectives"].values() for p in pts)
     cluster = load_cluster(str(spec))
     assert cluster.gpus_per_node == 2 and cluster.comm_overlap == 0.0
+    assert "all_to_all" in cluster.intra_node.collectives
     assert 1e9 < cluster.gpu.peak_for("fp32") < 1e13   # a CPU core, within reason
     assert "&id" not in spec.read_text()               # plain YAML, no anchors
 
@@ -43,3 +46,44 @@ def test_extend_refuses_another_device(tmp_path):
     out.write_text(json.dumps({"schema_version": 1, "device": "cuda", "precision": "bf16", "ranks": 8}))
     result = CliRunner().invoke(cli, ["profile", "--device", "cpu", "-o", str(out), "--extend", "--quick"])
     assert result.exit_code == 2 and "same device" in result.output
+
+
+def test_quick_layer_profile_writes_layer_kinds_that_plan_uses(tmp_path):
+    out = tmp_path / "layers.json"
+    result = CliRunner().invoke(cli, ["profile", "--device", "cpu", "--nproc", "1", "--model", "tiny-gpt", "--seq", "32",
+                                      "--tp", "1,2", "-o", str(out), "--quick"])
+    assert result.exit_code == 0, result.output
+    assert "layer kinds of tiny-gpt at micro-batch 2, tp 2 (4/4)" in result.output   # progress
+    layers = json.loads(out.read_text())["layers"]
+    shapes = {(e["kind"], e["micro_batch_size"], e["tp"]) for e in layers}
+    assert shapes == {(k, b, tp) for k in ("embedding", "layer", "head") for b in (1, 2) for tp in (1, 2)}
+    assert all(e["seq_len"] == 32 and e["precision"] == "fp32" and e["forward_s"] > 0 and e["backward_s"] > 0
+               for e in layers)
+    layer = next(e for e in layers if (e["kind"], e["micro_batch_size"], e["tp"]) == ("layer", 2, 1))
+    plan = CliRunner().invoke(cli, ["plan", "--model", "tiny-gpt", "--cluster", "cpu", "--gpus", "1",
+                                    "--global-batch", "2", "--seq", "32", "--precision", "fp32",
+                                    "--fix", "mbs=2", "--format", "json", "--profile", str(out)])
+    assert plan.exit_code == 0, plan.output
+    doc = json.loads(plan.stdout)
+    head_and_embedding = sum(e["forward_s"] + e["backward_s"] for e in layers
+                             if e["kind"] != "layer" and (e["micro_batch_size"], e["tp"]) == (2, 1))
+    compute = 4 * (layer["forward_s"] + layer["backward_s"]) + head_and_embedding
+    assert doc["estimate"]["time"]["compute_s"] == pytest.approx(compute, rel=1e-5)
+
+
+def test_a_tp_that_does_not_shard_the_model_is_refused(tmp_path):
+    result = CliRunner().invoke(cli, ["profile", "--nproc", "1", "--model", "tiny-llama", "--tp", "4",
+                                      "-o", str(tmp_path / "p.json"), "--quick"])
+    assert result.exit_code == 2 and "--tp: 4 does not divide num_key_value_heads 2" in result.output
+
+
+def test_extend_merges_layer_kinds_by_key():
+    base = {"device": "cpu", "precision": "fp32", "ranks": 1, "gemm": [], "elementwise": [], "collectives": {}}
+    point = {"kind": "layer", "model": {"hidden_size": 64}, "model_name": "m", "seq_len": 64, "precision": "fp32",
+             "attention": "flash", "micro_batch_size": 1, "tp": 1, "forward_s": 1.0, "backward_s": 2.0}
+    old = dict(base, layers=[point, dict(point, micro_batch_size=2)])
+    new = dict(base, layers=[dict(point, forward_s=0.5), dict(point, seq_len=128)])
+    merged = extend(old, new)["layers"]
+    assert [(p["seq_len"], p["micro_batch_size"], p["forward_s"]) for p in merged] == [(64, 1, 0.5), (64, 2, 1.0),
+                                                                                       (128, 1, 1.0)]
+    assert extend(dict(base), dict(base, layers=[]))["layers"] == []   # a version 1 profile has none
