@@ -16,14 +16,15 @@ node what the planner needs:
 - `signature`: class and weight shapes; equal signatures are repeats of one block.
 
 Glue that runs in the root's own forward between blocks (an added position table, a
-reshape) belongs to no node: its tensors carry the blocks they came from, so the edges
-pass through it.
+residual add, a reshape) belongs to no node: it runs beside the latest block it reads
+from, and its other inputs become edges into that block.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import networkx as nx
 import torch
@@ -33,7 +34,6 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 from torch.utils.weak import WeakIdKeyDictionary
 
-CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 COLUMN_NAMES = re.compile(r"(^|[._])(q|k|v|wq|wk|wv|q_proj|k_proj|v_proj|query|key|value|qkv|c_attn|in_proj|"
                           r"gate|gate_proj|up|up_proj|w1|w3|fc1|c_fc)$")
 ROW_NAMES = re.compile(r"(^|[._])(o|wo|o_proj|out_proj|dense|c_proj|down|down_proj|w2|fc2)$")
@@ -42,23 +42,28 @@ ROW_NAMES = re.compile(r"(^|[._])(o|wo|o_proj|out_proj|dense|c_proj|down|down_pr
 def blocks(root: nn.Module) -> list[tuple[str, nn.Module]]:
     """The root's children in definition order, with containers opened, and so are the
     wrappers that hold a stack of layers (a Hugging Face `model` around its `layers`
-    ModuleList)."""
+    ModuleList). A Sequential inside a stack is one of its layers, and stays whole."""
     out = []
+    stacks = (nn.ModuleList, nn.ModuleDict)
 
-    def opens(module: nn.Module) -> bool:
-        stacks = (nn.ModuleList, nn.ModuleDict)
-        return isinstance(module, CONTAINERS) or any(isinstance(c, stacks) for c in module.children())
+    def opens(module: nn.Module, in_stack: bool) -> bool:
+        if isinstance(module, stacks) or any(isinstance(c, stacks) for c in module.children()):
+            return True
+        return isinstance(module, nn.Sequential) and not in_stack
 
-    def visit(prefix: str, module: nn.Module) -> None:
+    def visit(prefix: str, module: nn.Module, in_stack: bool) -> None:
         for name, child in module.named_children():
             full = f"{prefix}{name}"
-            if opens(child):
-                visit(full + ".", child)
+            if opens(child, in_stack):
+                visit(full + ".", child, in_stack or isinstance(child, stacks))
             else:
                 out.append((full, child))
 
-    visit("", root)
+    visit("", root, False)
     return out
+
+
+INPUT = ""   # the tag of the model's own inputs
 
 
 def split_role(name: str) -> str | None:
@@ -73,24 +78,60 @@ def _nbytes(values) -> int:
     return sum(t.numel() * t.element_size() for t in tree_leaves(values) if isinstance(t, torch.Tensor))
 
 
-class _Provenance(TorchDispatchMode):
-    """Tags every tensor made outside the blocks with the blocks it was computed from."""
+@dataclass
+class _Flow:
+    """One tensor handed from a block (or the model's inputs) to later blocks: sent
+    across every stage boundary from its source to its last reader, once."""
 
-    def __init__(self, tags: WeakIdKeyDictionary, inside: list[str]):
+    source: str
+    num_bytes: int
+    last_reader: int = -1   # position in the execution order
+
+
+class _Provenance(TorchDispatchMode):
+    """Tags every tensor made outside the blocks (glue) with one block: the latest of
+    the blocks its inputs came from, whose stage computes it. The glue's other inputs
+    must reach that stage, so `link(flow, block)` records them as read there: a residual
+    stream added up in the root's forward is one edge per block, not an edge from
+    every earlier block."""
+
+    def __init__(self, tags: WeakIdKeyDictionary, inside: list[str], position: dict[str, int], tag, link):
         super().__init__()
-        self.tags, self.inside = tags, inside
+        self.tags, self.inside, self.position, self.tag, self.link = tags, inside, position, tag, link
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if not self.inside:
-            sources = set()
-            for t in tree_leaves((args, kwargs)):
-                if isinstance(t, torch.Tensor):
-                    sources |= self.tags.get(t, set())
-            for t in tree_leaves(out):
-                if isinstance(t, torch.Tensor):
-                    self.tags[t] = set(sources)
+            flows = {id(f): f for t in tree_leaves((args, kwargs))
+                     if isinstance(t, torch.Tensor) and (f := self.tags.get(t)) is not None}
+            if flows:
+                latest = max((f.source for f in flows.values()), key=self.position.__getitem__)
+                for flow in flows.values():
+                    if flow.source != latest:
+                        self.link(flow, latest)
+                for t in tree_leaves(out):
+                    if isinstance(t, torch.Tensor):
+                        self.tag(t, latest)
         return out
+
+
+def _meta_state(module: nn.Module, example_inputs: tuple) -> dict[str, torch.Tensor]:
+    """Meta stand-ins for the weights and buffers of a module that holds real ones when
+    the inputs are on meta: the trace then runs without touching (or copying) a weight.
+    A tensor shared by several names gets one stand-in, so ties stay tied."""
+    inputs = [t for t in tree_leaves(example_inputs) if isinstance(t, torch.Tensor)]
+    if not inputs or any(not t.is_meta for t in inputs):
+        return {}
+    stand_ins: dict[int, torch.Tensor] = {}
+    state = {}
+    for name, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
+        if t.is_meta:
+            continue
+        if id(t) not in stand_ins:
+            meta = torch.empty_like(t, device="meta")
+            stand_ins[id(t)] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
+        state[name] = stand_ins[id(t)]
+    return state
 
 
 def trace_module(module: nn.Module, example_inputs: tuple, loss_fn: Callable | None = None,
@@ -104,23 +145,48 @@ def trace_module(module: nn.Module, example_inputs: tuple, loss_fn: Callable | N
     inside: list[str] = []
     saved: dict[str, int] = {}
     seen_saved: dict[str, WeakIdKeyDictionary] = {}
-    weights = {id(p) for p in module.parameters()}
+    state = _meta_state(module, example_inputs)
+    weights = {id(p) for p in module.parameters()} | {id(t) for t in state.values()}
     owner: dict[int, str] = {}
     order: list[str] = []
     hooks = []
 
+    # The model's inputs are tagged INPUT, before every block: a block deep in the model
+    # that reads one (a decoder reading its target tokens) needs it sent through every
+    # stage before its own.
+    position: dict[str, int] = {INPUT: -1}
+    inputs: dict[str, int] = {}
+    flows: list[_Flow] = []
+
+    def tag(t: torch.Tensor, source: str) -> None:
+        flows.append(_Flow(source, _nbytes(t)))
+        tags[t] = flows[-1]
+
+    def link(flow: _Flow, target: str) -> None:
+        """`target` reads the flow's tensor: an edge, and the flow reaches that far."""
+        flow.last_reader = max(flow.last_reader, position[target])
+        if flow.source == INPUT:
+            inputs[target] = inputs.get(target, 0) + flow.num_bytes
+        elif graph.has_edge(flow.source, target):
+            graph.edges[flow.source, target]["bytes"] += flow.num_bytes
+        else:
+            graph.add_edge(flow.source, target, bytes=flow.num_bytes)
+
+    for t in tree_leaves((example_inputs, example_kwargs)):
+        if isinstance(t, torch.Tensor):
+            tag(t, INPUT)
+
     def pre_hook(name):
         def hook(mod, args, kwargs):
             if name not in graph:
+                position[name] = len(order)
                 order.append(name)
                 graph.add_node(name, module_type=type(mod).__name__, calls=0)
             graph.nodes[name]["calls"] += 1
-            for t in tree_leaves((args, kwargs)):
-                if isinstance(t, torch.Tensor):
-                    for source in tags.get(t, ()):
-                        if source != name:
-                            graph.add_edge(source, name, bytes=graph.edges[source, name]["bytes"] + _nbytes(t)
-                                           if graph.has_edge(source, name) else _nbytes(t))
+            read = {id(f): f for t in tree_leaves((args, kwargs))
+                    if isinstance(t, torch.Tensor) and (f := tags.get(t)) is not None and f.source != name}
+            for flow in read.values():
+                link(flow, name)
             inside.append(name)
         return hook
 
@@ -130,7 +196,7 @@ def trace_module(module: nn.Module, example_inputs: tuple, loss_fn: Callable | N
             graph.nodes[name]["output_bytes"] = _nbytes(output)
             for t in tree_leaves(output):
                 if isinstance(t, torch.Tensor):
-                    tags[t] = {name}
+                    tag(t, name)
         return hook
 
     def pack(t: torch.Tensor):
@@ -149,8 +215,8 @@ def trace_module(module: nn.Module, example_inputs: tuple, loss_fn: Callable | N
         # One FlopCounterMode around forward and backward: it attributes backward FLOPs
         # to modules only when it saw their forward.
         with FlopCounterMode(display=False) as flops:
-            with _Provenance(tags, inside), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                output = module(*example_inputs, **(example_kwargs or {}))
+            with _Provenance(tags, inside, position, tag, link), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                output = torch.func.functional_call(module, state, tuple(example_inputs), example_kwargs or {})
                 loss = loss_fn(output) if loss_fn else output.float().sum()
             forward = {k: sum(v.values()) for k, v in flops.get_flop_counts().items()}
             loss.backward()
@@ -181,6 +247,11 @@ def trace_module(module: nn.Module, example_inputs: tuple, loss_fn: Callable | N
     unused = [p for p in module.parameters() if id(p) not in owner]
     graph.graph["glue_parameters"] = sum(p.numel() for p in unused)   # the root's own, or blocks never run
     graph.graph["order"] = order
+    graph.graph["input_bytes"] = {name: inputs[name] for name in order if name in inputs}
+    # (first cut, last cut + 1, bytes) of every tensor that outlives its block: cut c
+    # lies after block c.
+    graph.graph["flows"] = sorted((max(position[f.source], 0), f.last_reader, f.num_bytes)
+                                  for f in flows if f.last_reader > max(position[f.source], 0))
     graph.graph["total_forward_flops"] = float(forward.get("Global", 0))
     graph.graph["total_backward_flops"] = float(total.get("Global", 0) - forward.get("Global", 0))
     return graph

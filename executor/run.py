@@ -28,7 +28,7 @@ from executor.data import make_source
 from executor.metrics import MetricsWriter, StepMetrics, peak_memory_bytes, print_summary, record, summarize
 from executor.parallelize import UnsupportedPlan, check_supported
 from executor.train import TrainConfig, Trainer
-from planner.plan import fingerprint, read_plan, strategy_of
+from planner.plan import fingerprint, is_traced, read_plan, strategy_of
 
 EXIT_BAD_INPUT = 2
 
@@ -46,6 +46,10 @@ class RunJob:
 def load_job(plan_path: str, model_name: str | None = None, world_size: int | None = None) -> RunJob:
     """Read and check a plan for running; raises SpecError naming the field."""
     doc = read_plan(plan_path)
+    if is_traced(doc):
+        raise SpecError("plan.model", f"a plan of the traced module {doc['model']['name']}: shardwise run trains "
+                                      f"built-in and Hugging Face-config models; run a traced module's plan "
+                                      f"from your own script")
     model = ModelSpec(**doc["model"])
     if model_name is not None:
         given = load_model(model_name)

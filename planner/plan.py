@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from costmodel.estimate import Estimate
+from costmodel.graph_estimate import NodeCost, TracedModel
 from costmodel.loading import SpecError
 from costmodel.specs import ModelSpec
 from costmodel.strategy import Stage, Strategy
@@ -23,8 +24,9 @@ SCHEMA_VERSION = 1
 FLOAT_DIGITS = 6   # significant digits kept: far below the cost model's accuracy
 
 
-def fingerprint(model: ModelSpec) -> str:
-    """sha256 of the model spec's canonical JSON: the executor refuses other models."""
+def fingerprint(model: ModelSpec | TracedModel) -> str:
+    """sha256 of the model's canonical JSON (a spec, or a traced module's graph): the
+    executor refuses other models."""
     text = json.dumps(asdict(model), sort_keys=True, separators=(",", ":"))
     return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
 
@@ -98,10 +100,7 @@ def read_plan(path: str | Path) -> dict:
     for key in ("model", "model_fingerprint", "cluster", "training", "strategy", "estimate"):
         if key not in doc:
             raise SpecError(f"plan.{key}", "missing")
-    try:
-        model = ModelSpec(**doc["model"])
-    except TypeError as err:
-        raise SpecError("plan.model", str(err)) from None
+    model = model_of(doc)
     if fingerprint(model) != doc["model_fingerprint"]:
         raise SpecError("plan.model_fingerprint", "does not match the model spec in the file")
     strategy_of(doc)
@@ -110,6 +109,23 @@ def read_plan(path: str | Path) -> dict:
     if missing:
         raise SpecError(f"plan.estimate.{missing[0]}", "missing")
     return doc
+
+
+def is_traced(doc: dict) -> bool:
+    """Whether the plan is of a traced module (`planner.api.plan_model`) rather than a spec."""
+    return isinstance(doc.get("model"), dict) and "nodes" in doc["model"]
+
+
+def model_of(doc: dict) -> ModelSpec | TracedModel:
+    """The model a plan document holds."""
+    data = doc["model"]
+    try:
+        if is_traced(doc):
+            nodes = tuple(NodeCost(**n) for n in data["nodes"])
+            return TracedModel(**{**data, "nodes": nodes, "cut_bytes": tuple(data["cut_bytes"])})
+        return ModelSpec(**data)
+    except (TypeError, KeyError) as err:
+        raise SpecError("plan.model", f"malformed: {err}") from None
 
 
 def strategy_of(doc: dict) -> Strategy:
@@ -125,6 +141,9 @@ def strategy_of(doc: dict) -> Strategy:
                             sequence_parallel=bool(data["sequence_parallel"]), stages=stages)
     except (TypeError, KeyError) as err:
         raise SpecError("plan.strategy", f"malformed: {err}") from None
-    if sum(s.num_layers for s in stages) != doc["model"]["num_hidden_layers"]:
+    if is_traced(doc):
+        if sum(s.num_layers for s in stages) != len(doc["model"]["nodes"]):
+            raise SpecError("plan.strategy.stages", "nodes of the stages do not add up to the module's nodes")
+    elif sum(s.num_layers for s in stages) != doc["model"]["num_hidden_layers"]:
         raise SpecError("plan.strategy.stages", "layers of the stages do not add up to num_hidden_layers")
     return strategy

@@ -39,7 +39,7 @@ class Exclusions:
         return "; ".join(f"{k}: {v}" for k, v in sorted(self.reasons.items())) or "no strategy to consider"
 
 
-def _admits(rules: Rules, why: Exclusions, knob: str, value) -> bool:
+def admits(rules: Rules, why: Exclusions, knob: str, value) -> bool:
     """Whether the rules permit `value` for `knob`; records the rule when not."""
     if rules.permits(knob, value):
         return True
@@ -113,7 +113,7 @@ def _tp_options(problem: Problem, rules: Rules, degrees: list[int], why: Exclusi
         elif rules.tp_divides_heads and (model.num_attention_heads % tp or model.num_key_value_heads % tp):
             why.add("tp", f"tp_divides_heads: {tp} does not divide {model.num_attention_heads} attention "
                           f"and {model.num_key_value_heads} KV heads")
-        elif _admits(rules, why, "tp", tp):
+        elif admits(rules, why, "tp", tp):
             out.append(tp)
     return out
 
@@ -126,7 +126,7 @@ def _schedule_options(problem: Problem, rules: Rules, pp: int, m: int, why: Excl
     layers = problem.model.num_hidden_layers
     out = []
     for schedule in ("gpipe", "1f1b", "interleaved"):
-        if not _admits(rules, why, "schedule", schedule):
+        if not admits(rules, why, "schedule", schedule):
             continue
         if schedule == "1f1b" and m < pp:
             # torch.distributed.pipelining's Schedule1F1B (what the executor runs) needs
@@ -164,34 +164,34 @@ def enumerate_space(problem: Problem, rules: Rules) -> tuple[list[Strategy], Exc
             if pp > layers:
                 why.add("pp", f"{pp} is more than the {layers} layers")
                 continue
-            if not _admits(rules, why, "pp", pp):
+            if not admits(rules, why, "pp", pp):
                 continue
             dp = n // (tp * pp)
-            if not _admits(rules, why, "dp", dp):
+            if not admits(rules, why, "dp", dp):
                 continue
             ep_options = [1]
             if model.is_moe:
                 ep_options = [e for e in divisors(dp) if model.num_local_experts % e == 0]
             for ep in ep_options:
-                if not _admits(rules, why, "ep", ep):
+                if not admits(rules, why, "ep", ep):
                     continue
                 for mbs in range(rules.micro_batch_min, rules.micro_batch_max + 1):
                     if batch % (dp * mbs):
                         why.add("mbs", f"dp {dp} x mbs {mbs} does not divide --global-batch {batch}")
                         continue
-                    if not _admits(rules, why, "mbs", mbs):
+                    if not admits(rules, why, "mbs", mbs):
                         continue
                     m = batch // (dp * mbs)
                     for schedule, vpp in _schedule_options(problem, rules, pp, m, why):
                         for zero in (range(4) if dp > 1 else (0,)):
-                            if not _admits(rules, why, "zero", zero):
+                            if not admits(rules, why, "zero", zero):
                                 continue
                             # Sequence parallelism splits the sequence evenly over the tp ranks.
                             sp_options = (False, True) if tp > 1 and training.seq_len % tp == 0 else (False,)
                             if tp > 1 and training.seq_len % tp:
                                 why.add("sp", f"tp {tp} does not divide the sequence of {training.seq_len} tokens")
                             for sp in sp_options:
-                                if not _admits(rules, why, "sp", sp):
+                                if not admits(rules, why, "sp", sp):
                                     continue
                                 out.append(Strategy(
                                     dp=dp, tp=tp, pp=pp, micro_batch_size=mbs, num_microbatches=m,
