@@ -1,5 +1,6 @@
 """The Python door: `plan(...)` does what `shardwise plan` does and returns the plan
-document (the same dict the plan file holds).
+document (the same dict the plan file holds); `plan_model(module, example_inputs, ...)`
+does it for any torch.nn.Module.
 
     from planner.api import plan
     doc = plan("gpt3-175b", "dgx-a100-80gb", global_batch=1536, nodes=16, fix={"tp": 8})
@@ -10,10 +11,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from costmodel.graph import total_parameters
+from costmodel.graph_estimate import TracedProblem, traced_model
 from costmodel.hf import check_spec
-from costmodel.loading import load_cluster, load_model, make_training
+from costmodel.loading import SpecError, load_cluster, load_model, make_training, model_from_dict
 from costmodel.profile import load_measured_times
-from costmodel.specs import Problem
+from costmodel.specs import ModelSpec, Problem
+from costmodel.trace import trace_module
+from planner.graph_search import check_fix_traced, search_traced
 from planner.plan import plan_document
 from planner.rules import load_rules, parse_fix
 from planner.search import search
@@ -55,3 +60,71 @@ def plan(model: str, cluster: str, global_batch: Any, *, nodes: Any = None, gpus
                            overrides=overrides, fix=pins, profile=profile)
     rule_set = load_rules(rules).with_fix(pins)
     return plan_document(problem, rule_set.name, search(problem, rule_set, top=top))
+
+
+def plan_model(module, example_inputs: tuple, *, cluster: str, global_batch: Any, nodes: Any = None,
+               gpus: Any = None, precision: str = "bf16", optimizer: str = "adamw", flash_attention: bool = True,
+               rules: str | None = None, fix: dict | str | None = None, top: int = 3,
+               loss_fn=None, example_kwargs: dict | None = None) -> dict:
+    """Plan any `torch.nn.Module` from one example micro-batch (`example_inputs`, batch
+    first; meta tensors and a module built under `torch.device("meta")` need no
+    memory) and return the same plan document as `plan`.
+
+    A Shardwise model (it carries its `spec`) or a Hugging Face causal LM whose config
+    the specs read, with the parameter count the spec predicts, is planned by the
+    transformer cost model, exactly as `shardwise plan` plans it (tokens per sequence:
+    the inputs' second dimension). Any other module is traced (`costmodel.trace`) and
+    planned over dp, pp, ZeRO, micro-batching and recompute (`planner.graph_search`),
+    stages cut along its execution order so skip connections and encoder-decoder
+    links plan as well as chains. `loss_fn(output)` and `example_kwargs` go to the trace.
+    """
+    pins = parse_fix(fix)
+    rule_set = load_rules(rules).with_fix(pins)
+    first = example_inputs[0]
+    spec = transformer_spec(module)
+    if spec is not None:
+        cluster_spec = load_cluster(cluster, nodes=nodes, gpus=gpus)
+        seq_len = first.shape[1] if first.dim() >= 2 else None
+        problem = Problem(spec, cluster_spec, make_training(spec, cluster_spec, global_batch, seq_len, precision,
+                                                           optimizer, flash_attention))
+        check_fix(problem, pins)
+        return plan_document(problem, rule_set.name, search(problem, rule_set, top=top))
+    problem = traced_problem(module, example_inputs, cluster, global_batch, nodes=nodes, gpus=gpus,
+                             precision=precision, optimizer=optimizer, loss_fn=loss_fn, example_kwargs=example_kwargs)
+    check_fix_traced(problem, pins)
+    return plan_document(problem, rule_set.name, search_traced(problem, rule_set, top=top))
+
+
+def transformer_spec(module) -> ModelSpec | None:
+    """The ModelSpec a module is an instance of, or None: a Shardwise model's own, or
+    the one a Hugging Face config reads as, when its parameter count agrees."""
+    spec = getattr(module, "spec", None)
+    if isinstance(spec, ModelSpec):
+        return spec
+    config = getattr(module, "config", None)
+    if config is None or not hasattr(config, "to_dict"):
+        return None
+    try:
+        spec = model_from_dict(config.to_dict(), getattr(config, "name_or_path", "") or config.model_type)
+    except SpecError:
+        return None
+    return spec if sum(p.numel() for p in module.parameters()) == total_parameters(spec) else None
+
+
+def traced_problem(module, example_inputs: tuple, cluster: str, global_batch: Any, *, nodes: Any = None,
+                   gpus: Any = None, precision: str = "bf16", optimizer: str = "adamw", loss_fn=None,
+                   example_kwargs: dict | None = None) -> TracedProblem:
+    """Trace `module` on its example micro-batch into a TracedProblem. Token inputs
+    (integer, batch x sequence) count their sequence as tokens per sample."""
+    first = example_inputs[0]
+    batch = int(first.shape[0]) if first.dim() else 1
+    tokens = int(first.shape[1]) if first.dim() >= 2 and not first.is_floating_point() else 1
+    graph = trace_module(module, example_inputs, loss_fn=loss_fn, example_kwargs=example_kwargs)
+    if not graph.graph["order"]:
+        raise SpecError("module", f"{type(module).__name__} has no child modules to place on stages")
+    value_bytes = first.element_size() if first.is_floating_point() else next(
+        (p.element_size() for p in module.parameters() if p.is_floating_point()), 4)
+    model = traced_model(graph, batch, tokens_per_sample=tokens, value_bytes=value_bytes)
+    cluster_spec = load_cluster(cluster, nodes=nodes, gpus=gpus)
+    return TracedProblem(model, cluster_spec, make_training(None, cluster_spec, global_batch, tokens, precision,
+                                                           optimizer))
