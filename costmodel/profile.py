@@ -243,7 +243,7 @@ def measured_times(doc: dict, model: ModelSpec, training: TrainingSpec, source: 
     if not entries:
         raise SpecError("profile.layers", "the profile has no layer measurements (take one with shardwise profile --model)")
     dims = model_dims(model)
-    mine = [e for e in entries if e["model"] == dims]
+    mine = [e for e in entries if {n: e["model"][n] for n in LAYER_DIMS} == dims]
     if not mine:
         other = entries[0]["model"]
         name = next(n for n in LAYER_DIMS if other.get(n) != dims[n])

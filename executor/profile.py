@@ -10,6 +10,7 @@ the layer times for `shardwise plan --profile`.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 import warnings
@@ -120,6 +121,9 @@ def _collectives(rank: int, world: int, sizes: list[int], reps: int, device_type
 
 DEFAULT_MICRO_BATCH_SIZES = (1, 2, 4, 8)
 QUICK_MICRO_BATCH_SIZES = (1, 2)
+LAYER_REPS = 10        # best of; a layer at these sizes takes milliseconds, so 10 cost little
+MIN_REP_S = 2e-3       # one repetition's length, for kinds far shorter than the timer's noise
+MAX_PASSES = 20
 
 
 def check_tp(spec: ModelSpec, tp: int) -> str | None:
@@ -231,19 +235,22 @@ def _layer_case(spec: ModelSpec, kind: str, seq_len: int, micro_batch_size: int,
 
 
 def measure_layer(spec: ModelSpec, kind: str, seq_len: int, micro_batch_size: int, tp: int,
-                  device: torch.device, dtype: torch.dtype, flash: bool = True, reps: int = 5) -> tuple[float, float]:
+                  device: torch.device, dtype: torch.dtype, flash: bool = True,
+                  reps: int = LAYER_REPS) -> tuple[float, float]:
     """Best-of-`reps` forward and backward seconds of one layer kind's TP shard (after a
     warm-up pass), with real tensors on `device`; bf16/fp16 run under autocast over fp32
     weights, as the executor trains them. Best-of, because on a shared machine noise only
-    ever adds time. On CPU the clock is the thread's CPU time: with one thread per rank
-    the layer runs on the calling thread (autograd's CPU work included), so it equals the
-    wall time on a core of its own, and other processes sharing the cores do not inflate
-    it (a 2-core machine running anything else would otherwise add up to half again)."""
+    ever adds time; a repetition averages as many passes as make MIN_REP_S, so a
+    sub-millisecond kind (the embedding) is not one timer reading. On CPU the clock is
+    the thread's CPU time: with one thread per rank the layer runs on the calling thread
+    (autograd's CPU work included), so it equals the wall time on a core of its own, and
+    other processes sharing the cores do not inflate it (a 2-core machine running
+    anything else would otherwise add up to half again)."""
     module, inputs = _layer_case(spec, kind, seq_len, micro_batch_size, tp, device, flash)
     clock = time.thread_time if device.type == "cpu" else time.perf_counter
     mixed = dtype != torch.float32
-    best_fwd = best_bwd = float("inf")
-    for rep in range(reps + 1):
+
+    def one_pass() -> tuple[float, float]:
         module.zero_grad(set_to_none=True)   # as an optimizer step leaves them
         for x in inputs:
             x.grad = None
@@ -258,14 +265,20 @@ def measure_layer(spec: ModelSpec, kind: str, seq_len: int, micro_batch_size: in
         else:
             out.backward(torch.ones_like(out))
         _sync(device)
-        end = clock()
-        if rep:   # the first pass warms up allocator and kernels
-            best_fwd, best_bwd = min(best_fwd, middle - start), min(best_bwd, end - middle)
+        return middle - start, clock() - middle
+
+    warm_fwd, warm_bwd = one_pass()   # also warms up the allocator and kernels
+    passes = max(1, min(MAX_PASSES, math.ceil(MIN_REP_S / max(warm_fwd + warm_bwd, 1e-9))))
+    best_fwd = best_bwd = float("inf")
+    for _ in range(reps):
+        times = [one_pass() for _ in range(passes)]
+        best_fwd = min(best_fwd, sum(t[0] for t in times) / passes)
+        best_bwd = min(best_bwd, sum(t[1] for t in times) / passes)
     return best_fwd, best_bwd
 
 
 def measure_layers(spec: ModelSpec, seq_len: int, micro_batch_sizes, tp_widths, device: torch.device,
-                   precision: str, flash: bool = True, reps: int = 5, progress=print) -> list[dict]:
+                   precision: str, flash: bool = True, reps: int = LAYER_REPS, progress=print) -> list[dict]:
     """Every layer kind at every (micro-batch size, tp width): the profile's "layers"."""
     shapes = [(tp, b) for tp in tp_widths for b in micro_batch_sizes]
     out = []
@@ -305,7 +318,7 @@ def profile(device_type: str = "cpu", nproc: int = 2, precision: str = "fp32", q
         mbs = list(micro_batch_sizes or (QUICK_MICRO_BATCH_SIZES if quick else DEFAULT_MICRO_BATCH_SIZES))
         widths = list(tp_widths or default_tp_widths(model, nproc))
         layers = measure_layers(model, seq_len or model.max_position_embeddings, mbs, widths, device, precision,
-                                flash, reps, progress)
+                                flash, 2 if quick else LAYER_REPS, progress)
     if device_type == "cuda":
         name, memory = torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0).total_memory
     else:
