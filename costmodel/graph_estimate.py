@@ -50,26 +50,30 @@ from costmodel.strategy import Stage, Strategy
 
 @dataclass(frozen=True)
 class NodeCost:
-    """One traced block, per sample; bytes in the dtype the trace ran in."""
+    """One traced block on the traced batch; bytes in the dtype the trace ran in.
+    Whole counts, so a plan file holds them exactly."""
 
     name: str
-    forward_flops: float
-    backward_flops: float
+    forward_flops: int
+    backward_flops: int
     parameters: int
-    saved_bytes: float
-    output_bytes: float
-    input_bytes: float        # what the earlier nodes hand it (its incoming edges)
+    saved_bytes: int
+    output_bytes: int
+    input_bytes: int          # what the earlier nodes and the model's inputs hand it
 
 
 @dataclass(frozen=True)
 class TracedModel:
-    """A module's layer graph reduced to what planning needs, nodes in execution order.
-    `cut_bytes[i]` is what crosses a stage boundary after node i, per sample."""
+    """A module's layer graph reduced to what planning needs, nodes in execution order,
+    traced on `traced_batch` samples (FLOPs and activations are linear in the batch for
+    the layers models are made of). `cut_bytes[i]` is what crosses a stage boundary
+    after node i."""
 
     name: str
     nodes: tuple[NodeCost, ...]
-    cut_bytes: tuple[float, ...]
+    cut_bytes: tuple[int, ...]
     glue_parameters: int      # the root's own weights: held by the first stage
+    traced_batch: int
     traced_value_bytes: int   # element size of the traced activations
     tokens_per_sample: int = 1
 
@@ -94,23 +98,22 @@ class TracedProblem:
 
 
 def traced_model(graph: nx.DiGraph, batch: int, tokens_per_sample: int = 1, value_bytes: int = 4) -> TracedModel:
-    """Per-sample costs of a graph traced on `batch` samples (FLOPs and activations are
-    linear in the batch for the layers models are made of)."""
+    """The planning view of a graph traced on `batch` samples."""
     order = graph.graph["order"]
     from_inputs = graph.graph.get("input_bytes", {})
     nodes = []
     for name in order:
         data = graph.nodes[name]
         incoming = sum(graph.edges[u, name]["bytes"] for u in graph.predecessors(name)) + from_inputs.get(name, 0)
-        nodes.append(NodeCost(name, data["forward_flops"] / batch, data["backward_flops"] / batch,
-                              int(data["parameters"]), data["saved_bytes"] / batch,
-                              data.get("output_bytes", 0) / batch, incoming / batch))
-    cuts = [0.0] * max(len(order) - 1, 0)
+        nodes.append(NodeCost(name, int(data["forward_flops"]), int(data["backward_flops"]),
+                              int(data["parameters"]), int(data["saved_bytes"]),
+                              int(data.get("output_bytes", 0)), int(incoming)))
+    cuts = [0] * max(len(order) - 1, 0)
     for first_cut, end_cut, num_bytes in graph.graph["flows"]:
         for cut in range(first_cut, end_cut):
-            cuts[cut] += num_bytes / batch
+            cuts[cut] += num_bytes
     return TracedModel(graph.graph.get("name", "module"), tuple(nodes), tuple(cuts),
-                       int(graph.graph["glue_parameters"]), value_bytes, tokens_per_sample)
+                       int(graph.graph["glue_parameters"]), batch, value_bytes, tokens_per_sample)
 
 
 def fingerprint(model: TracedModel) -> str:
@@ -119,9 +122,10 @@ def fingerprint(model: TracedModel) -> str:
     return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
 
 
-def _scale(problem: TracedProblem) -> float:
-    """Activations in the training precision relative to the traced dtype."""
-    return compute.activation_bytes_per_value(problem.training) / problem.model.traced_value_bytes
+def _scale(problem: TracedProblem, samples: int) -> float:
+    """Traced activation bytes to bytes of `samples` samples in the training precision."""
+    model = problem.model
+    return compute.activation_bytes_per_value(problem.training) / model.traced_value_bytes * samples / model.traced_batch
 
 
 def _roofline_s(problem: TracedProblem, flops: float, traffic_bytes: float) -> float:
@@ -160,12 +164,12 @@ class TracedUnits:
 def traced_units(problem: TracedProblem, strategy: Strategy) -> TracedUnits:
     cluster, b = problem.cluster, strategy.micro_batch_size
     states, where, hide = memory.state_bytes(problem.training), groups(problem, strategy), cluster.comm_overlap
-    scale = _scale(problem) * b
+    scale, per_sample = _scale(problem, b), b / problem.model.traced_batch
     forward, backward, zero3 = [], [], []
     for node in problem.model.nodes:
         traffic = scale * (node.input_bytes + node.output_bytes + node.saved_bytes)
-        fwd = _roofline_s(problem, b * node.forward_flops, traffic)
-        bwd = _roofline_s(problem, b * node.backward_flops, compute.BACKWARD_FACTOR * traffic)
+        fwd = _roofline_s(problem, per_sample * node.forward_flops, traffic)
+        bwd = _roofline_s(problem, per_sample * node.backward_flops, compute.BACKWARD_FACTOR * traffic)
         exposed = 0.0
         if strategy.zero_stage == 3:
             # FSDP units are the nodes: gathered forward and backward, gradients
@@ -290,7 +294,7 @@ def estimate_traced(problem: TracedProblem, strategy: Strategy, units: TracedUni
     totals = [mem.total_bytes for mem in memories]
     peak_rank = max(range(strategy.pp), key=lambda r: (totals[r], -r))
 
-    nodes, samples = problem.model.nodes, problem.training.global_batch
+    nodes, samples = problem.model.nodes, problem.training.global_batch / problem.model.traced_batch
     model_flops = samples * sum(n.forward_flops + n.backward_flops for n in nodes)
     recomputed = sum(n.forward_flops for s in stages for n in nodes[s.first_layer:s.first_layer + s.full_recompute_layers])
     gpus, peak = strategy.num_gpus, problem.cluster.gpu.peak_for(problem.training.precision)

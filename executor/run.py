@@ -48,8 +48,7 @@ def load_job(plan_path: str, model_name: str | None = None, world_size: int | No
     doc = read_plan(plan_path)
     if is_traced(doc):
         raise SpecError("plan.model", f"a plan of the traced module {doc['model']['name']}: shardwise run trains "
-                                      f"built-in and Hugging Face-config models; run a traced module's plan "
-                                      f"from your own script")
+                                      f"models given by a spec (built-in, YAML or a config.json)")
     model = ModelSpec(**doc["model"])
     if model_name is not None:
         given = load_model(model_name)
