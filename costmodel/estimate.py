@@ -97,6 +97,7 @@ class MemoryBreakdown:
     activations_bytes: float
     comm_buffer_bytes: float
     runtime_reserve_bytes: float
+    temporary_bytes: float = 0.0    # made in backward and freed in it (ZeRO-3's unsharded gradients)
 
     @property
     def total_bytes(self) -> float:
@@ -340,32 +341,86 @@ def rank_parameters(units: UnitCosts, strategy: Strategy, pp_rank: int) -> tuple
 
 
 def rank_memory(problem: Problem, units: UnitCosts, strategy: Strategy, pp_rank: int) -> MemoryBreakdown:
-    training = problem.training
+    """Memory of one rank at its peak, by kind."""
+    training, model = problem.training, problem.model
     dp, zero = strategy.dp, strategy.zero_stage
     dense, experts = rank_parameters(units, strategy, pp_rank)
+    stages = strategy.rank_stages(pp_rank)
+    holds_head = any(s.index == strategy.num_virtual_stages - 1 for s in stages)
+    if model.tie_word_embeddings and strategy.tp > 1 and strategy.pp == 1:
+        # Under tp the executor gives the head its own copy of the tied embedding
+        # (executor.models.Transformer.untie; measured: gpt3-6.7b tp8 parameters).
+        dense += model.vocab_size * model.hidden_size / strategy.tp
     w1, g1, o1 = memory.sharded_state_bytes(dense, training, zero, dp)
     w2, g2, o2 = memory.sharded_state_bytes(experts, training, zero, dp // strategy.ep)
-    stages = strategy.rank_stages(pp_rank)
     in_flight = memory.in_flight_microbatches(strategy.schedule, strategy.pp, pp_rank,
                                               strategy.num_microbatches, strategy.vpp)
     activations = in_flight * sum(stage_activation_bytes(units, s) for s in stages)
-    if any(s.index == strategy.num_virtual_stages - 1 for s in stages):
+    gradients = g1 + g2
+    if strategy.num_microbatches == 1:
+        # One forward and backward per step: backward frees each layer's activations as
+        # it makes the layer's gradients, so at the peak a layer holds the larger of the
+        # two (FSDPMemTracker / MemTracker, bench/memory_tracker.py: the peak of
+        # llama2-7b zero3 dp8 and tp8 comes early in backward, with the layers'
+        # gradients not yet made). With micro-batches the gradients persist from the
+        # first backward to the optimizer step beside the next micro-batch's activations.
+        layer_gradients = sum(memory.sharded_state_bytes(units.layer_dense_parameters, training, zero, dp)[1:2]
+                              + memory.sharded_state_bytes(units.layer_expert_parameters, training, zero,
+                                                           dp // strategy.ep)[1:2])
+        by_mode = _layers_by_mode(stages)
+        for mode, count in by_mode.items():
+            activation = units.layer_activation_bytes[mode]
+            if activation >= layer_gradients:
+                gradients -= count * layer_gradients
+            else:
+                activations -= in_flight * count * activation
+        last_mode = next((m for m in ("none", "selective", "full") if by_mode[m]), None)
+        if (zero == 3 and dp > 1 and sum(by_mode.values()) > 1
+                and units.layer_activation_bytes[last_mode] >= layer_gradients):
+            # FSDP2's peak comes at the end of a layer's backward, its unsharded
+            # gradients whole and the previous layer's reduce-scatter input still held:
+            # the logits and the last layer's activations are freed by then (measured:
+            # llama2-7b zero3 dp8 peaks in layer 30 of 32 holding 30.9 layers).
+            activations -= in_flight * units.layer_activation_bytes[last_mode]
+            holds_head = False
+    if holds_head:
         activations += in_flight * units.logits_bytes
     if any(s.full_recompute_layers for s in stages):
         activations += units.layer_working_bytes
     states = memory.state_bytes(training)
-    buffers = 0.0
+    buffers = temporaries = 0.0
     if zero == 3 and dp > 1:
-        # The gathered weights of the current and the prefetched unit (a layer, or the
-        # embedding or head when larger).
+        # FSDP2 (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py): the unsharded
+        # weights of the unit in use, the all-gather output kept for it (forward,
+        # all_gather_state) or of the unit prefetched (backward), and the reduce-scatter
+        # input of the previous unit, kept until the next reduce-scatter
+        # (reduce_scatter_state); the unit's unsharded gradients live until that
+        # reduce-scatter. Measured: 3 x 772 MiB of buffers for llama2-7b zero3 dp8
+        # (bench/memory_tracker.py). A unit is a layer, or the embedding or head when larger.
+        # A tied embedding and head (kept tied when tp = pp = 1) form the root unit
+        # (executor.parallelize.apply_fsdp), gathered with its gradient from the head's
+        # backward to the embedding's: held beside the layers' units.
+        root_held = model.tie_word_embeddings and strategy.pp == 1 and strategy.tp == 1
         largest = max(units.layer_dense_parameters + units.layer_expert_parameters,
-                      units.first_parameters, units.last_parameters)
-        buffers += 2 * largest * states.weights
+                      units.last_parameters, 0.0 if root_held else units.first_parameters)
+        buffers += largest * (2 * states.weights + states.gradients)
+        temporaries += largest * states.gradients
+        if root_held:
+            buffers += units.first_parameters * states.weights
+            temporaries += units.first_parameters * states.gradients
     elif dp > 1:
         buffers += 2 * memory.DDP_BUCKET_BYTES
     if strategy.pp > 1:
         buffers += 2 * units.p2p_bytes
-    return MemoryBreakdown(w1 + w2, g1 + g2, o1 + o2, activations, buffers, float(memory.RUNTIME_RESERVE_BYTES))
+    return MemoryBreakdown(w1 + w2, gradients, o1 + o2, activations, buffers,
+                           float(memory.RUNTIME_RESERVE_BYTES), temporaries)
+
+
+def _layers_by_mode(stages) -> dict[str, int]:
+    """Layers of `stages` by recompute mode."""
+    return {"none": sum(s.plain_layers for s in stages),
+            "selective": sum(s.selective_recompute_layers for s in stages),
+            "full": sum(s.full_recompute_layers for s in stages)}
 
 
 def dp_sync_s(problem: Problem, units: UnitCosts, strategy: Strategy, pp_rank: int) -> float:

@@ -50,6 +50,39 @@ def sharded_state_bytes(parameters: float, training: TrainingSpec, zero_stage: i
     )
 
 
+@dataclass(frozen=True)
+class SavedTensors:
+    """What the modules of one layer keep for backward beyond Korthikanti et al.'s
+    count, which is Megatron-LM's: fused norms that keep their input only, a fused
+    SwiGLU keeping its two inputs and the product, dropout after attention and MLP in
+    GPT models, and an attention output that is the projection's input."""
+
+    norm_extra_values: int      # h-wide values per RMSNorm beyond its input
+    gated_mlp_tensors: int      # f-wide tensors a SwiGLU MLP keeps
+    head_major_output_copy: bool  # SDPA's output and the projection's input are two tensors under RoPE
+    dropout: bool               # GPT models' dropout masks (and dropout outputs of the scores)
+
+
+# Korthikanti et al. 2022 §4.1, Table 2 (Megatron-LM, 16-bit values).
+MEGATRON = SavedTensors(norm_extra_values=0, gated_mlp_tensors=3, head_major_output_copy=False, dropout=True)
+# PyTorch eager modules, as executor.models and transformers write them; measured with
+# torch.autograd.graph.saved_tensors_hooks and FSDPMemTracker under FakeTensorMode
+# (bench/memory_tracker.py: llama2-7b 21.75 sbh per layer in fp32, gpt3-6.7b 16 sbh):
+# RMSNorm `x * rsqrt(mean(x^2) + eps) * w` keeps x * rsqrt(...) beside its input; SiLU's
+# output is kept for the product beside the gate and up outputs; with RoPE the query
+# is head-major, so SDPA's output (kept for its backward, Dao et al. 2022 §3.1) is
+# copied by `transpose(1, 2).reshape` into the projection's input; executor.models has
+# no dropout (transformers' Llama has attention dropout 0).
+EAGER = SavedTensors(norm_extra_values=1, gated_mlp_tensors=4, head_major_output_copy=True, dropout=False)
+
+
+def saved_tensors(training: TrainingSpec) -> SavedTensors:
+    """Mixed-precision (bf16/fp16) training is Megatron-LM's recipe, the one Korthikanti
+    et al. measured; full fp32 is what runs on PyTorch's eager modules (the executor
+    trains in fp32 on CPU ranks, and Hugging Face models run eager)."""
+    return EAGER if training.precision == "fp32" else MEGATRON
+
+
 def layer_activation_bytes(model: ModelSpec, training: TrainingSpec, micro_batch_size: int,
                            tp: int, sequence_parallel: bool, recompute: str) -> float:
     """Activations one layer keeps for backward, one micro-batch, one rank.
@@ -61,20 +94,25 @@ def layer_activation_bytes(model: ModelSpec, training: TrainingSpec, micro_batch
     K and V scale with num_key_value_heads (GQA), the MLP with intermediate_size and its
     matrices (GELU: 2 tensors of f, SwiGLU: 3), MoE MLP tensors by the k experts each
     token visits, dropout masks only in GPT models, and FlashAttention keeps its output
-    instead of the s x s scores (Dao et al. 2022 §3.1).
+    instead of the s x s scores (Dao et al. 2022 §3.1). `saved_tensors` adds what eager
+    PyTorch modules keep beyond Megatron-LM's fused kernels.
     """
     b, s, h, f = micro_batch_size, training.seq_len, model.hidden_size, model.intermediate_size
     v = activation_bytes_per_value(training)
+    saved = saved_tensors(training)
     seq_split = tp if sequence_parallel else 1
     tokens_h = b * s * h
     if recompute == "full":
         return v * tokens_h / seq_split
-    dropout_mask = 1 if model.is_gpt else 0
+    dropout_mask = 1 if model.is_gpt and saved.dropout else 0
+    rms_norm_extra = 0 if model.is_gpt else saved.norm_extra_values
     # Not split by tp without SP: two norm inputs, QKV input, MLP input, dropout masks.
-    replicated = (4 * v + 2 * dropout_mask) * tokens_h
+    replicated = ((4 + 2 * rms_norm_extra) * v + 2 * dropout_mask) * tokens_h
     kv_ratio = model.num_key_value_heads / model.num_attention_heads
     attention = (v * (1 + 2 * kv_ratio) + v) * tokens_h  # Q, K, V and the projection input
-    mlp_tensors = 2 if model.is_gpt else 3
+    if training.flash_attention and not model.is_gpt and saved.head_major_output_copy:
+        attention += v * tokens_h
+    mlp_tensors = 2 if model.is_gpt else saved.gated_mlp_tensors
     mlp = v * mlp_tensors * f * b * s * model.num_experts_per_tok
     router = 4 * b * s * model.num_local_experts if model.is_moe else 0
     split = (attention + mlp) / tp + replicated / seq_split + router

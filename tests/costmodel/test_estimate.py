@@ -357,7 +357,9 @@ def test_interleaved_rank0_memory_follows_eq5():
 
 
 def test_full_recompute_memory_adds_one_layer_working_set():
-    prob = problem("gpt-22b", global_batch=4, flash_attention=False)
+    # Two micro-batches: the gradients persist beside the activations (with one, the
+    # peak holds a layer's larger of the two; costmodel.estimate.rank_memory).
+    prob = problem("gpt-22b", global_batch=8, flash_attention=False)
     e, u, _ = run(prob, tp=8, micro_batch_size=4, recompute="full")
     sbh = 2048 * 4 * 6144
     working = sbh * (10 + 24 / 8 + 5 * 64 * 2048 / (6144 * 8))  # one layer's full activations
@@ -396,22 +398,25 @@ def test_zero_stages_strictly_reduce_memory():
     layer = layer_parameters(prob.model)[0]
     assert peaks[0] - peaks[1] == pytest.approx(12 * P * (1 - 1 / dp), rel=1e-9)
     assert peaks[1] - peaks[2] == pytest.approx(2 * P * (1 - 1 / dp), rel=1e-9)
-    # ZeRO-3 shards the weights but holds two gathered layers instead of two DDP buckets
-    assert peaks[2] - peaks[3] == pytest.approx(2 * P * (1 - 1 / dp) - (2 * 2 * layer - 2 * 25 * MIB), rel=1e-9)
-    assert es[3].memory.comm_buffer_bytes == 2 * 2 * layer
+    # ZeRO-3 shards the weights but holds FSDP2's buffers instead of two DDP buckets: a
+    # layer's unsharded weights, an all-gather output and a reduce-scatter input, and the
+    # layer's unsharded gradients (costmodel.estimate.rank_memory)
+    assert peaks[2] - peaks[3] == pytest.approx(2 * P * (1 - 1 / dp) - (4 * 2 * layer - 2 * 25 * MIB), rel=1e-9)
+    assert es[3].memory.comm_buffer_bytes == 3 * 2 * layer
+    assert es[3].memory.temporary_bytes == 2 * layer
     assert es[0].memory.comm_buffer_bytes == 2 * 25 * MIB
 
 
 def test_zero3_can_cost_memory_with_one_layer_per_rank():
-    # Documented behaviour, not a claim of the paper: with one layer per pipeline rank the
-    # two gathered layers outweigh the sharded weights (2*2*layer > 2*layer*(1 - 1/dp)).
+    # Documented behaviour, not a claim of the paper: with one layer per pipeline rank
+    # FSDP2's buffers outweigh the sharded weights (4*2*layer > 2*layer*(1 - 1/dp)).
     prob = problem("gpt3-13b", global_batch=80, gpus=80)  # 10 nodes of 8
     e2, u, _ = run(prob, dp=2, pp=40, zero_stage=2)
     e3, _, _ = run(prob, dp=2, pp=40, zero_stage=3)
     layer = u.layer_dense_parameters
     r = 20  # a middle rank: one layer, no embedding
     assert e3.rank_memory_bytes[r] - e2.rank_memory_bytes[r] == pytest.approx(
-        2 * 2 * layer - 2 * 25 * MIB - 2 * layer * (1 - 1 / 2), rel=1e-9)
+        4 * 2 * layer - 2 * 25 * MIB - 2 * layer * (1 - 1 / 2), rel=1e-9)
     assert e3.rank_memory_bytes[r] > e2.rank_memory_bytes[r]
 
 

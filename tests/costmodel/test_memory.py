@@ -126,14 +126,30 @@ def test_flash_attention_drops_the_score_term(dgx):
 
 
 def test_fp32_activations(dgx):
+    # fp32 runs on PyTorch's eager modules (memory.EAGER): the executor's GPT has no dropout.
     m = load_model("gpt-22b")
     t = training(m, dgx, precision="fp32")
     s, b, h, a = 2048, 1, 6144, 64
-    # 4-byte values, 1-byte masks: norms/QKV/MLP inputs 4*4 + 2 masks, attention 4*4, MLP 2 * 4h * 4
-    per_sbh = (16 + 2) + 16 + 32
-    scores = (4 + 1 + 4) * a * s * s * b  # softmax out, dropout mask, dropout out
+    # 4-byte values: norms/QKV/MLP inputs 4*4, attention 4*4, MLP 2 * 4h * 4
+    per_sbh = 16 + 16 + 32
+    scores = 4 * a * s * s * b  # the softmax output
     assert layer_activation_bytes(m, t, b, 1, False, "none") == pytest.approx(per_sbh * s * b * h + scores, rel=1e-12)
     assert layer_activation_bytes(m, t, b, 1, False, "full") == 4 * s * b * h
+
+
+def test_fp32_llama_activations_are_the_eager_modules(dgx):
+    # Measured with saved_tensors_hooks and FSDPMemTracker (bench/memory_tracker.py):
+    # 21.75 sbh per llama2-7b layer in fp32 with SDPA: 3 per RMSNorm (input, x * rsqrt,
+    # output), Q, K, V, SDPA's output and the projection's copy of it, 4 f-wide MLP tensors.
+    m = load_model("llama2-7b")
+    t = training(m, dgx, flash=True, precision="fp32", seq=1024)
+    s, h, f = 1024, 4096, 11008
+    expected = 4 * (6 * s * h + 5 * s * h + 4 * s * f)
+    assert expected == 21.75 * 4 * s * h
+    assert layer_activation_bytes(m, t, 1, 1, False, "none") == pytest.approx(expected, rel=1e-12)
+    # Megatron-LM's fused kernels in 16-bit (Korthikanti et al. Table 2) keep less.
+    bf16 = training(m, dgx, flash=True, seq=1024)
+    assert layer_activation_bytes(m, bf16, 1, 1, False, "none") == pytest.approx(2 * (8 * s * h + 3 * s * f), rel=1e-12)
 
 
 def test_llama_gqa_activations(dgx):

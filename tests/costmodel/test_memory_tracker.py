@@ -1,0 +1,69 @@
+"""The cost model's peak memory per device against PyTorch's own accounting
+(FSDPMemTracker for ZeRO-3 dp 8, MemTracker for TP 8) of one fp32 AdamW training step
+under FakeTensorMode with the fake process group (bench/memory_tracker.py). The 7B
+layer dimensions with 4 layers, sequence 1024, so each case runs in seconds; the bench
+runs the full models."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import memory_tracker as bench  # noqa: E402
+
+LAYERS, SEQ = 4, 1024
+TP_SEQ = {"llama2-7b tp8": 4096, "gpt3-6.7b tp8": 2048}
+CASES = {case.name: case for case in bench.CASES}
+
+
+@pytest.fixture(scope="module")
+def rows():
+    cache = {}
+
+    def row(name):
+        if name not in cache:
+            # TP at 4 layers peaks in the optimizer step unless the sequence is long
+            # enough for the backward peak the cost model describes.
+            cache[name] = bench.compare(CASES[name], SEQ if "zero3" in name else TP_SEQ[name], LAYERS)
+        return cache[name]
+    return row
+
+
+# TP 8 at 4 layers peaks in the optimizer step (AdamW's per-parameter temporaries on
+# DTensors, which the cost model does not model); its backward peak, the one the cost
+# model describes, is checked at 32 layers by bench/memory_tracker.py (-2.6%, -4.6%).
+@pytest.mark.parametrize("name", ["llama2-7b zero3 dp8", "gpt3-6.7b zero3 dp8"])
+def test_peak_within_10_percent_of_the_tracker(rows, name):
+    row = rows(name)
+    assert row["predicted"]["total"] == pytest.approx(row["tracker"]["total"], rel=0.10)
+
+
+# gpt3-6.7b tp8 leaves out: tp keeps GPT's learned positions whole (4.8% of the weights
+# at 4 layers, 1% at 32), which the cost model splits.
+@pytest.mark.parametrize("name", ["llama2-7b zero3 dp8", "llama2-7b tp8", "gpt3-6.7b zero3 dp8"])
+def test_model_states_match_the_tracker(rows, name):
+    # Once backward has made every gradient: sharded (or tp-split) weights, gradients
+    # and AdamW's two moments. The tracker adds the RoPE tables (buffers).
+    row = rows(name)["states_after_backward"]
+    for kind in ("parameters", "gradients", "optimizer"):
+        assert row["predicted"][kind] == pytest.approx(row["tracker"][kind], rel=0.015), kind
+
+
+@pytest.mark.parametrize("name", ["llama2-7b zero3 dp8", "gpt3-6.7b zero3 dp8"])
+def test_zero3_buffers_are_fsdp2s(rows, name):
+    # Unsharded weights of the unit in use, one all-gather output, one reduce-scatter
+    # input (and a tied root unit gathered throughout).
+    row = rows(name)
+    assert row["predicted"]["comm_buffers"] == pytest.approx(row["tracker"]["comm_buffers"], rel=0.01)
+
+
+def test_llama_layer_activations_are_the_eager_modules(rows):
+    # ZeRO-3's peak comes at the end of a layer's backward: the predicted activations
+    # are every layer but the last (21.75 sbh each in fp32, eager modules), no logits.
+    row = rows("llama2-7b zero3 dp8")
+    per_layer = 21.75 * SEQ * 4096 * 4
+    assert row["predicted"]["activations"] == pytest.approx((LAYERS - 1) * per_layer, rel=1e-9)
+    assert row["tracker"]["activations"] <= row["predicted"]["activations"]
