@@ -12,11 +12,13 @@ holds `Stage.first_layer .. + num_layers` counted in nodes, and recomputes its f
 Per node and sample the trace gives forward and backward FLOPs, parameters, bytes
 saved for backward and bytes handed on along each edge. From them:
 
-- compute: the roofline (Williams, Waterman and Patterson 2009, "Roofline", §2):
-  the larger of the FLOPs at the device's best GEMM efficiency and the bytes the node
-  reads and writes (its inputs, output and saved tensors) at achieved memory
-  bandwidth; backward moves BACKWARD_FACTOR times the forward bytes
-  (`costmodel.compute`);
+- compute: as `costmodel.compute` splits a transformer layer, the FLOPs of the ops
+  FlopCounterMode has a formula for (matmuls, convolutions, attention) at the
+  device's best GEMM efficiency, plus the bytes the other ops read and write
+  (`elementwise_bytes`: norms, activations, softmax, copies) at achieved memory
+  bandwidth; they run one after the other, so the times add. Backward is the traced
+  backward FLOPs and BACKWARD_FACTOR times the forward bytes. The node's shapes are
+  not kept, so small GEMMs are not slowed by the efficiency curve;
 - pipeline sends: every edge crossing a stage boundary is sent forward and its
   gradient back, through each stage in between (torch.distributed.pipelining passes
   activations only to the next stage);
@@ -60,6 +62,7 @@ class NodeCost:
     saved_bytes: int
     output_bytes: int
     input_bytes: int          # what the earlier nodes and the model's inputs hand it
+    elementwise_bytes: int    # read and written in forward by the ops without FLOPs
 
 
 @dataclass(frozen=True)
@@ -107,7 +110,7 @@ def traced_model(graph: nx.DiGraph, batch: int, tokens_per_sample: int = 1, valu
         incoming = sum(graph.edges[u, name]["bytes"] for u in graph.predecessors(name)) + from_inputs.get(name, 0)
         nodes.append(NodeCost(name, int(data["forward_flops"]), int(data["backward_flops"]),
                               int(data["parameters"]), int(data["saved_bytes"]),
-                              int(data.get("output_bytes", 0)), int(incoming)))
+                              int(data.get("output_bytes", 0)), int(incoming), int(data["elementwise_bytes"])))
     cuts = [0] * max(len(order) - 1, 0)
     for first_cut, end_cut, num_bytes in graph.graph["flows"]:
         for cut in range(first_cut, end_cut):
@@ -128,11 +131,11 @@ def _scale(problem: TracedProblem, samples: int) -> float:
     return compute.activation_bytes_per_value(problem.training) / model.traced_value_bytes * samples / model.traced_batch
 
 
-def _roofline_s(problem: TracedProblem, flops: float, traffic_bytes: float) -> float:
+def _compute_s(problem: TracedProblem, flops: float, traffic_bytes: float) -> float:
     gpu = problem.cluster.gpu
     best = compute.GEMM_EFFICIENCY_MAX if gpu.gemm_efficiency_max is None else gpu.gemm_efficiency_max
-    return max(flops / (gpu.peak_for(problem.training.precision) * best),
-               compute.memory_bound_time_s(traffic_bytes, problem.cluster))
+    return (flops / (gpu.peak_for(problem.training.precision) * best)
+            + compute.memory_bound_time_s(traffic_bytes, problem.cluster))
 
 
 def _prefix(values) -> tuple[float, ...]:
@@ -167,9 +170,9 @@ def traced_units(problem: TracedProblem, strategy: Strategy) -> TracedUnits:
     scale, per_sample = _scale(problem, b), b / problem.model.traced_batch
     forward, backward, zero3 = [], [], []
     for node in problem.model.nodes:
-        traffic = scale * (node.input_bytes + node.output_bytes + node.saved_bytes)
-        fwd = _roofline_s(problem, per_sample * node.forward_flops, traffic)
-        bwd = _roofline_s(problem, per_sample * node.backward_flops, compute.BACKWARD_FACTOR * traffic)
+        traffic = scale * node.elementwise_bytes
+        fwd = _compute_s(problem, per_sample * node.forward_flops, traffic)
+        bwd = _compute_s(problem, per_sample * node.backward_flops, compute.BACKWARD_FACTOR * traffic)
         exposed = 0.0
         if strategy.zero_stage == 3:
             # FSDP units are the nodes: gathered forward and backward, gradients

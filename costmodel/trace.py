@@ -9,6 +9,8 @@ node what the planner needs:
   at its first user);
 - `saved_bytes`: activations autograd saves for backward while the node runs
   (saved-tensor hooks; weights and repeats of one tensor excluded);
+- `elementwise_bytes`: what the node's ops without a FLOP formula (elementwise, norms,
+  softmax, copies) read and write in forward: its memory-bound work;
 - `output_bytes`: what the node hands on;
 - `linears`: its nn.Linear layers by name, with the tensor-parallel split their name
   suggests (`column`, `row`, or None; Megatron-LM's roles: q/k/v/gate/up column-wise,
@@ -31,7 +33,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
 from torch.utils.weak import WeakIdKeyDictionary
 
 COLUMN_NAMES = re.compile(r"(^|[._])(q|k|v|wq|wk|wv|q_proj|k_proj|v_proj|query|key|value|qkv|c_attn|in_proj|"
@@ -95,13 +97,25 @@ class _Provenance(TorchDispatchMode):
     stream added up in the root's forward is one edge per block, not an edge from
     every earlier block."""
 
-    def __init__(self, tags: WeakIdKeyDictionary, inside: list[str], position: dict[str, int], tag, link):
+    def __init__(self, tags: WeakIdKeyDictionary, inside: list[str], position: dict[str, int], tag, link,
+                 traffic: dict[str, int], weights: set[int]):
         super().__init__()
         self.tags, self.inside, self.position, self.tag, self.link = tags, inside, position, tag, link
+        self.traffic, self.weights = traffic, weights
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if not self.inside:
+        if self.inside:
+            # Inside a block: the bytes every op without a FLOP formula (elementwise,
+            # norms, softmax, copies) reads and writes. Views move nothing; weights are
+            # left out (an embedding reads its rows, not its table; a norm's scale is
+            # small beside its activations).
+            outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+            if func.overloadpacket not in flop_registry and not all(t._is_view() for t in outputs):
+                read = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and id(t) not in self.weights]
+                name = self.inside[-1]
+                self.traffic[name] = self.traffic.get(name, 0) + _nbytes(read) + _nbytes(outputs)
+        else:
             flows = {id(f): f for t in tree_leaves((args, kwargs))
                      if isinstance(t, torch.Tensor) and (f := self.tags.get(t)) is not None}
             if flows:
@@ -155,6 +169,7 @@ def trace_module(module: nn.Module, example_inputs: tuple, loss_fn: Callable | N
     # that reads one (a decoder reading its target tokens) needs it sent through every
     # stage before its own.
     position: dict[str, int] = {INPUT: -1}
+    traffic: dict[str, int] = {}
     inputs: dict[str, int] = {}
     flows: list[_Flow] = []
 
@@ -215,7 +230,7 @@ def trace_module(module: nn.Module, example_inputs: tuple, loss_fn: Callable | N
         # One FlopCounterMode around forward and backward: it attributes backward FLOPs
         # to modules only when it saw their forward.
         with FlopCounterMode(display=False) as flops:
-            with _Provenance(tags, inside, position, tag, link), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            with _Provenance(tags, inside, position, tag, link, traffic, weights), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 output = torch.func.functional_call(module, state, tuple(example_inputs), example_kwargs or {})
                 loss = loss_fn(output) if loss_fn else output.float().sum()
             forward = {k: sum(v.values()) for k, v in flops.get_flop_counts().items()}
@@ -241,6 +256,7 @@ def trace_module(module: nn.Module, example_inputs: tuple, loss_fn: Callable | N
             parameters=sum(p.numel() for p in own),
             parameter_bytes=sum(p.numel() * p.element_size() for p in own),
             saved_bytes=saved.get(name, 0),
+            elementwise_bytes=traffic.get(name, 0),
             linears={n: split_role(n) for n, m in mod.named_modules() if isinstance(m, nn.Linear)},
             signature=(type(mod).__name__, tuple((n, tuple(p.shape)) for n, p in mod.named_parameters())),
         )
