@@ -8,7 +8,8 @@ node what the planner needs:
 - `parameters`, `parameter_bytes`: the node's own weights (a shared weight counts once,
   at its first user);
 - `saved_bytes`: activations autograd saves for backward while the node runs
-  (saved-tensor hooks; weights and repeats of one tensor excluded);
+  (saved-tensor hooks; a view counts as the tensor it views, once; weights and their
+  views excluded);
 - `elementwise_bytes`: what the node's ops without a FLOP formula (elementwise, norms,
   softmax, copies) read and write in forward: its memory-bound work;
 - `output_bytes`: what the node hands on;
@@ -111,7 +112,7 @@ class _Provenance(TorchDispatchMode):
             # left out (an embedding reads its rows, not its table; a norm's scale is
             # small beside its activations).
             outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-            if func.overloadpacket not in flop_registry and not all(t._is_view() for t in outputs):
+            if func.overloadpacket not in flop_registry and not func.is_view:
                 read = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and id(t) not in self.weights]
                 name = self.inside[-1]
                 self.traffic[name] = self.traffic.get(name, 0) + _nbytes(read) + _nbytes(outputs)
@@ -215,12 +216,15 @@ def trace_module(module: nn.Module, example_inputs: tuple, loss_fn: Callable | N
         return hook
 
     def pack(t: torch.Tensor):
-        if inside and id(t) not in weights:
+        # A saved view keeps its base alive: count the base, once. A weight's transpose
+        # (what a matmul saves) is the weight, not an activation.
+        base = t._base if t._base is not None else t
+        if inside and id(base) not in weights:
             name = inside[-1]
             seen = seen_saved.setdefault(name, WeakIdKeyDictionary())
-            if t not in seen:
-                seen[t] = True
-                saved[name] = saved.get(name, 0) + _nbytes(t)
+            if base not in seen:
+                seen[base] = True
+                saved[name] = saved.get(name, 0) + _nbytes(base)
         return t
 
     for name, mod in nodes.items():
