@@ -67,6 +67,10 @@ def plan_document(problem, rules_name: str, result: SearchResult) -> dict:
         "alternatives": [candidate_dict(c) for c in result.alternatives],
         "search": stats,
     }
+    if getattr(problem, "profile", None) is not None:
+        # The measured times the estimate used, so the plan says what priced it (the
+        # file's path is left out: the same measurements give the same plan).
+        doc["profile"] = {k: v for k, v in asdict(problem.profile).items() if k != "source"}
     return _round(doc)
 
 

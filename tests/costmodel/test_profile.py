@@ -147,6 +147,9 @@ def test_plan_with_a_profile_prices_the_measured_layers(tmp_path):
         4 * 0.12 + analytic["estimate"]["time"]["compute_s"] - 4 * _analytic_layer_s(4), rel=1e-5)
     assert profiled["estimate"]["step_time_s"] > 10 * analytic["estimate"]["step_time_s"]
     assert first.stdout == again.stdout                      # same inputs, same plan bytes
+    # The plan carries the measurements that priced it.
+    assert "profile" not in analytic
+    assert [p["forward_s"] for p in profiled["profile"]["points"]["layer"]] == [0.01, 0.02, 0.04, 0.08]
     assert "no measured embedding, head at micro-batch 4, tp 1 (the best plan's shape): priced by the analytic model" \
         in first.stderr
 
