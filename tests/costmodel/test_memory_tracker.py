@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import memory_tracker as bench  # noqa: E402
@@ -29,7 +30,11 @@ def rows():
             # enough for the backward peak the cost model describes.
             cache[name] = bench.compare(CASES[name], SEQ if "zero3" in name else TP_SEQ[name], LAYERS)
         return cache[name]
-    return row
+    yield row
+    # The fake process group must not outlive these tests: the executor's tests fork
+    # ranks that initialise their own.
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 # TP 8 at 4 layers peaks in the optimizer step (AdamW's per-parameter temporaries on
