@@ -25,6 +25,7 @@ from, and its other inputs become edges into that block.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,8 +34,9 @@ import networkx as nx
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
-from torch.utils.flop_counter import FlopCounterMode, flop_registry
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_leaves, tree_map_only
+from torch.utils.flop_counter import FlopCounterMode, flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 from torch.utils.weak import WeakIdKeyDictionary
 
 COLUMN_NAMES = re.compile(r"(^|[._])(q|k|v|wq|wk|wv|q_proj|k_proj|v_proj|query|key|value|qkv|c_attn|in_proj|"
@@ -67,6 +69,23 @@ def blocks(root: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 INPUT = ""   # the tag of the model's own inputs
+
+
+def _cpu_flash_forward(query_shape, key_shape, value_shape, *args, **kwargs) -> int:
+    return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+def _cpu_flash_backward(grad_out_shape, query_shape, key_shape, value_shape, *args, **kwargs) -> int:
+    return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+
+
+# FlopCounterMode counts the CUDA fused attention kernels; the fake CPU device the trace
+# runs on takes the CPU flash kernel, counted by the same formulas (the full s x s
+# product, as the analytic graph counts it).
+EXTRA_FLOP_FORMULAS = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_forward,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_backward,
+}
 
 
 def split_role(name: str) -> str | None:
@@ -108,11 +127,13 @@ class _Provenance(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if self.inside:
             # Inside a block: the bytes every op without a FLOP formula (elementwise,
-            # norms, softmax, copies) reads and writes. Views move nothing; weights are
+            # norms, softmax, copies) reads and writes. Views, and queries that return
+            # no tensor (a fake tensor's device), move nothing; weights are
             # left out (an embedding reads its rows, not its table; a norm's scale is
             # small beside its activations).
             outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-            if func.overloadpacket not in flop_registry and not func.is_view:
+            if outputs and func.overloadpacket not in flop_registry and func.overloadpacket not in EXTRA_FLOP_FORMULAS \
+                    and not func.is_view:
                 read = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and id(t) not in self.weights]
                 name = self.inside[-1]
                 self.traffic[name] = self.traffic.get(name, 0) + _nbytes(read) + _nbytes(outputs)
@@ -130,23 +151,31 @@ class _Provenance(TorchDispatchMode):
         return out
 
 
-def _meta_state(module: nn.Module, example_inputs: tuple) -> dict[str, torch.Tensor]:
-    """Meta stand-ins for the weights and buffers of a module that holds real ones when
-    the inputs are on meta: the trace then runs without touching (or copying) a weight.
-    A tensor shared by several names gets one stand-in, so ties stay tied."""
-    inputs = [t for t in tree_leaves(example_inputs) if isinstance(t, torch.Tensor)]
-    if not inputs or any(not t.is_meta for t in inputs):
-        return {}
+def _is_meta_trace(example_inputs, example_kwargs) -> bool:
+    inputs = [t for t in tree_leaves((example_inputs, example_kwargs)) if isinstance(t, torch.Tensor)]
+    return bool(inputs) and all(t.is_meta for t in inputs)
+
+
+def _fake_state(module: nn.Module, mode: FakeTensorMode) -> dict[str, torch.Tensor]:
+    """Fake CPU stand-ins for every weight and buffer (meta or real): the trace runs
+    without memory and without touching a weight, while each op takes the kernel a real
+    device would (scaled_dot_product_attention its fused kernel, which keeps no score
+    matrix, where the meta device would decompose it). A tensor shared by several names
+    gets one stand-in, so ties stay tied."""
     stand_ins: dict[int, torch.Tensor] = {}
     state = {}
-    for name, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
-        if t.is_meta:
-            continue
-        if id(t) not in stand_ins:
-            meta = torch.empty_like(t, device="meta")
-            stand_ins[id(t)] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
-        state[name] = stand_ins[id(t)]
+    with mode:
+        for name, t in [*module.named_parameters(remove_duplicate=False), *module.named_buffers(remove_duplicate=False)]:
+            if id(t) not in stand_ins:
+                fake = _fake_like(t)
+                stand_ins[id(t)] = nn.Parameter(fake, t.requires_grad) if isinstance(t, nn.Parameter) else fake
+            state[name] = stand_ins[id(t)]
     return state
+
+
+def _fake_like(t: torch.Tensor) -> torch.Tensor:
+    """Under a FakeTensorMode: a fake CPU tensor of t's shape, dtype and strides."""
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu").requires_grad_(t.requires_grad)
 
 
 def trace_module(module: nn.Module, example_inputs: tuple, loss_fn: Callable | None = None,
@@ -160,7 +189,11 @@ def trace_module(module: nn.Module, example_inputs: tuple, loss_fn: Callable | N
     inside: list[str] = []
     saved: dict[str, int] = {}
     seen_saved: dict[str, WeakIdKeyDictionary] = {}
-    state = _meta_state(module, example_inputs)
+    fake = FakeTensorMode() if _is_meta_trace(example_inputs, example_kwargs) else contextlib.nullcontext()
+    state = _fake_state(module, fake) if isinstance(fake, FakeTensorMode) else {}
+    if state:
+        with fake:
+            example_inputs, example_kwargs = tree_map_only(torch.Tensor, _fake_like, (example_inputs, example_kwargs))
     weights = {id(p) for p in module.parameters()} | {id(t) for t in state.values()}
     owner: dict[int, str] = {}
     order: list[str] = []
@@ -233,7 +266,7 @@ def trace_module(module: nn.Module, example_inputs: tuple, loss_fn: Callable | N
     try:
         # One FlopCounterMode around forward and backward: it attributes backward FLOPs
         # to modules only when it saw their forward.
-        with FlopCounterMode(display=False) as flops:
+        with fake, FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS) as flops:
             with _Provenance(tags, inside, position, tag, link, traffic, weights), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 output = torch.func.functional_call(module, state, tuple(example_inputs), example_kwargs or {})
                 loss = loss_fn(output) if loss_fn else output.float().sum()

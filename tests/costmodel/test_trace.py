@@ -155,3 +155,20 @@ def test_a_70b_llama_traces_in_seconds_without_memory():
     assert seconds < 30 and grown_bytes < 2 << 30
     assert sum(graph.nodes[n]["parameters"] for n in graph) == 70_553_706_496
     assert len(repeats(graph)[graph.nodes["layers.0"]["signature"]]) == 80
+
+
+@pytest.mark.parametrize("name", ["llama2-7b", "gpt3-6.7b"])
+def test_saved_bytes_of_a_7b_layer_equal_the_cost_models_fp32_activations(name):
+    """What autograd saves in one of the executor's layers (traced under fake CPU
+    tensors, whose SDPA keeps no score matrix) is what costmodel.memory charges a layer
+    in fp32 (its eager-module counts, calibrated against MemTracker)."""
+    from costmodel.loading import make_training, load_cluster
+    from costmodel.memory import layer_activation_bytes
+
+    spec = load_model(name)
+    seq = 1024
+    model = build_model(spec.__class__(**{**spec.__dict__, "num_hidden_layers": 2}), seq)
+    graph = trace_module(model, (torch.zeros(1, seq, dtype=torch.long, device="meta"),))
+    training = make_training(spec, load_cluster("cpu"), 8, seq, precision="fp32")
+    predicted = layer_activation_bytes(spec, training, 1, 1, False, "none")
+    assert graph.nodes["layers.0"]["saved_bytes"] == pytest.approx(predicted, rel=0.01)
