@@ -169,19 +169,9 @@ class Trainer:
         return [m.module if isinstance(m, DDP) else m for m in self.modules]
 
     def _tied_ends_group(self):
-        """Ranks holding the embedding and the head's copy of it (first and last pipeline
-        stage, same dp and tp coordinate): their gradients are summed (Megatron-LM)."""
-        s = self.strategy
-        if not self.spec.tie_word_embeddings or s.pp == 1:
+        if not self.spec.tie_word_embeddings or self.strategy.pp == 1:
             return None
-        ranks = self.mesh.mesh   # [pp, edp, ep, tp] global ranks
-        mine = None
-        for index in torch.cartesian_prod(*(torch.arange(n) for n in ranks.shape[1:])).view(-1, 3).tolist():
-            pair = [int(ranks[0][tuple(index)]), int(ranks[-1][tuple(index)])]
-            group = dist.new_group(pair)   # every rank creates every group, in the same order
-            if dist.get_rank() in pair:
-                mine = group
-        return mine
+        return tied_ends_group(self.mesh)
 
     def _pipeline_schedule(self):
         # Imported here: torch.distributed.pipelining pulls in torch.export (seconds of
@@ -364,9 +354,27 @@ class Trainer:
         return out
 
     def global_loss(self, loss: torch.Tensor | None) -> float:
-        """Mean over dp of the last stage's loss (its tp ranks hold the same value)."""
-        value = torch.zeros((), dtype=torch.float64, device=self.device)
-        if loss is not None:
-            value += loss.double()
-        dist.all_reduce(value)
-        return float(value) / (self.strategy.dp * self.strategy.tp)
+        return global_loss(loss, self.strategy, self.device)
+
+
+def tied_ends_group(mesh) -> dist.ProcessGroup | None:
+    """This rank's group of the ranks holding the embedding and the head's copy of it
+    (first and last pipeline stage, same dp and tp coordinate), whose gradients are
+    summed (Megatron-LM); None on the ranks between. Every rank must call it."""
+    ranks = mesh.mesh   # [pp, edp, ep, tp] global ranks
+    mine = None
+    for index in torch.cartesian_prod(*(torch.arange(n) for n in ranks.shape[1:])).view(-1, 3).tolist():
+        pair = [int(ranks[0][tuple(index)]), int(ranks[-1][tuple(index)])]
+        group = dist.new_group(pair)   # every rank creates every group, in the same order
+        if dist.get_rank() in pair:
+            mine = group
+    return mine
+
+
+def global_loss(loss: torch.Tensor | None, strategy: Strategy, device: torch.device) -> float:
+    """Mean over dp of the last stage's loss (its tp ranks hold the same value), on every rank."""
+    value = torch.zeros((), dtype=torch.float64, device=device)
+    if loss is not None:
+        value += loss.double()
+    dist.all_reduce(value)
+    return float(value) / (strategy.dp * strategy.tp)

@@ -1,0 +1,459 @@
+"""`auto_parallelize`: inside a torchrun job, turn a user's model into a parallel
+trainer for a plan, given or planned on the spot for the job's world size.
+
+    trainer = auto_parallelize(model, cluster="dgx-h100", global_batch=64, fix={"tp": 2},
+                               optimizer=lambda params: torch.optim.AdamW(params, lr=3e-4))
+    loss = trainer.step({"input_ids": ids, "labels": ids})   # the global batch, every rank
+
+Every rank passes the same model with the same weights (seeded, or loaded) and the same
+global batch; each keeps its share. Two kinds of model:
+
+- Shardwise's own (`executor.models.Transformer`): the executor's `Trainer` builds this
+  rank's share and takes the user's weights (torch.distributed.checkpoint's
+  `set_model_state_dict` shards full tensors into DTensor and FSDP parameters).
+- Hugging Face causal LMs of the usual decoder layout (an input embedding, a ModuleList
+  of decoder layers, a final norm, an LM head): `DecoderTrainer` splits the model's own
+  modules as the plan asks:
+  * tensor parallelism by layer role (Shoeybi et al. 2019 §3; the roles of
+    `costmodel.trace.split_role`): q/k/v, gate/up and fc column-wise, o/down/c_proj
+    row-wise, the input embedding and the LM head over the vocabulary (the logits are
+    gathered, so the model's own loss runs unchanged). GPT-2's Conv1D become the
+    equivalent nn.Linear first, and its fused q/k/v is regrouped so that each rank's
+    column shard holds its own heads' q, k and v;
+  * pipeline stages cut at decoder layers: each stage runs the model's own forward on
+    its layers, later stages feeding it `inputs_embeds` with the position table and
+    embedding dropout muted, the final norm and the head only on the last stage;
+  * data parallelism: DDP for ZeRO 0 (PyTorch's `replicate` over TP weights), FSDP2 for
+    ZeRO 2 and 3; ZeRO 1 runs as ZeRO 2 (the same traffic; the optimizer is the user's,
+    so it cannot be wrapped in ZeroRedundancyOptimizer);
+  * full recompute: `checkpoint_wrapper` on the first layers of each stage.
+  A model it cannot split as the plan asks gets UnsupportedPlan naming the module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._composable.replicate_with_fsdp import replicate
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from costmodel.strategy import Strategy
+from costmodel.trace import split_role
+from executor.data import dp_shard
+from executor.parallelize import UnsupportedPlan, build_mesh
+from executor.train import NO_BUFFER_SYNC, TrainConfig, Trainer, global_loss, tied_ends_group
+
+Optimizer = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+FINAL_NORMS = ("norm", "ln_f", "final_layernorm", "final_layer_norm")
+EMBEDDING_DROPOUTS = ("drop", "embed_dropout", "emb_drop")
+FUSED_QKV = ("c_attn", "qkv", "qkv_proj", "query_key_value", "Wqkv")
+WRAPPED = "_checkpoint_wrapped_module."
+
+
+def default_optimizer(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=3e-4)
+
+
+def auto_parallelize(model: nn.Module, plan: dict | str | None = None, *, cluster: str | None = None,
+                     global_batch: int | None = None, seq_len: int | None = None, fix: dict | None = None,
+                     rules: str | None = None, loss_fn: Callable | None = None,
+                     optimizer: Optimizer = default_optimizer, device: str | torch.device | None = None):
+    """A trainer of `model` for `plan` (a plan document or file), or for the plan
+    `planner.plan_model` finds for this job's world size on `cluster` (with `rules` and
+    `fix`, a dict such as {"tp": 2, "pp": 2}); `seq_len` defaults to the model's
+    maximum positions. The process group must be initialised (torchrun, or
+    `dist.init_process_group`)."""
+    if not dist.is_initialized():
+        raise RuntimeError("auto_parallelize runs inside a process group: start the script with torchrun")
+    from planner.api import plan_model
+    from planner.plan import read_plan, strategy_of
+
+    if plan is None:
+        if cluster is None or global_batch is None:
+            raise ValueError("auto_parallelize: give a plan, or a cluster and a global_batch to plan for")
+        seq = seq_len or _max_positions(model)
+        example = (torch.zeros(1, seq, dtype=torch.long, device="meta"),)
+        plan = plan_model(model, example, cluster=cluster, gpus=dist.get_world_size(), global_batch=global_batch,
+                          precision="fp32" if next(model.parameters()).dtype == torch.float32 else "bf16",
+                          rules=rules, fix=fix, top=1)
+    elif not isinstance(plan, dict):
+        plan = read_plan(plan)
+    strategy = strategy_of(plan)
+    if strategy.num_gpus != dist.get_world_size():
+        raise UnsupportedPlan(f"plan.strategy: the plan needs {strategy.num_gpus} processes, "
+                              f"{dist.get_world_size()} were started")
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    spec = getattr(model, "spec", None)
+    if spec is not None and hasattr(model, "tok_embeddings"):
+        return BuiltinTrainer(model, plan, strategy, optimizer, device)
+    return DecoderTrainer(model, strategy, plan["training"]["seq_len"], optimizer, loss_fn, device)
+
+
+def _max_positions(model: nn.Module) -> int:
+    config = getattr(model, "config", None) or getattr(model, "spec", None)
+    for key in ("max_position_embeddings", "n_positions"):
+        if getattr(config, key, None):
+            return int(getattr(config, key))
+    raise ValueError("auto_parallelize: give seq_len (the model does not say its maximum positions)")
+
+
+def _batch(batch) -> tuple[torch.Tensor, torch.Tensor]:
+    if isinstance(batch, dict):
+        return batch["input_ids"], batch.get("labels", batch["input_ids"])
+    inputs, labels = batch
+    return inputs, labels
+
+
+class BuiltinTrainer:
+    """Shardwise's own models: the executor's Trainer with the user's weights and optimizer."""
+
+    def __init__(self, model, plan: dict, strategy: Strategy, optimizer: Optimizer, device: torch.device):
+        from costmodel.specs import TrainingSpec
+
+        training = TrainingSpec(**plan["training"])
+        # The user's optimizer runs the update as it is: no clipping, no schedule.
+        self.trainer = Trainer(model.spec, training, strategy, TrainConfig(grad_clip=float("inf")), device)
+        full = {k: v.to(device) for k, v in model.state_dict().items()}
+        for module in self.trainer._models():
+            set_model_state_dict(module, full, options=StateDictOptions(full_state_dict=True, strict=False))
+        self.trainer.optimizer = optimizer(self.trainer._parameters())
+        self.trainer.scheduler = torch.optim.lr_scheduler.LambdaLR(self.trainer.optimizer, lambda _: 1.0)
+        self.strategy = strategy
+
+    def step(self, batch) -> float:
+        """One step on the global batch (inputs and next-token targets, or a dict with
+        `input_ids` and `labels` already shifted by the caller); the global mean loss."""
+        inputs, targets = _batch(batch)
+        return self.trainer.step(inputs, targets)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The full, unsharded weights of every stage, on every rank, under the model's
+        own names (a tied head under both, as the model's state_dict has it)."""
+        merged = _gather_stages(self.trainer.full_state_dict(), self.trainer.mesh)
+        if self.trainer.spec.tie_word_embeddings:
+            merged["output.weight"] = merged["tok_embeddings.weight"]
+        return dict(sorted(merged.items()))
+
+
+def _gather_stages(local: dict[str, torch.Tensor], mesh) -> dict[str, torch.Tensor]:
+    """Each pipeline stage's full weights, merged across the stages."""
+    if mesh["pp"].size() == 1:
+        return local
+    parts = [None] * mesh["pp"].size()
+    dist.all_gather_object(parts, local, group=mesh["pp"].get_group())
+    merged = {}
+    for part in parts:
+        merged.update(part)
+    return merged
+
+
+class DecoderStage(nn.Module):
+    """One pipeline stage of a causal LM (all of it when first and last): token ids or
+    hidden states in, hidden states or logits out."""
+
+    def __init__(self, lm: nn.Module, first: bool, last: bool):
+        super().__init__()
+        self.lm, self.first, self.last = lm, first, last
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        base = self.lm.base_model
+        out = base(input_ids=x, use_cache=False) if self.first else base(inputs_embeds=x, use_cache=False)
+        hidden = out[0]
+        return self.lm.get_output_embeddings()(hidden) if self.last else hidden
+
+
+class _MutedPositions(nn.Module):
+    """A later stage's stand-in for the position table: its input already holds them."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.hidden_size = hidden_size
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(*positions.shape, self.hidden_size, device=positions.device)
+
+
+def _child_name(parent: nn.Module, child: nn.Module) -> str | None:
+    return next((n for n, m in parent.named_children() if m is child), None)
+
+
+def decoder_layers(base: nn.Module) -> tuple[str, nn.ModuleList]:
+    """The base model's stack of decoder layers: its longest ModuleList."""
+    stacks = [(n, m) for n, m in base.named_children() if isinstance(m, nn.ModuleList)]
+    if not stacks:
+        raise UnsupportedPlan(f"model: {type(base).__name__} holds no ModuleList of decoder layers to split")
+    return max(stacks, key=lambda item: len(item[1]))
+
+
+def _as_linear(conv: nn.Module) -> nn.Linear:
+    """GPT-2's Conv1D (weight in x out) as the nn.Linear it computes."""
+    n_in, n_out = conv.weight.shape
+    linear = nn.Linear(n_in, n_out, bias=conv.bias is not None, device=conv.weight.device, dtype=conv.weight.dtype)
+    with torch.no_grad():
+        linear.weight.copy_(conv.weight.t())
+        if conv.bias is not None:
+            linear.bias.copy_(conv.bias)
+    linear.from_conv1d = True
+    return linear
+
+
+def _qkv_order(out_features: int, tp: int) -> torch.Tensor:
+    """Row order of a fused [q | k | v] projection that puts each tp rank's heads of q,
+    k and v in its contiguous column shard."""
+    third = out_features // 3
+    per = third // tp
+    return torch.cat([torch.arange(part * third + r * per, part * third + (r + 1) * per)
+                      for r in range(tp) for part in range(3)])
+
+
+class DecoderTrainer:
+    """A Hugging Face causal LM split by a strategy (module docstring)."""
+
+    def __init__(self, lm: nn.Module, strategy: Strategy, seq_len: int, optimizer: Optimizer,
+                 loss_fn: Callable | None, device: torch.device):
+        self._refuse(strategy)
+        self.strategy, self.seq_len, self.device = strategy, seq_len, device
+        self.mesh, self.dp_mesh = build_mesh(strategy, device.type)
+        coords = dict(zip(self.mesh.mesh_dim_names, self.mesh.get_coordinate()))
+        self.pp_rank, self.dp_rank = coords["pp"], self.dp_mesh.get_local_rank()
+        self.is_first, self.is_last = self.pp_rank == 0, self.pp_rank == strategy.pp - 1
+        vocab = lm.get_input_embeddings().weight.shape[0]
+        self.loss_fn = loss_fn or (lambda logits, labels: lm.loss_function(logits=logits, labels=labels,
+                                                                             vocab_size=vocab))
+        self.hidden_size, self.vocab_size = lm.get_input_embeddings().weight.shape[1], vocab
+        self.tied = lm.get_output_embeddings().weight is lm.get_input_embeddings().weight
+        self.tied_group = tied_ends_group(self.mesh) if self.tied and strategy.pp > 1 else None
+        self.renamed: dict[str, str] = {}       # stage parameter name -> the model's
+        self.regrouped: dict[str, torch.Tensor] = {}   # fused q/k/v rows, by the model's name
+        self.transposed: set[str] = set()      # Conv1D weights, by the model's name
+        self.stage = self._split(lm.to(device))
+        self.module = self._data_parallel(self.stage)
+        self.optimizer = optimizer(list(self.module.parameters()))
+        self.schedule = self._pipeline_schedule() if strategy.pp > 1 else None
+
+    @staticmethod
+    def _refuse(strategy: Strategy) -> None:
+        for knob, ok in (("sequence_parallel", not strategy.sequence_parallel), ("vpp", strategy.vpp == 1),
+                         ("ep", strategy.ep == 1), ("schedule", strategy.schedule != "interleaved")):
+            if not ok:
+                raise UnsupportedPlan(f"plan.strategy.{knob}: auto_parallelize on a Hugging Face model runs tp, "
+                                      f"pp (gpipe, 1f1b), dp, ZeRO and full recompute; plan with --fix "
+                                      f"sp=off,vpp=1,ep=1")
+        if any(st.selective_recompute_layers for st in strategy.stages):
+            raise UnsupportedPlan("plan.strategy.stages: selective recompute needs the attention core as a "
+                                  "module of its own; plan with --fix recompute=full or none")
+
+    # -- splitting ------------------------------------------------------------------
+
+    def _split(self, lm: nn.Module) -> DecoderStage:
+        s = self.strategy
+        base = lm.base_model
+        prefix = _child_name(lm, base)
+        stack_name, layers = decoder_layers(base)
+        stage = next(st for st in s.stages if st.pp_rank == self.pp_rank)
+        owned = list(range(stage.first_layer, stage.first_layer + stage.num_layers))
+        if len(layers) != sum(st.num_layers for st in s.stages):
+            raise UnsupportedPlan(f"plan.strategy.stages: the plan places {sum(st.num_layers for st in s.stages)} "
+                                  f"layers, {type(base).__name__}.{stack_name} holds {len(layers)}")
+        embedding, head = lm.get_input_embeddings(), lm.get_output_embeddings()
+        self.embedding_name = f"{prefix}.{_child_name(base, embedding)}.weight"
+        self.head_name = f"{_child_name(lm, head)}.weight"
+        if self.tied and (s.tp > 1 or s.pp > 1):
+            # The ends are split (or sit on other ranks): the head gets its own copy, and
+            # the two gradients are summed each step.
+            head.weight = nn.Parameter(embedding.weight.detach().clone())
+        setattr(base, stack_name, nn.ModuleList([layers[i] for i in owned]))
+        for local, original in enumerate(owned):
+            self.renamed[f"{prefix}.{stack_name}.{local}."] = f"{prefix}.{stack_name}.{original}."
+        if not self.is_first:
+            setattr(base, _child_name(base, embedding), None)
+            for name, child in list(base.named_children()):
+                if isinstance(child, nn.Embedding):
+                    setattr(base, name, _MutedPositions(self.hidden_size))   # GPT-2's wpe
+                elif name in EMBEDDING_DROPOUTS:
+                    setattr(base, name, nn.Identity())
+        if not self.is_last:
+            for name in FINAL_NORMS:
+                if getattr(base, name, None) is not None:
+                    setattr(base, name, nn.Identity())
+            setattr(lm, _child_name(lm, head), None)
+        if s.tp > 1:
+            self._tensor_parallel(lm, base, stack_name, prefix)
+        for i, layer in enumerate(getattr(base, stack_name)):
+            if i < stage.full_recompute_layers:
+                getattr(base, stack_name)[i] = checkpoint_wrapper(layer)
+        return DecoderStage(lm, self.is_first, self.is_last)
+
+    def _tensor_parallel(self, lm: nn.Module, base: nn.Module, stack_name: str, prefix: str) -> None:
+        tp, tp_mesh = self.strategy.tp, self.mesh["tp"]
+        for index, layer in enumerate(getattr(base, stack_name)):
+            plan = {}
+            for name, module in list(layer.named_modules()):
+                if type(module).__name__ == "Conv1D":
+                    parent, _, leaf = name.rpartition(".")
+                    module = _as_linear(module)
+                    setattr(layer.get_submodule(parent), leaf, module)
+                    self.transposed.add(self._model_name(f"{prefix}.{stack_name}.{index}.{name}.weight"))
+                if not isinstance(module, nn.Linear):
+                    continue
+                role = split_role(name)
+                where = f"{type(layer).__name__} {stack_name}.{index}.{name}"
+                if role is None:
+                    raise UnsupportedPlan(f"model: cannot split {where} for tp {tp}: its role (column or row) "
+                                          f"is not known from its name")
+                if module.out_features % tp if role == "column" else module.in_features % tp:
+                    raise UnsupportedPlan(f"model: tp {tp} does not divide {where}")
+                if role == "column" and name.rpartition(".")[2] in FUSED_QKV:
+                    order = _qkv_order(module.out_features, tp)
+                    with torch.no_grad():
+                        module.weight.copy_(module.weight[order])
+                        if module.bias is not None:
+                            module.bias.copy_(module.bias[order])
+                    self.regrouped[self._model_name(f"{prefix}.{stack_name}.{index}.{name}")] = order
+                plan[name] = ColwiseParallel() if role == "column" else RowwiseParallel()
+            if not plan:
+                raise UnsupportedPlan(f"model: {type(layer).__name__} {stack_name}.{index} has no linear layers to split")
+            parallelize_module(layer, tp_mesh, plan)
+            # Attention modules that size their split by attribute (GPT-2's split_size)
+            # now hold 1/tp of the heads.
+            for module in layer.modules():
+                for attr in ("split_size", "num_heads", "num_key_value_heads"):
+                    if isinstance(getattr(module, attr, None), int):
+                        setattr(module, attr, getattr(module, attr) // tp)
+        ends = {}
+        embedding, head = lm.get_input_embeddings(), lm.get_output_embeddings()
+        if self.is_first:
+            ends[f"{_child_name(lm, base)}.{_child_name(base, embedding)}"] = RowwiseParallel(input_layouts=Replicate())
+        if self.is_last:
+            ends[_child_name(lm, head)] = ColwiseParallel(output_layouts=Replicate())
+        parallelize_module(lm, tp_mesh, ends)
+
+    def _data_parallel(self, stage: DecoderStage) -> nn.Module:
+        s = self.strategy
+        if s.dp == 1:
+            return stage
+        _, layers = decoder_layers(stage.lm.base_model)
+        if s.zero_stage >= 1:
+            for layer in layers:
+                fully_shard(layer, mesh=self.dp_mesh, reshard_after_forward=s.zero_stage == 3)
+            fully_shard(stage, mesh=self.dp_mesh, reshard_after_forward=s.zero_stage == 3)
+            return stage
+        if s.tp > 1:
+            for layer in layers:
+                replicate(layer, mesh=self.dp_mesh)
+            replicate(stage, mesh=self.dp_mesh)
+            return stage
+        return DDP(stage, process_group=self.dp_mesh.get_group(), **NO_BUFFER_SYNC)
+
+    def _pipeline_schedule(self):
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        s, b, t = self.strategy, self.strategy.micro_batch_size, self.seq_len
+        hidden = torch.empty(b, t, self.hidden_size, device="meta", requires_grad=True)
+        example_in = torch.zeros(b, t, dtype=torch.long, device="meta") if self.is_first else hidden
+        example_out = torch.empty(b, t, self.vocab_size, device="meta", requires_grad=True) if self.is_last else hidden
+        stage = PipelineStage(self.module, self.pp_rank, s.pp, self.device, input_args=example_in,
+                              output_args=example_out, group=self.mesh["pp"].get_group())
+        cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[s.schedule]
+        return cls(stage, n_microbatches=s.num_microbatches, loss_fn=self.loss_fn)
+
+    # -- one step -------------------------------------------------------------------
+
+    def step(self, batch) -> float:
+        """One optimizer step on the global batch (a dict with `input_ids` and `labels`,
+        as the model takes them); the global batch's mean loss, on every rank."""
+        inputs, labels = _batch(batch)
+        inputs, labels = dp_shard(inputs, labels, self.dp_rank, self.strategy.dp)
+        inputs, labels = inputs.to(self.device), labels.to(self.device)
+        loss = self._forward_backward(inputs, labels)
+        self._sum_tied_gradients()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return global_loss(loss, self.strategy, self.device)
+
+    def _forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
+        s = self.strategy
+        if self.schedule is not None:
+            losses = []
+            self.schedule.step(*((inputs,) if self.is_first else ()),
+                               **(dict(target=labels, losses=losses) if self.is_last else {}))
+            return torch.stack([l.detach() for l in losses]).mean() if self.is_last else None
+        total = torch.zeros((), device=self.device)
+        for i, (x, y) in enumerate(zip(inputs.chunk(s.num_microbatches), labels.chunk(s.num_microbatches))):
+            last = i == s.num_microbatches - 1
+            if isinstance(self.module, DDP) and not last:
+                with self.module.no_sync():
+                    loss = self._micro_step(x, y)
+            else:
+                if s.dp > 1 and not isinstance(self.module, DDP):
+                    self.module.set_requires_gradient_sync(last)
+                loss = self._micro_step(x, y)
+            total += loss
+        return total / s.num_microbatches
+
+    def _micro_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = self.loss_fn(self.module(x), y)
+        (loss / self.strategy.num_microbatches).backward()
+        return loss.detach()
+
+    def _head_and_embedding(self) -> list[nn.Parameter]:
+        lm = self.stage.lm
+        return [m.weight for m in (lm.get_input_embeddings(), lm.get_output_embeddings()) if m is not None]
+
+    def _sum_tied_gradients(self) -> None:
+        """A tied embedding's two copies get the sum of their gradients: locally when
+        both are here (tp), over the first and last stage otherwise (pp)."""
+        for p in self.module.parameters():
+            # DTensor's embedding backward returns a replicated gradient of a
+            # vocabulary-sharded weight: keep this rank's rows (a local slice, no traffic).
+            if isinstance(p, DTensor) and p.grad is not None and p.grad.placements != p.placements:
+                p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+        if not self.tied or (self.strategy.tp == 1 and self.strategy.pp == 1):
+            return
+        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                 for p in self._head_and_embedding() if p.grad is not None]
+        if self.strategy.pp == 1:
+            total = grads[0] + grads[1]
+            for g in grads:
+                g.copy_(total)
+        elif grads:
+            dist.all_reduce(grads[0], group=self.tied_group)
+
+    # -- weights --------------------------------------------------------------------
+
+    def _model_name(self, name: str) -> str:
+        name = name.replace(WRAPPED, "").removeprefix("lm.")
+        for local, original in self.renamed.items():
+            if name.startswith(local):
+                return original + name[len(local):]
+        return name
+
+    @torch.no_grad()
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's full, unsharded weights under its own names and layouts, on every rank."""
+        local = {}
+        for name, p in self.stage.named_parameters():
+            value = (p.full_tensor() if isinstance(p, DTensor) else p.detach()).cpu().clone()
+            model_name = self._model_name(name)
+            order = self.regrouped.get(model_name.rsplit(".", 1)[0])
+            if order is not None:
+                restored = torch.empty_like(value)
+                restored[order] = value
+                value = restored
+            if model_name in self.transposed:
+                value = value.t().contiguous()
+            local[model_name] = value
+        merged = _gather_stages(local, self.mesh)
+        if self.tied:   # one tensor under two names, as the model's own state_dict has it
+            merged[self.head_name] = merged[self.embedding_name]
+        return dict(sorted(merged.items()))
+
+

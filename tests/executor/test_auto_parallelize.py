@@ -1,0 +1,145 @@
+"""auto_parallelize on CPU ranks (gloo): tiny Hugging Face Llama and GPT-2 models built
+from configs, and a built-in model, planned on the spot for each layout, train five
+AdamW steps with the losses of the unparallelized model within 1e-5 relative, and give
+back the full weights under the model's own names equal to the reference's."""
+
+import pytest
+import torch
+
+from executor_test_helpers import run_ranks
+
+transformers = pytest.importorskip("transformers")
+
+SEQ, BATCH, STEPS, LR = 16, 8, 5, 3e-3
+
+
+def hf_config(family: str):
+    if family == "llama":
+        return transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+                                        tie_word_embeddings=False)
+    return transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=4, n_head=4, n_positions=SEQ,
+                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+
+def hf_model(family: str):
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(hf_config(family), attn_implementation="eager")
+
+
+def token_batches():
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 64, (BATCH, SEQ), generator=generator) for _ in range(STEPS)]
+
+
+def hf_reference(family: str):
+    """The model's own loss, one process, plain torch.optim."""
+    model = hf_model(family)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for ids in token_batches():
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def hf_rank(rank, world, family, fix):
+    from executor import auto_parallelize
+
+    trainer = auto_parallelize(hf_model(family), cluster="cpu", global_batch=BATCH, seq_len=SEQ, fix=fix,
+                               optimizer=lambda params: torch.optim.AdamW(params, lr=LR))
+    losses = [trainer.step({"input_ids": ids, "labels": ids}) for ids in token_batches()]
+    return {"losses": torch.tensor(losses, dtype=torch.float64), "state": trainer.state_dict()}
+
+
+LAYOUTS = {
+    "dp2": {"dp": 2, "tp": 1, "pp": 1, "zero": 0},
+    "tp2": {"dp": 1, "tp": 2, "pp": 1},
+    "pp2": {"dp": 1, "tp": 1, "pp": 2, "schedule": "1f1b"},
+    "dp2xtp2": {"dp": 2, "tp": 2, "pp": 1, "zero": 0},
+    "tp2xpp2": {"dp": 1, "tp": 2, "pp": 2, "schedule": "gpipe"},
+    "zero3-dp2": {"dp": 2, "tp": 1, "pp": 1, "zero": 3},
+}
+
+
+def check(results, reference_losses, reference_state, atol=5e-5):
+    for result in results:
+        assert result["losses"].tolist() == pytest.approx(reference_losses, rel=1e-5)
+    state = results[0]["state"]
+    assert set(state) == set(reference_state)
+    for name, value in reference_state.items():
+        torch.testing.assert_close(state[name], value, atol=atol, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_hf_models_train_as_the_unparallelized_model(family, layout):
+    fix = LAYOUTS[layout]
+    world = fix["dp"] * fix["tp"] * fix["pp"]
+    check(run_ranks(hf_rank, world, family, fix), *hf_reference(family))
+
+
+def builtin_model():
+    from costmodel.loading import load_model
+    from executor.models import build_model, materialize
+
+    return materialize(build_model(load_model("tiny-gpt"), SEQ), "cpu", seed=3)
+
+
+def shifted_batches():
+    generator = torch.Generator().manual_seed(1)
+    tokens = [torch.randint(0, 256, (BATCH, SEQ + 1), generator=generator) for _ in range(STEPS)]
+    return [(t[:, :-1], t[:, 1:]) for t in tokens]
+
+
+def builtin_rank(rank, world, fix):
+    from executor import auto_parallelize
+
+    trainer = auto_parallelize(builtin_model(), cluster="cpu", global_batch=BATCH, seq_len=SEQ, fix=fix,
+                               optimizer=lambda params: torch.optim.AdamW(params, lr=LR))
+    losses = [trainer.step(batch) for batch in shifted_batches()]
+    return {"losses": torch.tensor(losses, dtype=torch.float64), "state": trainer.state_dict()}
+
+
+@pytest.mark.parametrize("layout", ["dp2", "tp2xpp2"])
+def test_a_builtin_model_trains_with_the_users_weights(layout):
+    from executor.train import cross_entropy
+
+    model = builtin_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    losses = []
+    for x, y in shifted_batches():
+        loss = cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    fix = LAYOUTS[layout]
+    reference = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    # Weights within 1e-4: Adam turns float noise in near-zero gradients (the key
+    # biases, whose gradient is zero in exact arithmetic) into updates of lr size.
+    check(run_ranks(builtin_rank, fix["dp"] * fix["tp"] * fix["pp"], fix), losses, reference, atol=1e-4)
+
+
+def unsplittable_rank(rank, world):
+    from executor import auto_parallelize
+    from executor.parallelize import UnsupportedPlan
+
+    model = hf_model("llama")
+    mlp = model.model.layers[0].mlp
+    mlp.weird = mlp.down_proj   # a linear layer whose role its name does not tell
+    del mlp.down_proj
+    try:
+        auto_parallelize(model, cluster="cpu", global_batch=BATCH, seq_len=SEQ, fix={"tp": 2})
+    except UnsupportedPlan as err:
+        return {"message": str(err)}
+    return {"message": "no error"}
+
+
+def test_a_model_it_cannot_split_names_the_module():
+    message = run_ranks(unsplittable_rank, 2)[0]["message"]
+    assert message == ("model: cannot split LlamaDecoderLayer layers.0.mlp.weird for tp 2: its role "
+                       "(column or row) is not known from its name")
