@@ -121,9 +121,7 @@ class BuiltinTrainer:
         training = TrainingSpec(**plan["training"])
         # The user's optimizer runs the update as it is: no clipping, no schedule.
         self.trainer = Trainer(model.spec, training, strategy, TrainConfig(grad_clip=float("inf")), device)
-        full = {k: v.to(device) for k, v in model.state_dict().items()}
-        for module in self.trainer._models():
-            set_model_state_dict(module, full, options=StateDictOptions(full_state_dict=True, strict=False))
+        self.load_state_dict(model.state_dict())
         self.trainer.optimizer = optimizer(self.trainer._parameters())
         self.trainer.scheduler = torch.optim.lr_scheduler.LambdaLR(self.trainer.optimizer, lambda _: 1.0)
         self.strategy = strategy
@@ -133,6 +131,12 @@ class BuiltinTrainer:
         `input_ids` and `labels` already shifted by the caller); the global mean loss."""
         inputs, targets = _batch(batch)
         return self.trainer.step(inputs, targets)
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load full, unsharded weights (the model's own names); each rank keeps its shards."""
+        full = {k: v.to(self.trainer.device) for k, v in state.items()}
+        for module in self.trainer._models():
+            set_model_state_dict(module, full, options=StateDictOptions(full_state_dict=True, strict=False))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full, unsharded weights of every stage, on every rank, under the model's
@@ -436,14 +440,44 @@ class DecoderTrainer:
                 return original + name[len(local):]
         return name
 
+    def _stage_parameters(self) -> list[tuple[str, str, torch.Tensor]]:
+        """(name in the stage's state_dict, name in the model's, parameter); the head's
+        own copy of a tied embedding answers to the embedding's name."""
+        out = []
+        for name, p in self.stage.named_parameters():
+            model_name = self._model_name(name)
+            if self.tied and model_name == self.head_name:
+                model_name = self.embedding_name
+            out.append((name.replace(WRAPPED, ""), model_name, p))
+        return out
+
+    def _regroup_rows(self, model_name: str) -> torch.Tensor | None:
+        return self.regrouped.get(model_name.rsplit(".", 1)[0])
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load full, unsharded weights under the model's own names and layouts (what
+        `state_dict` gives); each rank keeps its shards."""
+        mapped = {}
+        for stage_name, model_name, _ in self._stage_parameters():
+            if model_name not in state:
+                raise KeyError(f"state_dict: {model_name} is missing")
+            value = state[model_name].to(self.device)
+            if model_name in self.transposed:
+                value = value.t()
+            order = self._regroup_rows(model_name)
+            if order is not None:
+                value = value[order.to(value.device)]
+            mapped[stage_name] = value.contiguous()
+        set_model_state_dict(self.stage, mapped, options=StateDictOptions(full_state_dict=True, strict=False))
+
     @torch.no_grad()
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The model's full, unsharded weights under its own names and layouts, on every rank."""
         local = {}
-        for name, p in self.stage.named_parameters():
+        for _, model_name, p in self._stage_parameters():
             value = (p.full_tensor() if isinstance(p, DTensor) else p.detach()).cpu().clone()
-            model_name = self._model_name(name)
-            order = self.regrouped.get(model_name.rsplit(".", 1)[0])
+            order = self._regroup_rows(model_name)
             if order is not None:
                 restored = torch.empty_like(value)
                 restored[order] = value

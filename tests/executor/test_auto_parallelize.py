@@ -62,6 +62,7 @@ LAYOUTS = {
     "dp2xtp2": {"dp": 2, "tp": 2, "pp": 1, "zero": 0},
     "tp2xpp2": {"dp": 1, "tp": 2, "pp": 2, "schedule": "gpipe"},
     "zero3-dp2": {"dp": 2, "tp": 1, "pp": 1, "zero": 3},
+    "tp2-recompute": {"dp": 1, "tp": 2, "pp": 1, "recompute": "full"},
 }
 
 
@@ -122,6 +123,34 @@ def test_a_builtin_model_trains_with_the_users_weights(layout):
     # Weights within 1e-4: Adam turns float noise in near-zero gradients (the key
     # biases, whose gradient is zero in exact arithmetic) into updates of lr size.
     check(run_ranks(builtin_rank, fix["dp"] * fix["tp"] * fix["pp"], fix), losses, reference, atol=1e-4)
+
+
+def load_rank(rank, world, family, fix):
+    """Load another model's weights, give them back, and take one step from them."""
+    from executor import auto_parallelize
+
+    trainer = auto_parallelize(hf_model(family), cluster="cpu", global_batch=BATCH, seq_len=SEQ, fix=fix,
+                               optimizer=lambda params: torch.optim.AdamW(params, lr=LR))
+    torch.manual_seed(7)
+    other = transformers.AutoModelForCausalLM.from_config(hf_config(family), attn_implementation="eager")
+    trainer.load_state_dict(other.state_dict())
+    back = trainer.state_dict()
+    loss = trainer.step({"input_ids": token_batches()[0], "labels": token_batches()[0]})
+    return {"back": back, "loss": torch.tensor(loss, dtype=torch.float64)}
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_load_state_dict_gives_back_the_same_weights_and_trains_from_them(family):
+    results = run_ranks(load_rank, 4, family, LAYOUTS["tp2xpp2"])
+    torch.manual_seed(7)
+    other = transformers.AutoModelForCausalLM.from_config(hf_config(family), attn_implementation="eager")
+    ids = token_batches()[0]
+    expected = other(input_ids=ids, labels=ids).loss.item()
+    for result in results:
+        assert set(result["back"]) == set(other.state_dict())
+        for name, value in other.state_dict().items():
+            assert torch.equal(result["back"][name], value), name
+        assert result["loss"].item() == pytest.approx(expected, rel=1e-5)
 
 
 def unsplittable_rank(rank, world):
