@@ -1,7 +1,8 @@
 """The `shardwise` command line: `plan` searches for the best parallel strategy and
-writes a plan file, `explain` prints a plan file's breakdowns, `run` trains with a plan,
-`profile` measures this machine and fits a cluster spec (the executor is imported only
-by those two).
+writes a plan file, `explain` prints a plan file's breakdowns, `export` writes a plan as
+torchtitan / Megatron-LM / DeepSpeed configuration, `evaluate` prices such a
+configuration beside the best plan, `run` trains with a plan, `profile` measures this
+machine and fits a cluster spec (the executor is imported only by those two).
 
 Exit codes: 0 ok, 2 bad input (one line naming the field), 3 nothing feasible (the
 binding constraint with its numbers and a relaxation that would make a plan exist).
@@ -105,6 +106,104 @@ def explain(plan_file) -> None:
     except SpecError as err:
         _fail(EXIT_BAD_INPUT, str(err))
     print_explain(doc)
+
+
+@main.command()
+@click.argument("plan_file")
+@click.option("--to", "target", required=True, type=click.Choice(["torchtitan", "torchtitan-toml", "megatron", "deepspeed"]),
+              help="torchtitan: command-line overrides for its Python-config releases (0.3); torchtitan-toml: the "
+                   "sections of an older (0.2) job TOML; megatron: Megatron-LM arguments; deepspeed: a config JSON.")
+@click.option("-o", "--output", default=None, help="Write the configuration here [default: stdout].")
+def export(plan_file, target, output) -> None:
+    """Write a plan as another engine's configuration. What the engine cannot express
+    (an uneven partition, per-stage recompute, a ZeRO stage it lacks, a degree it sets
+    in code) is said on stderr, one `warning:` line each; nothing is dropped silently.
+
+    \b
+    shardwise export plan.json --to torchtitan        # paste after torchtitan/train.py --module M --config C
+    shardwise export plan.json --to torchtitan-toml -o job.toml
+    shardwise export plan.json --to megatron          # arguments for pretrain_gpt.py
+    shardwise export plan.json --to deepspeed -o ds_config.json
+    """
+    from planner.export import export_plan
+
+    try:
+        exported = export_plan(read_plan(plan_file), target)
+    except SpecError as err:
+        _fail(EXIT_BAD_INPUT, str(err))
+    for warning in exported.warnings:
+        click.echo(f"warning: {warning}", err=True)
+    if output:
+        from pathlib import Path
+
+        tmp = Path(output + ".tmp")   # write aside, then rename: never half a file
+        tmp.write_text(exported.text)
+        tmp.replace(output)
+        click.echo(f"{target} configuration written to {output}", err=True)
+    else:
+        click.echo(exported.text, nl=False)
+
+
+@main.command()
+@click.option("--from", "source", required=True, nargs=2,
+              type=(click.Choice(["torchtitan", "megatron", "deepspeed"]), str), metavar="ENGINE CONFIG",
+              help="The engine (torchtitan, megatron, deepspeed) and its configuration: quoted arguments or a file.")
+@click.option("--model", "model_name", required=True, help="The model, as for `plan`.")
+@click.option("--cluster", "cluster_name", required=True, help="The cluster, as for `plan`.")
+@click.option("--nodes", type=str, default=None, help="Number of nodes.")
+@click.option("--gpus", type=str, default=None, help="Number of GPUs (instead of --nodes).")
+@click.option("--global-batch", default=None, help="Global batch in sequences, where the configuration does not say it.")
+@click.option("--seq", default=None, help="Sequence length, where the configuration does not say it "
+                                          "[default: the model's max_position_embeddings].")
+@click.option("--precision", default=None, help="bf16 | fp16 | fp32, where the configuration does not say it [default: bf16].")
+@click.option("--optimizer", default="adamw", show_default=True, help="adam | adamw | sgd.")
+@click.option("--attention", type=click.Choice(["flash", "eager"]), default="flash", show_default=True,
+              help="Attention kernel: flash keeps no score matrix.")
+@click.option("--rules", "rules_name", default=None, help="Rule set the best plan must obey, as for `plan`.")
+@click.option("--fix", default=None, help="Pin knobs of the best plan, as for `plan`.")
+@click.option("--set", "overrides", default=None, help="Override model fields: key=value,...")
+@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
+def evaluate(source, model_name, cluster_name, nodes, gpus, global_batch, seq, precision, optimizer,
+             attention, rules_name, fix, overrides, fmt) -> None:
+    """Predict what the configuration you run today does, beside the best plan found
+    under the same rules: what to change and which time and memory terms shrink.
+    CONFIG is torchtitan overrides (quoted) or a job TOML, Megatron-LM arguments
+    (quoted; a whole command line is fine) or a file of them, or a DeepSpeed JSON.
+    The configuration's batch, sequence length and precision win; --global-batch,
+    --seq and --precision fill in what it does not say and must agree with what it does.
+
+    \b
+    shardwise evaluate --from megatron "--tensor-model-parallel-size 8 --pipeline-model-parallel-size 4 \\
+        --micro-batch-size 1 --global-batch-size 1536 --seq-length 2048 --bf16" \\
+        --model gpt3-175b --cluster dgx-a100-80gb --nodes 16
+    shardwise evaluate --from torchtitan "--parallelism.tensor_parallel_degree 8 --training.local_batch_size 2" \\
+        --model llama3-70b --cluster dgx-h100 --nodes 8 --global-batch 1024 --seq 8192
+    shardwise evaluate --from deepspeed ds_config.json --model llama2-7b --cluster dgx-a100-80gb --gpus 8 --seq 4096
+    """
+    from planner.evaluate import evaluate_config, evaluation_document, memory_line, reason_lines, summary_line
+
+    source, config = source
+    try:
+        pins = parse_fix(fix)
+        ev = evaluate_config(source, config, model_name, cluster_name, nodes=nodes, gpus=gpus,
+                             global_batch=global_batch, seq=seq, precision=precision, optimizer=optimizer,
+                             flash_attention=attention == "flash", overrides=parse_overrides(overrides),
+                             rules=load_rules(rules_name).with_fix(pins), pins=pins)
+    except SpecError as err:
+        _fail(EXIT_BAD_INPUT, str(err))
+    for warning in ev.warnings:
+        click.echo(f"warning: {warning}", err=True)
+    if fmt == "json":
+        click.echo(dumps(evaluation_document(ev)), nl=False)
+        return
+    click.echo(summary_line(ev))
+    if memory_line(ev):
+        click.echo(memory_line(ev))
+    reasons = reason_lines(ev)
+    if reasons:
+        click.echo("why (yours → best):")
+        for line in reasons:
+            click.echo(f"  {line}")
 
 
 @main.command()

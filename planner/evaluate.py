@@ -1,0 +1,204 @@
+"""Evaluate what a user runs today: read an engine's configuration
+(`planner.importers`), check it runs on the model and cluster, price it with
+`costmodel.estimate`, search the best plan under the same rules, and say what differs
+(knob by knob) and why it is faster (which time and memory terms shrink).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+from costmodel.estimate import Estimate, estimate
+from costmodel.loading import SpecError, load_cluster, load_model
+from costmodel.specs import Problem
+from costmodel.strategy import Strategy
+from planner.api import make_problem
+from planner.importers import Imported, read_config
+from planner.partition import usable_memory_bytes
+from planner.plan import _round, strategy_dict
+from planner.rules import Rules, format_value
+from planner.search import Candidate, Infeasible, search
+
+GIB = 1 << 30
+
+# The engine's own name for what the evaluation checks (for error messages).
+ENGINE_FIELDS = {
+    "megatron": {"global_batch": "--global-batch-size", "seq": "--seq-length", "precision": "--bf16/--fp16",
+                 "tp": "--tensor-model-parallel-size", "sp": "--sequence-parallel", "ep": "--expert-model-parallel-size"},
+    "torchtitan": {"global_batch": "training.global_batch_size", "seq": "training.seq_len",
+                   "precision": "training.mixed_precision_param", "tp": "parallelism.tensor_parallel_degree",
+                   "sp": "parallelism.enable_sequence_parallel", "ep": "parallelism.expert_parallel_degree"},
+    "deepspeed": {"global_batch": "train_batch_size", "seq": "--seq", "precision": "bf16.enabled/fp16.enabled",
+                  "tp": "tensor_parallel.autotp_size", "sp": "--sp", "ep": "--ep"},
+}
+# Knobs compared between two strategies: label, attribute.
+_KNOBS = (("dp", "dp"), ("tp", "tp"), ("pp", "pp"), ("vpp", "vpp"), ("ep", "ep"), ("mbs", "micro_batch_size"),
+          ("micro-batches", "num_microbatches"), ("schedule", "schedule"), ("zero", "zero_stage"),
+          ("recompute", "recompute"), ("sp", "sequence_parallel"))
+
+
+def strategy_changes(old: Strategy, new: Strategy) -> list[str]:
+    """What differs, as "tp 8→4": the knobs, then the stage partition and the
+    recomputed layers per stage when the knobs agree on them."""
+    out = [f"{label} {format_value(getattr(old, name))}→{format_value(getattr(new, name))}"
+           for label, name in _KNOBS if getattr(old, name) != getattr(new, name)]
+    sizes = ([s.num_layers for s in old.stages], [s.num_layers for s in new.stages])
+    if sizes[0] != sizes[1] and (old.pp, old.vpp) == (new.pp, new.vpp):   # else implied by pp, vpp
+        out.append(f"layers per stage {','.join(map(str, sizes[0]))}→{','.join(map(str, sizes[1]))}")
+    elif sizes[0] == sizes[1] and old.stages != new.stages and old.recompute == new.recompute:
+        counts = [f"{sum(s.full_recompute_layers for s in x.stages)}/{sum(s.selective_recompute_layers for s in x.stages)}"
+                  for x in (old, new)]
+        out.append(f"recomputed layers (full/selective) {counts[0]}→{counts[1]}"
+                   if counts[0] != counts[1] else "recomputed layers placed differently")
+    return out
+
+
+@dataclass(frozen=True)
+class TermChange:
+    """One term of the step time (seconds) or of the peak rank's memory (bytes)."""
+
+    kind: str       # time | memory
+    term: str
+    yours: float
+    best: float
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    problem: Problem
+    strategy: Strategy
+    yours: Estimate
+    usable_memory_bytes: float
+    best: Candidate | None
+    best_missing: str | None        # why no best plan exists under the rules
+    changes: tuple[str, ...]
+    terms: tuple[TermChange, ...]   # terms that differ, largest saving first
+    warnings: tuple[str, ...]
+
+    @property
+    def fits(self) -> bool:
+        return self.yours.peak_memory_bytes <= self.usable_memory_bytes
+
+    @property
+    def gain(self) -> float | None:
+        """Throughput of the best plan over yours, minus one."""
+        return None if self.best is None else self.yours.step_time_s / self.best.estimate.step_time_s - 1
+
+
+def _reconcile(source: str, imported: Imported, global_batch, seq, precision) -> tuple:
+    """The config's batch, sequence and precision, or the command line's where the
+    config says nothing; the two disagreeing is bad input naming the config's field."""
+    names = ENGINE_FIELDS[source]
+    out = []
+    for key, given, stated in (("global_batch", global_batch, imported.global_batch),
+                               ("seq", seq, imported.seq_len), ("precision", precision, imported.precision)):
+        flag = {"global_batch": "--global-batch", "seq": "--seq", "precision": "--precision"}[key]
+        if stated is not None and given is not None and str(given) != str(stated):
+            raise SpecError(names[key], f"the configuration says {stated}, {flag} says {given}")
+        out.append(stated if stated is not None else given)
+    if out[0] is None:
+        raise SpecError("--global-batch", f"the configuration does not state the global batch ({names['global_batch']})")
+    return out[0], out[1], out[2] or "bf16"
+
+
+def check_runnable(problem: Problem, strategy: Strategy, source: str) -> None:
+    """Refuse what the engine itself would refuse on this model (exit code 2)."""
+    model, names = problem.model, ENGINE_FIELDS[source]
+    tp = strategy.tp
+    for what, size in (("hidden_size", model.hidden_size), ("num_attention_heads", model.num_attention_heads),
+                       ("num_key_value_heads", model.num_key_value_heads)):
+        if size % tp:
+            raise SpecError(names["tp"], f"{tp} does not divide {what} {size} of {model.name}")
+    if strategy.sequence_parallel and problem.training.seq_len % tp:
+        raise SpecError(names["sp"], f"tp {tp} does not divide the sequence of {problem.training.seq_len} tokens")
+    if strategy.ep > 1:
+        if not model.is_moe:
+            raise SpecError(names["ep"], f"{strategy.ep}, but {model.name} has no experts")
+        if model.num_local_experts % strategy.ep or strategy.dp % strategy.ep:
+            raise SpecError(names["ep"], f"{strategy.ep} must divide the {model.num_local_experts} experts and dp "
+                                         f"{strategy.dp}")
+
+
+def _terms(yours: Estimate, best: Estimate) -> tuple[TermChange, ...]:
+    """Terms that differ by more than 0.5% of the step (or of the peak), the largest
+    saving first."""
+    out = []
+    for kind, a, b, scale in (("time", yours.time, best.time, yours.step_time_s),
+                              ("memory", yours.memory, best.memory, yours.peak_memory_bytes)):
+        for f in fields(a):
+            x, y = getattr(a, f.name), getattr(b, f.name)
+            if abs(x - y) > 0.005 * scale:
+                out.append(TermChange(kind, f.name.removesuffix("_s").removesuffix("_bytes"), x, y))
+    return tuple(sorted(out, key=lambda t: (t.kind != "time", t.best - t.yours, t.term)))
+
+
+def evaluate_config(source: str, config: str, model_name: str, cluster_name: str, *, nodes=None, gpus=None,
+                    global_batch=None, seq=None, precision=None, optimizer: str = "adamw",
+                    flash_attention: bool = True, overrides: dict | None = None, rules: Rules,
+                    pins: dict | None = None) -> Evaluation:
+    """Price the configuration and the best plan under `rules` (already holding `pins`)."""
+    spec = load_model(str(model_name).removeprefix("hf:"), overrides)
+    cluster = load_cluster(cluster_name, nodes=nodes, gpus=gpus)
+    imported = read_config(source, config, spec, cluster.num_gpus)
+    batch, seq_len, precision = _reconcile(source, imported, global_batch, seq, precision)
+    problem = make_problem(model_name, cluster_name, batch, nodes=nodes, gpus=gpus, seq_len=seq_len,
+                           precision=precision, optimizer=optimizer, flash_attention=flash_attention,
+                           overrides=overrides, fix=pins)
+    strategy = imported.strategy
+    check_runnable(problem, strategy, source)
+    yours = estimate(problem, strategy)
+    best = missing = None
+    try:
+        best = search(problem, rules, top=1).best
+    except Infeasible as err:
+        missing = err.reason
+    changes = tuple(strategy_changes(strategy, best.strategy)) if best else ()
+    terms = _terms(yours, best.estimate) if best else ()
+    return Evaluation(problem, strategy, yours, usable_memory_bytes(problem, rules.memory_headroom), best, missing,
+                      changes, terms, imported.warnings)
+
+
+def summary_line(ev: Evaluation) -> str:
+    """yours: 132.0 TFLOP/s per GPU, 71.2 GiB peak; best: 151.0 (+14%): tp 8→4, pp 4→8"""
+    y = ev.yours
+    line = f"yours: {y.tflops_per_gpu:.1f} TFLOP/s per GPU, {y.peak_memory_bytes / GIB:.1f} GiB peak"
+    if ev.best is None:
+        return line + f"; best: no plan under these rules ({ev.best_missing})"
+    b = ev.best.estimate
+    what = ", ".join(ev.changes) if ev.changes else "your configuration is the best found"
+    return line + (f"; best: {b.tflops_per_gpu:.1f} ({ev.gain:+.0%}), {b.peak_memory_bytes / GIB:.1f} GiB peak: {what}")
+
+
+def memory_line(ev: Evaluation) -> str | None:
+    """A line when your configuration does not fit (it is priced all the same)."""
+    if ev.fits:
+        return None
+    gpu = ev.problem.cluster.gpu
+    return (f"yours does not fit: pipeline rank {ev.yours.peak_memory_rank} needs "
+            f"{ev.yours.peak_memory_bytes / GIB:.1f} GiB, {gpu.name} has {gpu.memory_bytes / GIB:.0f} GiB "
+            f"({ev.usable_memory_bytes / GIB:.1f} GiB usable with the rules' memory headroom)")
+
+
+def reason_lines(ev: Evaluation) -> list[str]:
+    """Which terms shrink (and grow), in seconds per step and GiB of the peak rank."""
+    out = []
+    for t in ev.terms:
+        if t.kind == "time":
+            out.append(f"{t.term}: {t.yours:.3f} s → {t.best:.3f} s ({t.best - t.yours:+.3f} s)")
+        else:
+            out.append(f"{t.term} memory: {t.yours / GIB:.2f} GiB → {t.best / GIB:.2f} GiB "
+                       f"({(t.best - t.yours) / GIB:+.2f} GiB)")
+    return out
+
+
+def evaluation_document(ev: Evaluation) -> dict:
+    """The evaluation as JSON-ready data, rounded like plan files."""
+    best = None
+    if ev.best is not None:
+        best = {"strategy": strategy_dict(ev.best.strategy), "estimate": asdict(ev.best.estimate)}
+    return _round({
+        "yours": {"strategy": strategy_dict(ev.strategy), "estimate": asdict(ev.yours), "fits_memory": ev.fits},
+        "best": best, "best_missing": ev.best_missing, "gain": ev.gain, "changes": list(ev.changes),
+        "terms": [asdict(t) for t in ev.terms], "usable_memory_bytes": ev.usable_memory_bytes,
+        "summary": summary_line(ev), "warnings": list(ev.warnings),
+    })
