@@ -33,6 +33,7 @@ global batch; each keeps its share. Two kinds of model:
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
@@ -87,6 +88,7 @@ def auto_parallelize(model: nn.Module, plan: dict | str | None = None, *, cluste
     elif not isinstance(plan, dict):
         plan = read_plan(plan)
     strategy = strategy_of(plan)
+    _check_model(model, plan)
     if strategy.num_gpus != dist.get_world_size():
         raise UnsupportedPlan(f"plan.strategy: the plan needs {strategy.num_gpus} processes, "
                               f"{dist.get_world_size()} were started")
@@ -95,6 +97,25 @@ def auto_parallelize(model: nn.Module, plan: dict | str | None = None, *, cluste
     if spec is not None and hasattr(model, "tok_embeddings"):
         return BuiltinTrainer(model, plan, strategy, optimizer, device)
     return DecoderTrainer(model, strategy, plan["training"]["seq_len"], optimizer, loss_fn, device)
+
+
+def _check_model(model: nn.Module, plan: dict) -> None:
+    """Refuse a plan made for another architecture (the spec's fields but its name)."""
+    from planner.api import transformer_spec
+
+    if "nodes" in plan["model"]:
+        raise UnsupportedPlan("plan.model: a plan of a traced module; auto_parallelize trains transformer "
+                              "models (Shardwise's own, Hugging Face decoder LMs)")
+    spec = transformer_spec(model)
+    if spec is None:
+        raise UnsupportedPlan(f"model: {type(model).__name__} is neither a Shardwise model nor a Hugging Face "
+                              f"decoder LM whose config the specs read")
+    mine = {k: v for k, v in asdict(spec).items() if k != "name"}
+    planned = {k: v for k, v in plan["model"].items() if k != "name"}
+    if mine != planned:
+        field = next(k for k in sorted(mine) if mine[k] != planned.get(k))
+        raise UnsupportedPlan(f"plan.model.{field}: the plan was made for {plan['model']['name']} "
+                              f"({field} {planned.get(field)}), this model has {mine[field]}")
 
 
 def _max_positions(model: nn.Module) -> int:

@@ -172,3 +172,30 @@ def test_a_model_it_cannot_split_names_the_module():
     message = run_ranks(unsplittable_rank, 2)[0]["message"]
     assert message == ("model: cannot split LlamaDecoderLayer layers.0.mlp.weird for tp 2: its role "
                        "(column or row) is not known from its name")
+
+
+def planned_rank(rank, world, plan):
+    from executor import auto_parallelize
+    from executor.parallelize import UnsupportedPlan
+
+    try:
+        trainer = auto_parallelize(hf_model("gpt2"), plan, optimizer=lambda params: torch.optim.AdamW(params, lr=LR))
+    except UnsupportedPlan as err:
+        return {"message": str(err)}
+    losses = [trainer.step({"input_ids": ids, "labels": ids}) for ids in token_batches()]
+    return {"losses": torch.tensor(losses, dtype=torch.float64), "state": trainer.state_dict()}
+
+
+def test_a_given_plan_file_runs_and_a_plan_for_another_model_is_refused(tmp_path):
+    from planner import plan_model
+    from planner.plan import write_plan
+
+    meta = (torch.zeros(1, SEQ, dtype=torch.long, device="meta"),)
+    doc = plan_model(hf_model("gpt2"), meta, cluster="cpu", gpus=2, global_batch=BATCH, precision="fp32",
+                     fix={"tp": 2})
+    write_plan(doc, tmp_path / "gpt2.json")
+    check(run_ranks(planned_rank, 2, str(tmp_path / "gpt2.json")), *hf_reference("gpt2"))
+    other = plan_model(hf_model("llama"), meta, cluster="cpu", gpus=2, global_batch=BATCH, precision="fp32",
+                       fix={"tp": 2})
+    message = run_ranks(planned_rank, 2, other)[0]["message"]
+    assert message.startswith("plan.model.") and "the plan was made for llama" in message
