@@ -32,6 +32,7 @@ global batch; each keeps its share. Two kinds of model:
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import asdict
 
@@ -46,6 +47,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from costmodel.specs import ModelSpec
 from costmodel.strategy import Strategy
 from costmodel.trace import split_role
 from executor.data import dp_shard
@@ -77,14 +79,20 @@ def auto_parallelize(model: nn.Module, plan: dict | str | None = None, *, cluste
     from planner.api import plan_model
     from planner.plan import read_plan, strategy_of
 
+    builtin = isinstance(getattr(model, "spec", None), ModelSpec) and hasattr(model, "tok_embeddings")
+    if builtin and loss_fn is not None:
+        raise UnsupportedPlan("loss_fn: Shardwise's own models train on next-token cross-entropy; loss_fn is "
+                              "for Hugging Face models")
     if plan is None:
         if cluster is None or global_batch is None:
             raise ValueError("auto_parallelize: give a plan, or a cluster and a global_batch to plan for")
         seq = seq_len or _max_positions(model)
         example = (torch.zeros(1, seq, dtype=torch.long, device="meta"),)
+        # What DecoderTrainer does not run is kept out of the search (the user's pins win).
+        pins = dict(fix or {}) if builtin else {"sp": False, "vpp": 1, **(fix or {})}
         plan = plan_model(model, example, cluster=cluster, gpus=dist.get_world_size(), global_batch=global_batch,
                           precision="fp32" if next(model.parameters()).dtype == torch.float32 else "bf16",
-                          rules=rules, fix=fix, top=1)
+                          rules=rules, fix=pins, top=1)
     elif not isinstance(plan, dict):
         plan = read_plan(plan)
     strategy = strategy_of(plan)
@@ -92,9 +100,11 @@ def auto_parallelize(model: nn.Module, plan: dict | str | None = None, *, cluste
     if strategy.num_gpus != dist.get_world_size():
         raise UnsupportedPlan(f"plan.strategy: the plan needs {strategy.num_gpus} processes, "
                               f"{dist.get_world_size()} were started")
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    spec = getattr(model, "spec", None)
-    if spec is not None and hasattr(model, "tok_embeddings"):
+    if device is None and torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))   # torchrun's GPU for this rank
+        torch.cuda.set_device(device)
+    device = torch.device(device or "cpu")
+    if builtin:
         return BuiltinTrainer(model, plan, strategy, optimizer, device)
     return DecoderTrainer(model, strategy, plan["training"]["seq_len"], optimizer, loss_fn, device)
 
