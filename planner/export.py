@@ -82,26 +82,34 @@ def _torchtitan_partition(strategy: Strategy, layers: int, warnings: list[str]) 
     for first in range(0, max(sizes) + 2):
         for last in range(0, max(sizes) + 2):
             split = torchtitan_split(layers, count, first, last)
-            if split is None:
+            per_stage = _layers_per_stage(layers, strategy.pp, name, first, last, count)
+            if split is None or per_stage is False:
                 continue
             distance = (sum(abs(a - b) for a, b in zip(split, sizes)), (first, last) != (1, 1), first + last)
             if best is None or distance < best[0]:
-                best = (distance, first, last, split)
-    _, first, last, split = best
+                best = (distance, first, last, split, per_stage)
+    if best is None:
+        warnings.append(f"torchtitan cannot build {count} pipeline stages of {layers} layers "
+                        "(pipeline_parallel_layers_per_stage)")
+        return {}
+    _, first, last, split, per_stage = best
     if split != sizes:
         warnings.append(f"torchtitan's split (pipeline_parallel_first/last_stage_less_layers) cannot give the "
                         f"plan's layers per stage {sizes}; exported its closest, {split}: to run the plan's, set "
                         "parallelism.module_fqns_per_model_part (module names depend on the model)")
     out = {"pipeline_parallel_first_stage_less_layers": first, "pipeline_parallel_last_stage_less_layers": last}
-    if torchtitan_num_stages(layers, strategy.pp, name, None, first, last) != count:
-        effective = layers + first + last
-        fits = [n for n in range(1, effective + 1) if -(-effective // n) == count]
-        if fits:
-            out["pipeline_parallel_layers_per_stage"] = fits[0]
-        else:
-            warnings.append(f"no pipeline_parallel_layers_per_stage makes torchtitan build {count} stages "
-                            f"of {layers} layers")
+    if per_stage is not None:
+        out["pipeline_parallel_layers_per_stage"] = per_stage
     return out
+
+
+def _layers_per_stage(layers: int, pp: int, name: str, first: int, last: int, count: int) -> int | None | bool:
+    """The pipeline_parallel_layers_per_stage that makes torchtitan build `count`
+    stages: None where its default does, False where no value does."""
+    if torchtitan_num_stages(layers, pp, name, None, first, last) == count:
+        return None
+    effective = layers + first + last
+    return next((n for n in range(1, effective + 1) if -(-effective // n) == count), False)
 
 
 _TT_SCHEDULE = {v: k for k, v in importers.TORCHTITAN_SCHEDULES.items()}

@@ -1,0 +1,367 @@
+"""Exports and evaluation: plan -> export -> import gives back the same strategy and
+estimate for each target where the target can say it, and a warning where it cannot;
+the files parse (tomllib, json); torchtitan's overrides name only its config fields;
+Megatron's arguments parse with an argparse mirror of Megatron-LM's names; `shardwise
+evaluate` prints the figures estimate() computes; bad input exits 2 with one line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shlex
+import tomllib
+from dataclasses import replace
+
+import pytest
+from click.testing import CliRunner
+
+from costmodel.estimate import estimate
+from costmodel.loading import SpecError, load_model
+from costmodel.strategy import Strategy, even_stages, summarize_recompute
+from planner.api import make_problem, plan
+from planner.cli import main
+from planner.export import TARGETS, export_plan, export_strategy
+from planner.importers import Recompute, build_stages, read_text, torchtitan_split
+from planner.plan import model_of, strategy_of, write_plan
+from planner.rules import load_rules
+from planner.search import search
+
+GIB = 1 << 30
+
+# Plans made by the search with every knob pinned (each solves in well under a second).
+CASES = {
+    "zero1-sp-full-pp": dict(model="llama2-7b", gpus=16, batch=64, seq=4096,
+                             fix="dp=2,tp=4,pp=2,mbs=1,zero=1,recompute=full,sp=on,schedule=1f1b"),
+    "interleaved-uneven": dict(model="gpt3-1.3b", gpus=16, batch=64, seq=2048,
+                               fix="dp=2,tp=2,pp=4,vpp=3,mbs=2,zero=0,recompute=none,sp=off,schedule=interleaved"),
+    "zero3-selective": dict(model="llama2-7b", gpus=8, batch=64, seq=4096,
+                            fix="dp=8,tp=1,pp=1,mbs=2,zero=3,recompute=selective"),
+    "zero2-tp-no-sp": dict(model="llama2-7b", gpus=8, batch=64, seq=4096,
+                           fix="dp=4,tp=2,pp=1,mbs=1,zero=2,recompute=none,sp=off"),
+    "moe-ep-zero3-pp": dict(model="tiny-moe", gpus=8, batch=32, seq=64,
+                            fix="dp=4,tp=1,pp=2,ep=2,mbs=1,zero=3,recompute=none,schedule=1f1b"),
+    "zero2-full": dict(model="llama2-7b", gpus=8, batch=64, seq=4096, fix="dp=8,tp=1,pp=1,mbs=1,zero=2,recompute=full"),
+}
+# (case, target) pairs the target expresses exactly; every other pair must warn.
+EXACT = {
+    ("zero1-sp-full-pp", "megatron"),
+    ("interleaved-uneven", "megatron"),
+    ("zero3-selective", "torchtitan"), ("zero3-selective", "torchtitan-toml"), ("zero3-selective", "megatron"),
+    ("zero2-tp-no-sp", "torchtitan"), ("zero2-tp-no-sp", "megatron"), ("zero2-tp-no-sp", "deepspeed"),
+    ("moe-ep-zero3-pp", "torchtitan"), ("moe-ep-zero3-pp", "torchtitan-toml"), ("moe-ep-zero3-pp", "megatron"),
+    ("zero2-full", "torchtitan"), ("zero2-full", "torchtitan-toml"), ("zero2-full", "megatron"),
+    ("zero2-full", "deepspeed"),
+}
+
+
+def _problem(case):
+    c = CASES[case]
+    return make_problem(c["model"], "dgx-a100-80gb", c["batch"], gpus=c["gpus"], seq_len=c["seq"])
+
+
+_DOCS: dict = {}
+
+
+def _doc(case):
+    if case not in _DOCS:
+        c = CASES[case]
+        _DOCS[case] = plan(c["model"], "dgx-a100-80gb", c["batch"], gpus=c["gpus"], seq_len=c["seq"], fix=c["fix"], top=1)
+    return _DOCS[case]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("target", TARGETS)
+def test_round_trip_gives_the_same_strategy_and_estimate(case, target):
+    doc = _doc(case)
+    strategy, model = strategy_of(doc), model_of(doc)
+    exported = export_plan(doc, target)
+    if (case, target) not in EXACT:
+        assert exported.warnings, f"{target} cannot express {case} but said nothing"
+        return
+    back = read_text(target, exported.text, model, strategy.num_gpus)
+    assert back.strategy == strategy
+    assert back.global_batch == doc["training"]["global_batch"]
+    assert back.seq_len in (None, doc["training"]["seq_len"])
+    assert back.precision in (None, doc["training"]["precision"])
+    problem = _problem(case)
+    assert estimate(problem, back.strategy) == estimate(problem, strategy)
+    assert estimate(problem, back.strategy).step_time_s == pytest.approx(doc["estimate"]["step_time_s"], rel=1e-5)
+
+
+def test_every_inexpressible_pair_names_what_the_engine_will_run():
+    """The read-back check: a pair that is not exact says what the engine runs instead."""
+    exported = export_plan(_doc("zero1-sp-full-pp"), "torchtitan")
+    assert any("will run this configuration with zero 1→2" in w for w in exported.warnings)
+
+
+def _strategy(pp, vpp, sizes, recompute=Recompute(), dp=2, tp=2, mbs=1, m=8, zero=0, sp=False, schedule=None):
+    schedule = schedule or ("interleaved" if vpp > 1 else "1f1b")
+    stages = build_stages(sizes, pp, recompute)
+    return Strategy(dp, tp, pp, mbs, m, vpp=vpp, schedule=schedule, zero_stage=zero, sequence_parallel=sp,
+                    recompute=summarize_recompute(stages), stages=stages)
+
+
+LLAMA = load_model("llama2-7b")
+
+
+def _problem_for(strategy):
+    """llama2-7b on the strategy's GPUs with the batch its micro-batching makes."""
+    batch = strategy.dp * strategy.micro_batch_size * strategy.num_microbatches
+    return make_problem("llama2-7b", "dgx-a100-80gb", batch, gpus=strategy.num_gpus, seq_len=4096)
+
+
+@pytest.mark.parametrize("sizes, pp, vpp, expect", [
+    ([8, 8, 8, 8], 4, 1, None),
+    ([9, 8, 8, 7], 4, 1, "--decoder-first-pipeline-num-layers 9"),
+    ([7, 9, 9, 7], 4, 1, "--decoder-last-pipeline-num-layers 7"),
+    ([9, 7, 8, 8], 4, 1, '--pipeline-model-parallel-layout "Et*9|t*7|t*8|t*8L"'),
+    ([4, 4, 4, 4, 4, 4, 4, 4], 2, 4, "--num-layers-per-virtual-pipeline-stage 4"),
+    ([5, 4, 4, 4, 4, 4, 4, 3], 2, 4, "--pipeline-model-parallel-layout"),
+])
+def test_megatron_partitions_round_trip(sizes, pp, vpp, expect):
+    strategy = _strategy(pp, vpp, sizes, Recompute("full", 2))
+    problem = _problem_for(strategy)
+    exported = export_strategy("megatron", strategy, LLAMA, problem.training)
+    assert exported.warnings == ()
+    if expect:
+        assert expect in exported.text
+    back = read_text("megatron", exported.text, LLAMA, strategy.num_gpus)
+    assert back.strategy == strategy
+    assert "--recompute-method block" in exported.text and "--recompute-num-layers 2" in exported.text
+
+
+@pytest.mark.parametrize("sizes, pp, vpp", [
+    ([8, 9, 8, 7], 4, 1),               # torchtitan's default split (first/last stage one layer less)
+    ([8, 8, 8, 8], 2, 2),               # Interleaved1F1B, two stages per rank (its default)
+    ([4, 4, 4, 4, 4, 4, 4, 4], 2, 4),   # four stages per rank: pipeline_parallel_layers_per_stage 4
+])
+def test_torchtitan_partitions_round_trip(sizes, pp, vpp):
+    strategy = _strategy(pp, vpp, sizes, Recompute("full"), zero=3, sp=True)
+    problem = _problem_for(strategy)
+    for target in ("torchtitan", "torchtitan-toml"):
+        exported = export_strategy(target, strategy, LLAMA, problem.training)
+        assert exported.warnings == ()
+        assert read_text(target, exported.text, LLAMA, strategy.num_gpus).strategy == strategy
+
+
+def test_torchtitan_default_split_is_torchtitans():
+    # torchtitan 0.3.0 _generate_llm_fqn_per_model_part(4, 32, 1, 1): 34 effective layers,
+    # stages of 9, 9, 8, 8 less the embedding and the output.
+    assert torchtitan_split(32, 4, 1, 1) == [8, 9, 8, 7]
+    back = read_text("torchtitan", "--parallelism.pipeline_parallel_degree 4 --training.local_batch_size 4 "
+                     "activation-checkpoint:none", LLAMA, 8)
+    assert [s.num_layers for s in back.strategy.stages] == [8, 9, 8, 7]
+    assert (back.strategy.dp, back.strategy.zero_stage, back.strategy.num_microbatches) == (2, 2, 4)
+
+
+def test_toml_and_json_parse():
+    doc = _doc("zero1-sp-full-pp")
+    toml = tomllib.loads(export_plan(doc, "torchtitan-toml").text)
+    assert toml["parallelism"]["tensor_parallel_degree"] == 4
+    assert toml["parallelism"]["pipeline_parallel_degree"] == 2
+    assert toml["training"]["global_batch_size"] == 64 and toml["training"]["seq_len"] == 4096
+    assert toml["activation_checkpoint"]["mode"] == "full"
+    ds = json.loads(export_plan(_doc("zero2-full"), "deepspeed").text)
+    assert ds["zero_optimization"] == {"stage": 2}
+    assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (64, 1, 8)
+    assert ds["bf16"] == {"enabled": True}
+
+
+# torchtitan 0.3.0 (pip download torchtitan==0.3.0), torchtitan/config/configs.py: the
+# fields of ParallelismConfig and TrainingConfig, copied from the installed source (the
+# exported overrides were also parsed there with tyro against those classes).
+PARALLELISM_CONFIG_FIELDS = {
+    "data_parallel_replicate_degree", "data_parallel_shard_degree", "fsdp_reshard_after_forward",
+    "enable_fsdp_symm_mem", "tensor_parallel_degree", "enable_sequence_parallel", "spmd_backend",
+    "pipeline_parallel_degree", "module_fqns_per_model_part", "pipeline_parallel_first_stage_less_layers",
+    "pipeline_parallel_last_stage_less_layers", "pipeline_parallel_layers_per_stage", "pipeline_parallel_schedule",
+    "pipeline_parallel_schedule_csv", "pipeline_parallel_microbatch_size", "context_parallel_degree",
+    "context_parallel_load_balancer", "context_parallel_ptrr_mask_key", "expert_parallel_degree",
+}
+TRAINING_CONFIG_FIELDS = {
+    "local_batch_size", "global_batch_size", "seq_len", "max_norm", "steps", "enable_cpu_offload",
+    "disable_cuda_graphs", "dtype", "mixed_precision_param", "mixed_precision_reduce", "gc_freq", "gc_debug",
+}
+# torchtitan 0.3.0 distributed/activation_checkpoint.py: the tyro subcommands of
+# Trainer.Config.activation_checkpoint.
+AC_SUBCOMMANDS = {"activation-checkpoint:selective", "activation-checkpoint:full", "activation-checkpoint:none"}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_torchtitan_overrides_use_only_config_fields(case):
+    words = shlex.split(export_plan(_doc(case), "torchtitan").text.replace("\\\n", " "))
+    flags = [w for w in words if w.startswith("--")]
+    assert flags
+    for flag in flags:
+        section, key = flag[2:].split(".", 1)
+        key = key.removeprefix("no-")
+        assert (section, key in (PARALLELISM_CONFIG_FIELDS if section == "parallelism" else TRAINING_CONFIG_FIELDS)) \
+            in (("parallelism", True), ("training", True)), flag
+    others = [w for i, w in enumerate(words) if not w.startswith("--") and not (
+        i and words[i - 1].startswith("--") and not words[i - 1].startswith(("--parallelism.enable", "--parallelism.no-")))]
+    assert others == [others[-1]] and others[-1] in AC_SUBCOMMANDS and words[-1] == others[-1]
+
+
+def megatron_mirror() -> argparse.ArgumentParser:
+    """Megatron-LM's names as megatron/training/arguments.py defines them (types and
+    choices); strict: an argument Megatron-LM does not have is an error."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
+    for name in ("--tensor-model-parallel-size", "--pipeline-model-parallel-size",
+                 "--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank",
+                 "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers", "--micro-batch-size",
+                 "--global-batch-size", "--recompute-num-layers", "--context-parallel-size",
+                 "--expert-model-parallel-size", "--num-layers", "--hidden-size", "--ffn-hidden-size",
+                 "--num-attention-heads", "--num-query-groups", "--seq-length", "--max-position-embeddings",
+                 "--num-experts", "--moe-router-topk"):
+        parser.add_argument(name, type=int)
+    parser.add_argument("--recompute-granularity", choices=["full", "selective"])
+    parser.add_argument("--recompute-method", choices=["uniform", "block"])
+    parser.add_argument("--data-parallel-sharding-strategy", choices=["no_shard", "optim", "optim_grads",
+                                                                      "optim_grads_params"])
+    parser.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"])
+    parser.add_argument("--position-embedding-type", choices=["learned_absolute", "rope", "none"])
+    parser.add_argument("--pipeline-model-parallel-layout", type=str)
+    for flag in ("--sequence-parallel", "--use-distributed-optimizer", "--use-megatron-fsdp", "--group-query-attention",
+                 "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split", "--bf16", "--fp16",
+                 "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights"):
+        parser.add_argument(flag, action="store_true")
+    return parser
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_megatron_arguments_parse_with_a_mirror_of_megatron_lm(case):
+    doc = _doc(case)
+    args = megatron_mirror().parse_args(shlex.split(export_plan(doc, "megatron").text.replace("\\\n", " ")))
+    s = strategy_of(doc)
+    assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.micro_batch_size) == \
+        (s.tp, s.pp, s.micro_batch_size)
+    assert args.global_batch_size == doc["training"]["global_batch"] and args.seq_length == doc["training"]["seq_len"]
+    assert args.num_layers == doc["model"]["num_hidden_layers"] and args.bf16
+    assert args.sequence_parallel == s.sequence_parallel
+    assert args.use_distributed_optimizer == (s.zero_stage == 1)
+    if doc["model"]["num_key_value_heads"] != doc["model"]["num_attention_heads"]:
+        assert args.group_query_attention and args.num_query_groups == doc["model"]["num_key_value_heads"]
+
+
+def test_warnings_say_what_each_engine_cannot_express():
+    def warned(target, strategy, text, problem=None):
+        problem = problem or _problem_for(strategy)
+        warnings = export_strategy(target, strategy, LLAMA, problem.training).warnings
+        assert any(text in w for w in warnings), warnings
+
+    uneven = _strategy(4, 1, [9, 7, 8, 8])
+    warned("deepspeed", uneven, "DeepSpeed sets the pipeline in code")
+    warned("deepspeed", uneven, "layers per stage 9,7,8,8→8,8,8,8")
+    warned("torchtitan", uneven, "cannot give the plan's layers per stage [9, 7, 8, 8]")
+    warned("megatron", _strategy(4, 1, [8, 8, 8, 8], schedule="gpipe"), "Megatron-LM has no GPipe schedule")
+    warned("torchtitan", replace(_strategy(1, 1, [32]), zero_stage=1), "torchtitan has no ZeRO-1")
+    mixed = _strategy(4, 1, [8, 8, 8, 8], Recompute("full", 3))
+    warned("torchtitan", mixed, "torchtitan recomputes every layer or none")
+    warned("deepspeed", mixed, "DeepSpeed recomputes every layer or none")
+    per_stage = mixed.with_stages(tuple(replace(s, full_recompute_layers=i) for i, s in enumerate(mixed.stages)))
+    warned("megatron", per_stage, "exported as the most, 3 per stage")
+    warned("deepspeed", replace(_strategy(2, 1, [16, 16]), zero_stage=3), "refuses ZeRO-2 and ZeRO-3")
+    warned("torchtitan-toml", _strategy(1, 1, [32], sp=False), "always runs sequence parallelism")
+    warned("deepspeed", _strategy(1, 1, [32], Recompute("selective")), "no selective (attention-core) recompute")
+
+
+MEGATRON_ARGS = ("--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --micro-batch-size 1 "
+                 "--global-batch-size 64 --seq-length 4096 --bf16 --recompute-granularity full "
+                 "--recompute-method uniform --recompute-num-layers 1 --lr 3e-4 --train-iters 10")
+EVAL = ["--model", "llama2-7b", "--cluster", "dgx-a100-80gb", "--gpus", "8"]
+
+
+def test_evaluate_prints_the_estimates_figures():
+    out = CliRunner().invoke(main, ["evaluate", "--from", "megatron", MEGATRON_ARGS] + EVAL)
+    assert out.exit_code == 0, out.output
+    problem = make_problem("llama2-7b", "dgx-a100-80gb", 64, gpus=8, seq_len=4096)
+    mine = estimate(problem, Strategy(2, 2, 2, 1, 32, stages=even_stages(32, 2, 1, "full")).with_stages(
+        even_stages(32, 2, 1, "full")))
+    best = search(problem, load_rules(None), top=1).best.estimate
+    gain = mine.step_time_s / best.step_time_s - 1
+    assert (f"yours: {mine.tflops_per_gpu:.1f} TFLOP/s per GPU, {mine.peak_memory_bytes / GIB:.1f} GiB peak; "
+            f"best: {best.tflops_per_gpu:.1f} ({gain:+.0%})") in out.output
+    assert "ignored (not an argument Shardwise reads): --lr --train-iters" in out.output
+    assert "why (yours → best):" in out.output
+    assert f"recompute: {mine.time.recompute_s:.3f} s → {best.time.recompute_s:.3f} s" in out.output
+
+    data = json.loads(CliRunner().invoke(main, ["evaluate", "--from", "megatron", MEGATRON_ARGS, "--format", "json"]
+                                         + EVAL).stdout)
+    assert data["yours"]["estimate"]["step_time_s"] == pytest.approx(mine.step_time_s, rel=1e-5)
+    assert data["best"]["estimate"]["step_time_s"] == pytest.approx(best.step_time_s, rel=1e-5)
+    assert data["gain"] == pytest.approx(gain, rel=1e-4)
+
+
+def test_evaluate_round_trips_an_exported_plan(tmp_path):
+    """plan -> export -> evaluate prices the plan's own strategy: its figures, best found = it."""
+    doc = _doc("zero2-full")
+    path = tmp_path / "plan.json"
+    write_plan(doc, path)
+    config = tmp_path / "ds.json"
+    out = CliRunner().invoke(main, ["export", str(path), "--to", "deepspeed", "-o", str(config)])
+    assert out.exit_code == 0 and config.exists()
+    data = json.loads(CliRunner().invoke(main, ["evaluate", "--from", "deepspeed", str(config), "--format", "json",
+                                                "--seq", "4096", "--fix", CASES["zero2-full"]["fix"]] + EVAL).stdout)
+    assert data["yours"]["strategy"] == doc["strategy"]
+    assert data["yours"]["estimate"]["step_time_s"] == doc["estimate"]["step_time_s"]
+    assert data["changes"] == [] and data["gain"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_evaluate_says_when_yours_does_not_fit():
+    out = CliRunner().invoke(main, ["evaluate", "--from", "megatron", "--micro-batch-size 4 --global-batch-size 64 "
+                                    "--seq-length 4096 --bf16"] + EVAL)
+    assert out.exit_code == 0, out.output
+    assert re.search(r"yours does not fit: pipeline rank 0 needs [\d.]+ GiB, A100-80GB has 80 GiB", out.output)
+
+
+def test_export_warnings_go_to_stderr_one_per_line(tmp_path):
+    path = tmp_path / "plan.json"
+    write_plan(_doc("zero1-sp-full-pp"), path)
+    out = CliRunner().invoke(main, ["export", str(path), "--to", "torchtitan"])
+    assert out.exit_code == 0
+    assert out.stderr.splitlines() and all(line.startswith("warning: ") for line in out.stderr.splitlines())
+    assert out.stdout.rstrip().endswith("activation-checkpoint:full")
+
+
+@pytest.mark.parametrize("source, config, extra, field", [
+    ("torchtitan", "--parallelism.data_parallel_replicate_degree 3 --parallelism.data_parallel_shard_degree 1",
+     [], "parallelism"),
+    ("torchtitan", "--parallelism.tensor_parallel_degre 2", [], "--parallelism.tensor_parallel_degre"),
+    ("torchtitan", "--parallelism.context_parallel_degree 2 activation-checkpoint:none", [],
+     "parallelism.context_parallel_degree"),
+    ("megatron", "--num-layers 40 --global-batch-size 64", [], "--num-layers"),
+    ("megatron", "--global-batch-size 64", ["--global-batch", "32"], "--global-batch-size"),
+    ("megatron", "--tensor-model-parallel-size 16 --global-batch-size 64", [], "--tensor-model-parallel-size"),
+    ("megatron", "--recompute-granularity full --global-batch-size 64", [], "--recompute-method"),
+    ("megatron", "--micro-batch-size x", [], "--micro-batch-size"),
+    ("deepspeed", "BAD_JSON", [], "--from"),
+    ("deepspeed", {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 1}, [], "train_batch_size"),
+    ("deepspeed", {"train_batch_size": 64, "train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 1},
+     [], "train_batch_size"),
+])
+def test_evaluate_bad_input_exits_2_with_one_line(tmp_path, source, config, extra, field):
+    if source == "deepspeed":
+        path = tmp_path / "ds.json"
+        path.write_text(config if isinstance(config, str) else json.dumps(config))
+        config = str(path)
+    out = CliRunner().invoke(main, ["evaluate", "--from", source, config] + EVAL + extra)
+    assert out.exit_code == 2, out.output
+    lines = out.stderr.strip().splitlines()
+    errors = [line for line in lines if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: {field}:"), out.stderr
+    assert "Traceback" not in out.output
+
+
+def test_export_bad_plan_exits_2(tmp_path):
+    path = tmp_path / "plan.json"
+    path.write_text("{")
+    out = CliRunner().invoke(main, ["export", str(path), "--to", "megatron"])
+    assert out.exit_code == 2 and len(out.output.strip().splitlines()) == 1 and "plan" in out.output
+
+
+def test_exports_are_deterministic_and_unpriced_schedules_are_refused():
+    assert export_plan(_doc("interleaved-uneven"), "megatron") == export_plan(_doc("interleaved-uneven"), "megatron")
+    with pytest.raises(SpecError, match="parallelism.pipeline_parallel_schedule"):
+        read_text("torchtitan", "--parallelism.pipeline_parallel_degree 2 --parallelism.pipeline_parallel_schedule "
+                  "LoopedBFS", LLAMA, 8)
