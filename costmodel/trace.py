@@ -178,6 +178,14 @@ def _fake_like(t: torch.Tensor) -> torch.Tensor:
     return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu").requires_grad_(t.requires_grad)
 
 
+def _first_tensor(output) -> torch.Tensor:
+    """The default loss reads the output's first tensor (a ModelOutput's logits)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    values = list(output.values()) if isinstance(output, dict) else output
+    return next(t for t in tree_leaves(values) if isinstance(t, torch.Tensor))
+
+
 def trace_module(module: nn.Module, example_inputs: tuple, loss_fn: Callable | None = None,
                  example_kwargs: dict | None = None) -> nx.DiGraph:
     """Run `module` forward and backward on `example_inputs` (meta tensors, or real ones
@@ -269,7 +277,7 @@ def trace_module(module: nn.Module, example_inputs: tuple, loss_fn: Callable | N
         with fake, FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS) as flops:
             with _Provenance(tags, inside, position, tag, link, traffic, weights), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 output = torch.func.functional_call(module, state, tuple(example_inputs), example_kwargs or {})
-                loss = loss_fn(output) if loss_fn else output.float().sum()
+                loss = loss_fn(output) if loss_fn else _first_tensor(output).float().sum()
             forward = {k: sum(v.values()) for k, v in flops.get_flop_counts().items()}
             loss.backward()
     finally:

@@ -76,7 +76,7 @@ def auto_parallelize(model: nn.Module, plan: dict | str | None = None, *, cluste
     `dist.init_process_group`)."""
     if not dist.is_initialized():
         raise RuntimeError("auto_parallelize runs inside a process group: start the script with torchrun")
-    from planner.api import plan_model
+    from planner.api import plan_model, plan_spec
     from planner.plan import read_plan, strategy_of
 
     builtin = isinstance(getattr(model, "spec", None), ModelSpec) and hasattr(model, "tok_embeddings")
@@ -90,9 +90,13 @@ def auto_parallelize(model: nn.Module, plan: dict | str | None = None, *, cluste
         example = (torch.zeros(1, seq, dtype=torch.long, device="meta"),)
         # What DecoderTrainer does not run is kept out of the search (the user's pins win).
         pins = dict(fix or {}) if builtin else {"sp": False, "vpp": 1, **(fix or {})}
-        plan = plan_model(model, example, cluster=cluster, gpus=dist.get_world_size(), global_batch=global_batch,
-                          precision="fp32" if next(model.parameters()).dtype == torch.float32 else "bf16",
-                          rules=rules, fix=pins, top=1)
+        precision = "fp32" if next(model.parameters()).dtype == torch.float32 else "bf16"
+        if builtin:
+            plan = plan_model(model, example, cluster=cluster, gpus=dist.get_world_size(), global_batch=global_batch,
+                              precision=precision, rules=rules, fix=pins, top=1)
+        else:
+            plan = plan_spec(_decoder_spec(model), cluster, global_batch, seq, gpus=dist.get_world_size(),
+                             precision=precision, rules=rules, fix=pins, top=1)
     elif not isinstance(plan, dict):
         plan = read_plan(plan)
     strategy = strategy_of(plan)
@@ -111,21 +115,29 @@ def auto_parallelize(model: nn.Module, plan: dict | str | None = None, *, cluste
 
 def _check_model(model: nn.Module, plan: dict) -> None:
     """Refuse a plan made for another architecture (the spec's fields but its name)."""
-    from planner.api import transformer_spec
-
     if "nodes" in plan["model"]:
         raise UnsupportedPlan("plan.model: a plan of a traced module; auto_parallelize trains transformer "
                               "models (Shardwise's own, Hugging Face decoder LMs)")
-    spec = transformer_spec(model)
-    if spec is None:
-        raise UnsupportedPlan(f"model: {type(model).__name__} is neither a Shardwise model nor a Hugging Face "
-                              f"decoder LM whose config the specs read")
+    spec = _decoder_spec(model)
     mine = {k: v for k, v in asdict(spec).items() if k != "name"}
     planned = {k: v for k, v in plan["model"].items() if k != "name"}
     if mine != planned:
         field = next(k for k in sorted(mine) if mine[k] != planned.get(k))
         raise UnsupportedPlan(f"plan.model.{field}: the plan was made for {plan['model']['name']} "
                               f"({field} {planned.get(field)}), this model has {mine[field]}")
+
+
+def _decoder_spec(model: nn.Module) -> ModelSpec:
+    """The spec the planner prices a model by: its own, or its Hugging Face config's
+    (a family the specs approximate, such as Qwen2's q/k/v biases, is priced as the
+    nearest; DecoderTrainer splits the model's real modules either way)."""
+    from planner.api import transformer_spec
+
+    spec = transformer_spec(model, exact=False)
+    if spec is None:
+        raise UnsupportedPlan(f"model: {type(model).__name__} is neither a Shardwise model nor a Hugging Face "
+                              f"decoder LM whose config the specs read")
+    return spec
 
 
 def _max_positions(model: nn.Module) -> int:

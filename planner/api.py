@@ -83,21 +83,33 @@ def plan_model(module, example_inputs: tuple, *, cluster: str, global_batch: Any
     first = example_inputs[0]
     spec = transformer_spec(module)
     if spec is not None:
-        cluster_spec = load_cluster(cluster, nodes=nodes, gpus=gpus)
-        seq_len = first.shape[1] if first.dim() >= 2 else None
-        problem = Problem(spec, cluster_spec, make_training(spec, cluster_spec, global_batch, seq_len, precision,
-                                                           optimizer, flash_attention))
-        check_fix(problem, pins)
-        return plan_document(problem, rule_set.name, search(problem, rule_set, top=top))
+        return plan_spec(spec, cluster, global_batch, first.shape[1] if first.dim() >= 2 else None, nodes=nodes,
+                         gpus=gpus, precision=precision, optimizer=optimizer, flash_attention=flash_attention,
+                         rules=rules, fix=pins, top=top)
     problem = traced_problem(module, example_inputs, cluster, global_batch, nodes=nodes, gpus=gpus,
                              precision=precision, optimizer=optimizer, loss_fn=loss_fn, example_kwargs=example_kwargs)
     check_fix_traced(problem, pins)
     return plan_document(problem, rule_set.name, search_traced(problem, rule_set, top=top))
 
 
-def transformer_spec(module) -> ModelSpec | None:
+def plan_spec(spec: ModelSpec, cluster: str, global_batch: Any, seq_len: Any = None, *, nodes: Any = None,
+              gpus: Any = None, precision: str = "bf16", optimizer: str = "adamw", flash_attention: bool = True,
+              rules: str | None = None, fix: dict | str | None = None, top: int = 3) -> dict:
+    """The plan document of a model spec (what `plan` does once the spec is loaded)."""
+    pins = parse_fix(fix)
+    cluster_spec = load_cluster(cluster, nodes=nodes, gpus=gpus)
+    problem = Problem(spec, cluster_spec, make_training(spec, cluster_spec, global_batch, seq_len, precision,
+                                                       optimizer, flash_attention))
+    check_fix(problem, pins)
+    rule_set = load_rules(rules).with_fix(pins)
+    return plan_document(problem, rule_set.name, search(problem, rule_set, top=top))
+
+
+def transformer_spec(module, exact: bool = True) -> ModelSpec | None:
     """The ModelSpec a module is an instance of, or None: a Shardwise model's own, or
-    the one a Hugging Face config reads as, when its parameter count agrees."""
+    the one a Hugging Face config reads as, when its parameter count agrees (or, not
+    `exact`, whatever it counts: a family the specs approximate, such as Qwen2 with its
+    q/k/v biases)."""
     spec = getattr(module, "spec", None)
     if isinstance(spec, ModelSpec):
         return spec
@@ -108,7 +120,8 @@ def transformer_spec(module) -> ModelSpec | None:
         spec = model_from_dict(config.to_dict(), getattr(config, "name_or_path", "") or config.model_type)
     except SpecError:
         return None
-    return spec if sum(p.numel() for p in module.parameters()) == total_parameters(spec) else None
+    agrees = sum(p.numel() for p in module.parameters()) == total_parameters(spec)
+    return spec if agrees or not exact else None
 
 
 def traced_problem(module, example_inputs: tuple, cluster: str, global_batch: Any, *, nodes: Any = None,

@@ -14,6 +14,10 @@ SEQ, BATCH, STEPS, LR = 16, 8, 5, 3e-3
 
 
 def hf_config(family: str):
+    if family in ("mistral", "qwen2"):   # Qwen2's q/k/v carry biases
+        config = {"mistral": transformers.MistralConfig, "qwen2": transformers.Qwen2Config}[family]
+        return config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=SEQ, tie_word_embeddings=False)
     if family == "llama":
         return transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
@@ -81,6 +85,12 @@ def test_hf_models_train_as_the_unparallelized_model(family, layout):
     fix = LAYOUTS[layout]
     world = fix["dp"] * fix["tp"] * fix["pp"]
     check(run_ranks(hf_rank, world, family, fix), *hf_reference(family))
+
+
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_other_decoder_families_split_by_the_same_roles(family, layout):
+    check(run_ranks(hf_rank, 2, family, LAYOUTS[layout]), *hf_reference(family))
 
 
 def builtin_model():
