@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 
 from costmodel.estimate import Estimate, estimate
-from costmodel.loading import SpecError, load_cluster, load_model
+from costmodel.loading import SpecError, as_int, load_cluster, load_model
 from costmodel.specs import Problem
 from costmodel.strategy import Strategy
 from planner.api import make_problem
@@ -139,7 +139,8 @@ def evaluate_config(source: str, config: str, model_name: str, cluster_name: str
     """Price the configuration and the best plan under `rules` (already holding `pins`)."""
     spec = load_model(str(model_name).removeprefix("hf:"), overrides)
     cluster = load_cluster(cluster_name, nodes=nodes, gpus=gpus)
-    imported = read_config(source, config, spec, cluster.num_gpus)
+    hint = None if global_batch is None else as_int(global_batch, "--global-batch")
+    imported = read_config(source, config, spec, cluster.num_gpus, hint)
     batch, seq_len, precision = _reconcile(source, imported, global_batch, seq, precision)
     problem = make_problem(model_name, cluster_name, batch, nodes=nodes, gpus=gpus, seq_len=seq_len,
                            precision=precision, optimizer=optimizer, flash_attention=flash_attention,

@@ -301,8 +301,11 @@ def _tt_bool(value, field_name: str) -> bool:
     raise SpecError(field_name, f"expected true or false, got {value!r}")
 
 
-def read_torchtitan(text: str, model: ModelSpec, num_gpus: int, toml: bool = False) -> Imported:
-    """torchtitan overrides, or with `toml` the text of a 0.2 job TOML."""
+def read_torchtitan(text: str, model: ModelSpec, num_gpus: int, toml: bool = False,
+                    global_batch: int | None = None) -> Imported:
+    """torchtitan overrides, or with `toml` the text of a 0.2 job TOML. Overrides change
+    a config_registry function's config Shardwise does not see, so a global batch they
+    leave out is `global_batch` where given (a TOML leaving it out means torchtitan's -1)."""
     if toml:
         sections, ac, warnings = _torchtitan_toml(text)
     else:
@@ -314,7 +317,7 @@ def read_torchtitan(text: str, model: ModelSpec, num_gpus: int, toml: bool = Fal
         ac = Recompute(TORCHTITAN_AC_SUBCOMMANDS[subcommand] or "none")
         if TORCHTITAN_AC_SUBCOMMANDS[subcommand] is None:
             raise SpecError("activation_checkpoint", "memory-budget AC is the compiler's choice; Shardwise cannot price it")
-    return _torchtitan_strategy(sections, ac, warnings, model, num_gpus)
+    return _torchtitan_strategy(sections, ac, warnings, model, num_gpus, None if toml else global_batch)
 
 
 def _read_file(path: str, kind: str) -> str:
@@ -364,7 +367,7 @@ def _torchtitan_toml(text: str) -> tuple[dict, Recompute, list[str]]:
 
 
 def _torchtitan_strategy(sections: dict, ac: Recompute, warnings: list[str], model: ModelSpec,
-                         num_gpus: int) -> Imported:
+                         num_gpus: int, global_hint: int | None) -> Imported:
     p = "parallelism"
     replicate = _tt_int(sections, p, "data_parallel_replicate_degree")
     shard = _tt_int(sections, p, "data_parallel_shard_degree", allow=(-1,))
@@ -433,7 +436,7 @@ def _torchtitan_strategy(sections: dict, ac: Recompute, warnings: list[str], mod
     if "local_batch_size" not in sections[t]:
         warnings.append("training.local_batch_size not given: torchtitan's default 8 is assumed")
     given_global = _tt_int(sections, t, "global_batch_size", allow=(-1,))
-    global_batch = local * dp if given_global == -1 else given_global
+    global_batch = given_global if given_global != -1 else global_hint or local * dp
     accumulation = _divide(global_batch, local * dp, "training.global_batch_size",
                            f"local_batch_size {local} x dp {dp}")
     if pp > 1:
@@ -777,13 +780,15 @@ def read_text(target: str, text: str, model: ModelSpec, num_gpus: int) -> Import
     raise SpecError("--from", f"unknown engine {target!r} (known: {', '.join(SOURCES)})")
 
 
-def read_config(source_kind: str, source: str, model: ModelSpec, num_gpus: int) -> Imported:
+def read_config(source_kind: str, source: str, model: ModelSpec, num_gpus: int,
+                global_batch: int | None = None) -> Imported:
     """Read what a user runs: `source` is torchtitan overrides or a job TOML path,
-    Megatron-LM arguments (or a file holding them), or a DeepSpeed JSON path."""
+    Megatron-LM arguments (or a file holding them), or a DeepSpeed JSON path.
+    `global_batch` fills in what torchtitan overrides leave out."""
     if source_kind == "torchtitan":
         if source.endswith(".toml"):
             return read_torchtitan(_read_file(source, "TOML"), model, num_gpus, toml=True)
-        return read_torchtitan(source, model, num_gpus)
+        return read_torchtitan(source, model, num_gpus, global_batch=global_batch)
     if source_kind == "megatron":
         is_file = not source.lstrip().startswith("-") and Path(source).is_file()
         return read_megatron(_read_file(source, "text") if is_file else source, model, num_gpus)

@@ -365,3 +365,13 @@ def test_exports_are_deterministic_and_unpriced_schedules_are_refused():
     with pytest.raises(SpecError, match="parallelism.pipeline_parallel_schedule"):
         read_text("torchtitan", "--parallelism.pipeline_parallel_degree 2 --parallelism.pipeline_parallel_schedule "
                   "LoopedBFS", LLAMA, 8)
+
+
+def test_torchtitan_overrides_take_the_global_batch_they_leave_out():
+    """Overrides change a config_registry config Shardwise does not see: --global-batch fills in."""
+    out = CliRunner().invoke(main, ["evaluate", "--from", "torchtitan", "--training.local_batch_size 2 "
+                                    "activation-checkpoint:full", "--global-batch", "64", "--seq", "4096",
+                                    "--format", "json"] + EVAL)
+    assert out.exit_code == 0, out.output
+    mine = json.loads(out.stdout)["yours"]["strategy"]
+    assert (mine["dp"], mine["zero_stage"], mine["micro_batch_size"], mine["num_microbatches"]) == (8, 3, 2, 4)
