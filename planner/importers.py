@@ -661,6 +661,10 @@ def read_megatron(text: str, model: ModelSpec, num_gpus: int) -> Imported:
     if args.bf16 and args.fp16:
         raise SpecError("--bf16", "both --bf16 and --fp16 given")
     precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+    if precision == "fp32":
+        # Megatron-LM's default (megatron/training/arguments.py: --bf16 and --fp16 are
+        # store_true); a pasted excerpt often leaves them out.
+        warnings.append("neither --bf16 nor --fp16: Megatron-LM trains in fp32, priced as fp32")
     strategy = _strategy(dp, tp, pp, mbs, microbatches, vpp, ep, schedule, zero, tp > 1 and args.sequence_parallel,
                          build_stages(sizes, pp, recompute))
     return Imported(strategy, global_batch, args.seq_length, precision, tuple(warnings))
