@@ -6,12 +6,26 @@ Reads and checks the plan before any process group exists, joins the group (NCCL
 CUDA, gloo on CPU), builds this rank's trainer, trains, and on rank 0 writes the
 metrics and prints progress and the summary. Exit code 2 on a bad plan or a plan that
 does not fit the processes started.
+
+Checkpoints (`executor.checkpoint`): with `--checkpoint-dir D` the worker saves every
+`--checkpoint-every` steps and after the last, keeping the newest `--keep-last`, and
+when D already holds a checkpoint it resumes from the newest good one: that is how a
+job restarted by torchrun (`--max-restarts`) carries on. `--resume PATH` starts from a
+checkpoint written under any plan of the same model. A step whose loss or gradients are
+not finite stops the run (exit 4) or, with `--on-nonfinite skip`, is skipped without an
+update. A collective that fails or outlives `--timeout-s` ends the run with a line
+naming the rank and the step (exit 5).
+
+`SHARDWISE_TEST_CRASH_AT=RANK:STEP` (tests only) makes that rank die at that step on
+the first attempt, `SHARDWISE_TEST_CRASH_AT=save:STEP` every rank halfway through that
+step's save.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 import sys
 import time
@@ -24,6 +38,7 @@ import torch.distributed as dist
 from costmodel.loading import SpecError, load_model
 from costmodel.specs import ModelSpec, TrainingSpec
 from costmodel.strategy import Strategy
+from executor import checkpoint
 from executor.data import make_source
 from executor.metrics import MetricsWriter, StepMetrics, peak_memory_bytes, print_summary, record, summarize
 from executor.parallelize import UnsupportedPlan, check_supported
@@ -31,6 +46,8 @@ from executor.train import TrainConfig, Trainer
 from planner.plan import fingerprint, is_traced, read_plan, strategy_of
 
 EXIT_BAD_INPUT = 2
+EXIT_NONFINITE = 4
+EXIT_COLLECTIVE = 5
 
 
 @dataclass(frozen=True)
@@ -85,6 +102,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--grad-clip", type=float, default=TrainConfig.grad_clip)
     parser.add_argument("--metrics-out", default=None)
     parser.add_argument("--timeout-s", type=float, default=600.0, help="Collective timeout (a hung peer fails).")
+    parser.add_argument("--checkpoint-dir", default=None)
+    parser.add_argument("--checkpoint-every", type=int, default=0)
+    parser.add_argument("--keep-last", type=int, default=3)
+    parser.add_argument("--resume", default=None)
+    parser.add_argument("--on-nonfinite", choices=("stop", "skip"), default="stop")
     return parser.parse_args(argv)
 
 
@@ -114,10 +136,54 @@ def main(argv: list[str] | None = None) -> int:
                             timeout=datetime.timedelta(seconds=args.timeout_s))
     try:
         train(job, args, source, device, rank)
+    except NonFiniteStep as err:
+        print(f"error: rank {rank}: {err}", file=sys.stderr, flush=True)
+        return EXIT_NONFINITE
+    except (SpecError, checkpoint.CheckpointError) as err:
+        if rank == 0:
+            print(f"error: {err}", file=sys.stderr, flush=True)
+        return EXIT_BAD_INPUT
+    except CollectiveFailed as err:
+        print(f"error: rank {rank}: {err}", file=sys.stderr, flush=True)
+        os._exit(EXIT_COLLECTIVE)   # the group is broken: no barrier to leave by
     finally:
         dist.barrier()   # ranks leave together: avoids gloo's abort at shutdown
         dist.destroy_process_group()
     return 0
+
+
+class NonFiniteStep(RuntimeError):
+    """A step whose loss or gradients are not finite, under --on-nonfinite stop."""
+
+
+class CollectiveFailed(RuntimeError):
+    """A collective that failed or timed out (a peer died or hung)."""
+
+
+def is_collective_failure(err: RuntimeError) -> bool:
+    """gloo and NCCL report a dead or hung peer as a RuntimeError (DistError in recent
+    PyTorch) from the collective's wait, its text naming the transport and the operation."""
+    text = str(err)
+    return isinstance(err, getattr(dist, "DistError", ())) or any(
+        word in text for word in ("gloo", "NCCL", "Timed out", "Connection reset", "Connection closed"))
+
+
+def resume(trainer: Trainer, job: RunJob, args: argparse.Namespace, rank: int) -> int:
+    """The step to start from: the newest good checkpoint of --resume (required to
+    exist) or of --checkpoint-dir (a restart), else 0."""
+    log = print if rank == 0 else (lambda *a, **k: None)
+    found = None
+    if args.checkpoint_dir:
+        found = checkpoint.latest(args.checkpoint_dir, log)
+    if found is None and args.resume:
+        found = checkpoint.latest(args.resume, log)
+        if found is None:
+            raise SpecError("--resume", f"no complete checkpoint at {args.resume}")
+    if found is None:
+        return 0
+    step = checkpoint.load(trainer, found.path, job.plan)
+    log(f"checkpoint: resumed from {found.path} (step {step})", flush=True)
+    return step
 
 
 def train(job: RunJob, args: argparse.Namespace, source, device: torch.device, rank: int) -> None:
@@ -129,17 +195,34 @@ def train(job: RunJob, args: argparse.Namespace, source, device: torch.device, r
     trainer = Trainer(job.model, training, job.strategy, config, device)
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16 if training.precision == "bf16" else torch.float16)
                 if device.type == "cuda" and training.precision != "fp32" else nullcontext())
+    start_step = resume(trainer, job, args, rank)
     writer = MetricsWriter(args.metrics_out if rank == 0 else None)
     tokens = training.global_batch * training.seq_len
     steps = []
-    for step in range(args.steps):
+    crash = os.environ.get("SHARDWISE_TEST_CRASH_AT", "") if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" else ""
+    for step in range(start_step, args.steps):
+        if crash == f"{rank}:{step}":
+            os._exit(1)
         inputs, targets = source.global_batch(step, training.global_batch, training.seq_len)
         lr = trainer.scheduler.get_last_lr()[0]
         if device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        with autocast:
-            loss = trainer.step(inputs, targets)   # ends in an all-reduce: every rank is done
+        try:
+            with autocast:
+                loss = trainer.step(inputs, targets)   # ends in an all-reduce: every rank is done
+        except RuntimeError as err:
+            if not is_collective_failure(err):
+                raise
+            first = str(err).strip().splitlines()[0]
+            raise CollectiveFailed(f"step {step + 1}: a collective failed or timed out (--timeout-s "
+                                   f"{args.timeout_s:g}): {first}") from err
+        if not math.isfinite(loss) or trainer.skipped_update:
+            if args.on_nonfinite == "stop":
+                raise NonFiniteStep(f"step {step + 1}: the loss ({loss}) or the gradients are not finite; "
+                                    f"nothing was updated (--on-nonfinite skip steps over such batches)")
+            if rank == 0:
+                print(f"step {step + 1}: not finite, skipped (no update)", flush=True)
         elapsed = time.perf_counter() - start
         peak = torch.tensor(peak_memory_bytes(device), dtype=torch.int64, device=device)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
@@ -149,6 +232,12 @@ def train(job: RunJob, args: argparse.Namespace, source, device: torch.device, r
         if rank == 0:
             print(f"step {step + 1}/{args.steps}  loss {loss:.4f}  {elapsed:.3f} s  {tokens / elapsed:,.0f} tok/s",
                   flush=True)
+        done = step + 1
+        if args.checkpoint_dir and ((args.checkpoint_every and done % args.checkpoint_every == 0) or done == args.steps):
+            path = checkpoint.save(trainer, done, args.checkpoint_dir, job.plan, keep=args.keep_last,
+                                   crash_after_write=crash == f"save:{done}")
+            if rank == 0:
+                print(f"checkpoint: step {done} saved to {path}", flush=True)
     summary = summarize(steps, job.plan["estimate"], device)
     writer.write({"summary": summary})
     writer.close()

@@ -127,6 +127,7 @@ class Trainer:
                                         self.dp_mesh.get_group() if self.data_parallel == "ddp" and strategy.zero_stage == 1 else None)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(config, s))
         self.schedule = self._pipeline_schedule() if strategy.pp > 1 else None
+        self.skipped_update = False   # whether the last step's gradients were not finite
 
     # -- building -------------------------------------------------------------------
 
@@ -327,8 +328,12 @@ class Trainer:
         x, y = self.local_batch(inputs, targets)
         loss = self.forward_backward(x, y)
         self.synchronize_gradients()
-        self.clip_gradients()
-        self.optimizer.step()
+        norm = self.clip_gradients()
+        # A non-finite loss makes the global gradient norm non-finite on every rank
+        # alike: no rank updates (the caller decides whether to stop).
+        self.skipped_update = not bool(torch.isfinite(norm))
+        if not self.skipped_update:
+            self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return loss

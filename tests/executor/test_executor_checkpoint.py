@@ -1,0 +1,105 @@
+"""Checkpoints (executor.checkpoint, DCP): a checkpoint written under one plan resumes
+under others (fewer and more processes, other dp / tp / pp / ZeRO) with the losses of
+an uninterrupted run; an interrupted save leaves the previous checkpoint loadable; an
+altered file is refused by name."""
+
+import json
+
+import pytest
+import torch
+
+from costmodel.loading import load_model
+from executor import checkpoint
+from executor.train import Trainer
+from executor_test_helpers import CONFIG, STEPS, batches, reference_run, run_ranks, strategy, training
+
+SAVED_AT = 2
+PLAN_STUB = {"model_fingerprint": "sha256:test"}
+
+
+def plan_of(strat) -> dict:
+    from planner.plan import strategy_dict
+
+    return {**PLAN_STUB, "model": {"name": "tiny-gpt"}, "strategy": strategy_dict(strat)}
+
+
+def save_rank(rank, world, strat, root):
+    spec = load_model("tiny-gpt")
+    trainer = Trainer(spec, training(), strat, CONFIG, "cpu")
+    losses = [trainer.step(x, y) for x, y in batches(spec, SAVED_AT)]
+    checkpoint.save(trainer, SAVED_AT, root, plan_of(strat))
+    return torch.tensor(losses, dtype=torch.float64)
+
+
+def resume_rank(rank, world, strat, root):
+    spec = load_model("tiny-gpt")
+    trainer = Trainer(spec, training(), strat, CONFIG, "cpu")
+    found = checkpoint.latest(root, log=lambda *a: None)
+    step = checkpoint.load(trainer, found.path, plan_of(strat))
+    losses = [trainer.step(x, y) for x, y in batches(spec, STEPS)[step:]]
+    return {"step": torch.tensor(step), "losses": torch.tensor(losses, dtype=torch.float64),
+            "state": trainer.full_state_dict()}
+
+
+LAYOUTS = {
+    "dp2xtp2": dict(dp=2, tp=2),
+    "tp2xpp2": dict(tp=2, pp=2),
+    "zero3-dp4": dict(dp=4, zero=3),
+    "dp2": dict(dp=2),
+    "pp2-zero1": dict(dp=2, pp=2, zero=1),
+    "tp2": dict(tp=2),
+    "single": dict(),
+}
+RESUMES = {"dp2xtp2": ["dp2", "tp2xpp2"], "tp2xpp2": ["zero3-dp4", "single"], "zero3-dp4": ["tp2", "pp2-zero1"]}
+
+
+def world(layout):
+    kw = LAYOUTS[layout]
+    return kw.get("dp", 1) * kw.get("tp", 1) * kw.get("pp", 1)
+
+
+@pytest.mark.parametrize("saved", list(RESUMES))
+def test_a_checkpoint_resumes_under_other_plans_with_the_uninterrupted_losses(saved, tmp_path):
+    reference, final = reference_run("tiny-gpt")
+    first = run_ranks(save_rank, world(saved), strategy(**LAYOUTS[saved]), str(tmp_path))
+    assert first[0].tolist() == pytest.approx(reference[:SAVED_AT], rel=1e-5)
+    for resumed in RESUMES[saved]:
+        out = run_ranks(resume_rank, world(resumed), strategy(**LAYOUTS[resumed]), str(tmp_path))
+        assert int(out[0]["step"]) == SAVED_AT
+        assert out[-1]["losses"].tolist() == pytest.approx(reference[SAVED_AT:], rel=1e-5), resumed
+        state = out[0]["state"]
+        for name, value in state.items():
+            torch.testing.assert_close(value, final[name], atol=5e-5, rtol=1e-4, msg=f"{resumed}: {name}")
+
+
+def test_an_altered_file_is_refused_by_name(tmp_path):
+    run_ranks(save_rank, 2, strategy(dp=2), str(tmp_path))
+    found = checkpoint.latest(tmp_path, log=lambda *a: None)
+    data = sorted(p for p in found.path.iterdir() if p.suffix == ".distcp")[0]
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    with pytest.raises(checkpoint.CheckpointError, match=f"{data}: checksum does not match"):
+        checkpoint.verify(found.path)
+
+
+def test_a_save_that_did_not_finish_is_skipped_with_a_message(tmp_path):
+    run_ranks(save_rank, 2, strategy(dp=2), str(tmp_path))
+    # What a save killed before its publish leaves: a partial directory of DCP files
+    # and no manifest (the worker's crash hook produces the same under torchrun).
+    partial = tmp_path / ".step-00000004.partial"
+    partial.mkdir()
+    (partial / "__0_0.distcp").write_bytes(b"half")
+    messages = []
+    found = checkpoint.latest(tmp_path, log=messages.append)
+    assert found.step == SAVED_AT and found.path.name == "step-00000002"
+    assert messages == [f"checkpoint: ignoring {partial}: a save that did not finish"]
+    checkpoint.verify(found.path)
+
+
+def test_the_manifest_carries_the_plan_and_checksums(tmp_path):
+    run_ranks(save_rank, 2, strategy(dp=2), str(tmp_path))
+    manifest = json.loads((tmp_path / "step-00000002" / "manifest.json").read_text())
+    assert manifest["step"] == 2 and manifest["model_fingerprint"] == "sha256:test"
+    assert manifest["plan"]["strategy"]["dp"] == 2
+    assert set(manifest["files"]) == {p.name for p in (tmp_path / "step-00000002").iterdir()} - {"manifest.json"}
