@@ -1,5 +1,6 @@
 """The `shardwise` command line: `plan` searches for the best parallel strategy and
-writes a plan file, `explain` prints a plan file's breakdowns, `export` writes a plan as
+writes a plan file, `explain` prints a plan file's breakdowns, `replan` plans a plan
+file's job on another size or cluster, `export` writes a plan as
 torchtitan / Megatron-LM / DeepSpeed configuration, `evaluate` prices such a
 configuration beside the best plan, `run` trains with a plan, `profile` measures this
 machine and fits a cluster spec (the executor is imported only by those two).
@@ -106,6 +107,58 @@ def explain(plan_file) -> None:
     except SpecError as err:
         _fail(EXIT_BAD_INPUT, str(err))
     print_explain(doc)
+
+
+@main.command()
+@click.argument("plan_file")
+@click.option("--gpus", type=str, default=None, help="The new number of GPUs.")
+@click.option("--nodes", type=str, default=None, help="The new number of nodes (instead of --gpus).")
+@click.option("--cluster", "cluster_name", default=None,
+              help="A new cluster (built-in or YAML), sized by --nodes/--gpus or else by its file "
+                   "[default: the plan's own cluster, resized].")
+@click.option("--rules", "rules_name", default=None, help="Rule set [default: the plan's, when it is a built-in].")
+@click.option("--fix", default=None, help="Pin knobs, as for `plan` (the plan file does not record its pins).")
+@click.option("--top", default="3", show_default=True, help="Plans to report: the best and the next alternatives.")
+@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
+@click.option("-o", "--output", default=None, help="Write the new plan file here.")
+def replan(plan_file, gpus, nodes, cluster_name, rules_name, fix, top, fmt, output) -> None:
+    """Plan the same job (model, sequence length, precision, optimizer, attention and
+    global batch) on another size or cluster. The global batch is kept when a plan
+    exists for it; otherwise the nearest batch that plans is taken (ties: the larger)
+    and the notes say so, with what changed in the strategy and the estimate.
+
+    \b
+    shardwise replan plan.json --gpus 64 -o plan-64.json
+    shardwise replan plan.json --nodes 12
+    shardwise replan plan.json --cluster dgx-h100 --nodes 4 --rules megatron
+    """
+    import time
+
+    from planner.replan import NoPlan
+    from planner.replan import replan as replan_doc
+
+    started = time.perf_counter()
+    try:
+        doc, notes = replan_doc(read_plan(plan_file), gpus=gpus, nodes=nodes, cluster=cluster_name,
+                                rules=rules_name, fix=fix, top=as_int(top, "--top"))
+    except SpecError as err:
+        _fail(EXIT_BAD_INPUT, str(err))
+    except NoPlan as err:
+        relax = suggest_relaxation(err.problem, err.rules)
+        hint = f"; would fit if you {relax}" if relax else "; no relaxation up to 16x the GPUs helps"
+        _fail(EXIT_INFEASIBLE, f"no feasible plan: {err.reason}{hint}")
+    if output:
+        write_plan(doc, output)
+    if fmt == "json":
+        for note in notes:   # stdout holds only the plan document
+            click.echo(f"note: {note}", err=True)
+        click.echo(dumps(doc), nl=False)
+        return
+    for note in notes:
+        click.echo(note)
+    print_plan(doc, time.perf_counter() - started)
+    if output:
+        click.echo(f"plan written to {output}")
 
 
 @main.command()
