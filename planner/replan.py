@@ -139,6 +139,23 @@ def _search_at(problem: Problem, rules: Rules, top: int) -> SearchResult | None:
         return None
 
 
+def _nearest_plan(problem: Problem, rules: Rules, top: int, reason: str) -> tuple[SearchResult, Problem, str]:
+    """The plan at the nearest other batch that has one, its problem, and why the
+    plan's own batch has none; raises NoPlan when none of those tried plans."""
+    batch, mbs = problem.training.global_batch, rules.pinned.get("mbs", 1)
+    dps = allowed_dps(problem, rules)
+    if dps and not any(batch % (dp * mbs) == 0 for dp in dps):
+        times = f" times the pinned mbs {mbs}" if "mbs" in rules.pinned else ""
+        reason = f"no dp the size and rules allow ({', '.join(map(str, dps))}){times} divides it"
+    for other in nearest_batches(batch, dps, rules):
+        candidate = _problem_at(problem, other)
+        result = _search_at(candidate, rules, top)
+        if result is not None:
+            return result, candidate, reason
+    raise NoPlan(f"global batch {batch} on {problem.cluster.num_gpus} GPUs: {reason}; none of the nearest "
+                 f"batches tried plans either", problem, rules)
+
+
 def _sized(cluster: ClusterSpec) -> str:
     nodes = f"{cluster.num_nodes} node{'s' if cluster.num_nodes != 1 else ''}"
     return f"{cluster.num_gpus} GPUs ({nodes} of {cluster.gpus_per_node} {cluster.gpu.name})"
@@ -199,18 +216,7 @@ def replan(doc: dict, *, gpus: Any = None, nodes: Any = None, cluster: str | Non
         result, planned = search(problem, rule_set, top=top), problem
         notes.append(f"global batch {batch} kept")
     except Infeasible as err:
-        dps = allowed_dps(problem, rule_set)
-        reason = err.reason
-        if not enumerate_space(problem, rule_set)[0] and dps:
-            # An empty space with dps allowed: the batch is what excludes them.
-            reason = f"no dp the size and rules allow ({', '.join(map(str, dps))}) divides it"
-        for other in nearest_batches(batch, dps, rule_set):
-            result, planned = _search_at(_problem_at(problem, other), rule_set, top), _problem_at(problem, other)
-            if result is not None:
-                break
-        else:
-            raise NoPlan(f"global batch {batch} on {new_cluster.num_gpus} GPUs: {reason}; none of the nearest "
-                         f"batches tried plans either", problem, rule_set) from None
+        result, planned, reason = _nearest_plan(problem, rule_set, top, err.reason)
         notes.append(f"global batch {batch} cannot be kept on {new_cluster.num_gpus} GPUs: {reason}; "
                      f"{planned.training.global_batch} is the closest that plans")
     new_doc = plan_document(planned, rule_set.name, result)
