@@ -58,16 +58,25 @@ def torchrun_command(launch: Launch, worker_args: list[str]) -> list[str]:
                 "--rdzv-backend", "c10d", "--rdzv-endpoint", launch.rdzv_endpoint, "--rdzv-id", launch.rdzv_id]
     else:
         cmd += ["--standalone"]
-    if launch.max_restarts:
-        cmd += ["--max-restarts", str(launch.max_restarts)]
     return cmd + ["-m", "executor.run"] + worker_args
 
 
-def run_torchrun(launch: Launch, worker_args: list[str]) -> int:
-    """Start torchrun and wait; its exit code (the first failing worker's)."""
+def run_torchrun(launch: Launch, worker_args: list[str], log=print) -> int:
+    """Start torchrun and wait; its exit code (the first failing worker's). A failed
+    group is started again, up to `launch.max_restarts` times, by a fresh torchrun: a
+    new rendezvous store, so no address of a dead rank lingers (torchrun's own restarts
+    reuse its store, and gloo ranks of the new attempt were seen to dial addresses of
+    the old one); the workers resume from their --checkpoint-dir."""
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")   # one intra-op thread per rank: ranks share the cores
-    return subprocess.call(torchrun_command(launch, worker_args), env=env)
+    once = Launch(**{**launch.__dict__, "max_restarts": 0})
+    for attempt in range(launch.max_restarts + 1):
+        env["SHARDWISE_RESTART"] = str(attempt)
+        code = subprocess.call(torchrun_command(once, worker_args), env=env)
+        if code == 0 or attempt == launch.max_restarts:
+            return code
+        log(f"shardwise: the group exited with code {code}; restart {attempt + 1} of {launch.max_restarts}")
+    return code
 
 
 def free_port() -> int:

@@ -10,7 +10,7 @@ does not fit the processes started.
 Checkpoints (`executor.checkpoint`): with `--checkpoint-dir D` the worker saves every
 `--checkpoint-every` steps and after the last, keeping the newest `--keep-last`, and
 when D already holds a checkpoint it resumes from the newest good one: that is how a
-job restarted by torchrun (`--max-restarts`) carries on. `--resume PATH` starts from a
+job restarted after a rank died (`shardwise run --max-restarts`) carries on. `--resume PATH` starts from a
 checkpoint written under any plan of the same model. A step whose loss or gradients are
 not finite stops the run (exit 4) or, with `--on-nonfinite skip`, is skipped without an
 update. A collective that fails or outlives `--timeout-s` ends the run with a line
@@ -29,6 +29,7 @@ import math
 import os
 import sys
 import time
+import traceback
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -134,22 +135,28 @@ def main(argv: list[str] | None = None) -> int:
     device = device_for_rank()
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                             timeout=datetime.timedelta(seconds=args.timeout_s))
+    code = 0
     try:
         train(job, args, source, device, rank)
-    except NonFiniteStep as err:
+    except NonFiniteStep as err:   # every rank sees the same global norm: they stop together
         print(f"error: rank {rank}: {err}", file=sys.stderr, flush=True)
-        return EXIT_NONFINITE
-    except (SpecError, checkpoint.CheckpointError) as err:
+        code = EXIT_NONFINITE
+    except (SpecError, checkpoint.CheckpointError) as err:   # the same on every rank
         if rank == 0:
             print(f"error: {err}", file=sys.stderr, flush=True)
-        return EXIT_BAD_INPUT
+        code = EXIT_BAD_INPUT
     except CollectiveFailed as err:
         print(f"error: rank {rank}: {err}", file=sys.stderr, flush=True)
         os._exit(EXIT_COLLECTIVE)   # the group is broken: no barrier to leave by
-    finally:
-        dist.barrier()   # ranks leave together: avoids gloo's abort at shutdown
-        dist.destroy_process_group()
-    return 0
+    except BaseException:
+        # Anything else (torchrun's SIGTERM when a peer died, a bug) may have left the
+        # peers behind: leave at once, without a barrier that would wait for them.
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    dist.barrier()   # ranks leave together: avoids gloo's abort at shutdown
+    dist.destroy_process_group()
+    return code
 
 
 class NonFiniteStep(RuntimeError):
@@ -199,7 +206,8 @@ def train(job: RunJob, args: argparse.Namespace, source, device: torch.device, r
     writer = MetricsWriter(args.metrics_out if rank == 0 else None)
     tokens = training.global_batch * training.seq_len
     steps = []
-    crash = os.environ.get("SHARDWISE_TEST_CRASH_AT", "") if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" else ""
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == os.environ.get("SHARDWISE_RESTART", "0") == "0"
+    crash = os.environ.get("SHARDWISE_TEST_CRASH_AT", "") if first_attempt else ""
     for step in range(start_step, args.steps):
         if crash == f"{rank}:{step}":
             os._exit(1)

@@ -273,8 +273,24 @@ def evaluate(source, model_name, cluster_name, nodes, gpus, global_batch, seq, p
 @click.option("--node-rank", default="0", show_default=True, help="This node's index (0 .. nnodes-1).")
 @click.option("--rdzv-endpoint", default=None, help="host:port of node 0, for --nnodes > 1.")
 @click.option("--rdzv-id", default="shardwise", show_default=True, help="Job id shared by the nodes.")
+@click.option("--checkpoint-dir", default=None,
+              help="Save checkpoints here (DCP, one directory per step, published atomically); a run started "
+                   "again with the same directory resumes from its newest good checkpoint.")
+@click.option("--checkpoint-every", default="0", show_default=True,
+              help="Steps between checkpoints (0: only after the last step).")
+@click.option("--keep-last", default="3", show_default=True, help="Checkpoints kept; older ones are removed.")
+@click.option("--resume", default=None,
+              help="Start from this checkpoint (or the newest under this directory), written under any plan "
+                   "of the same model: it is resharded on load.")
+@click.option("--max-restarts", default="0", show_default=True,
+              help="Restarts torchrun makes when a rank dies; with --checkpoint-dir the group resumes.")
+@click.option("--on-nonfinite", type=click.Choice(["stop", "skip"]), default="stop", show_default=True,
+              help="A step with a non-finite loss or gradient: stop the run (exit 4) or skip its update.")
+@click.option("--timeout-s", default="600", show_default=True,
+              help="Seconds a collective may wait for a peer before the run fails naming the rank (exit 5).")
 def run(plan_file, steps, model_name, data, seed, lr, metrics_out, nproc_per_node, nnodes, node_rank,
-        rdzv_endpoint, rdzv_id) -> None:
+        rdzv_endpoint, rdzv_id, checkpoint_dir, checkpoint_every, keep_last, resume, max_restarts, on_nonfinite,
+        timeout_s) -> None:
     """Train with a plan: torchrun starts one process per GPU (or CPU rank, gloo),
     each builds its share of the model (DTensor TP, pipeline stages, DDP/FSDP) and
     trains; rank 0 prints progress and the measured figures beside the estimate.
@@ -283,6 +299,8 @@ def run(plan_file, steps, model_name, data, seed, lr, metrics_out, nproc_per_nod
     One machine:   shardwise run plan.json --steps 20 --metrics-out m.jsonl
     Two nodes:     shardwise run plan.json --nnodes 2 --node-rank 0 --rdzv-endpoint node0:29500
                    shardwise run plan.json --nnodes 2 --node-rank 1 --rdzv-endpoint node0:29500
+    Surviving:     shardwise run plan.json --steps 1000 --checkpoint-dir ckpt --checkpoint-every 50 --max-restarts 3
+    Another plan:  shardwise run newplan.json --steps 1000 --resume ckpt --checkpoint-dir ckpt2
     """
     from executor.launch import plan_launch, run_torchrun
     from executor.run import load_job
@@ -291,9 +309,23 @@ def run(plan_file, steps, model_name, data, seed, lr, metrics_out, nproc_per_nod
         job = load_job(plan_file, model_name)
         launch = plan_launch(job.strategy.num_gpus, as_int(nproc_per_node, "--nproc-per-node") if nproc_per_node else None,
                              as_int(nnodes, "--nnodes"), as_int(node_rank, "--node-rank", minimum=0),
-                             rdzv_endpoint, rdzv_id)
+                             rdzv_endpoint, rdzv_id, as_int(max_restarts, "--max-restarts", minimum=0))
         worker = [plan_file, "--steps", str(as_int(steps, "--steps")), "--data", data,
-                  "--seed", str(as_int(seed, "--seed", minimum=0))]
+                  "--seed", str(as_int(seed, "--seed", minimum=0)),
+                  "--checkpoint-every", str(as_int(checkpoint_every, "--checkpoint-every", minimum=0)),
+                  "--keep-last", str(as_int(keep_last, "--keep-last")), "--on-nonfinite", on_nonfinite,
+                  "--timeout-s", str(as_float(timeout_s, "--timeout-s"))]
+        if checkpoint_dir:
+            worker += ["--checkpoint-dir", checkpoint_dir]
+        if resume:
+            from executor.checkpoint import CheckpointError, latest
+
+            try:
+                if latest(resume, log=lambda *a: None) is None:
+                    raise SpecError("--resume", f"no complete checkpoint at {resume}")
+            except CheckpointError as err:
+                raise SpecError("--resume", str(err)) from None
+            worker += ["--resume", resume]
         if lr is not None:
             worker += ["--lr", str(as_float(lr, "--lr"))]
         if model_name:

@@ -1,0 +1,69 @@
+"""Crash recovery under torchrun: when a rank is killed at a chosen step, `shardwise run
+--max-restarts` starts the group again and it resumes from the newest checkpoint, ending with
+parameters and optimizer states bitwise equal to an uninterrupted run; a save killed
+before its publish leaves the previous checkpoint to resume from; a non-finite loss
+stops the run with exit 4."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from executor_test_helpers import GLOBAL_BATCH, SEQ_LEN
+from planner.api import plan
+from planner.plan import write_plan
+
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def plan_file(tmp_path_factory):
+    doc = plan("tiny-gpt", "cpu", GLOBAL_BATCH, gpus=2, seq_len=SEQ_LEN, precision="fp32", fix={"dp": 2, "tp": 1})
+    path = tmp_path_factory.mktemp("plans") / "tiny-gpt-dp2.json"
+    write_plan(doc, path)
+    return path
+
+
+def shardwise_run(plan_file, checkpoints, *extra, crash=None):
+    env = dict(os.environ)
+    env.pop("SHARDWISE_TEST_CRASH_AT", None)
+    if crash:
+        env["SHARDWISE_TEST_CRASH_AT"] = crash
+    return subprocess.run([sys.executable, "-m", "planner.cli", "run", str(plan_file), "--steps", str(STEPS),
+                           "--checkpoint-dir", str(checkpoints), "--checkpoint-every", "2", *extra],
+                          capture_output=True, text=True, timeout=300, env=env)
+
+
+def tensors(checkpoint_dir, tmp_path, name):
+    out = tmp_path / f"{name}.pt"
+    dcp_to_torch_save(str(checkpoint_dir), str(out))
+    state = torch.load(out, weights_only=True)
+    return {k: v for k, v in state.items() if k.startswith(("model.", "optim."))}
+
+
+def test_a_killed_rank_is_restarted_and_ends_bitwise_equal(plan_file, tmp_path):
+    clean = shardwise_run(plan_file, tmp_path / "clean")
+    assert clean.returncode == 0, clean.stderr[-2000:]
+    crashed = shardwise_run(plan_file, tmp_path / "crashed", "--max-restarts", "1", crash="1:3")
+    assert crashed.returncode == 0, crashed.stderr[-2000:]
+    assert "checkpoint: resumed from" in crashed.stdout and "(step 2)" in crashed.stdout
+    final = f"step-{STEPS:08d}"
+    a = tensors(tmp_path / "clean" / final, tmp_path, "a")
+    b = tensors(tmp_path / "crashed" / final, tmp_path, "b")
+    assert set(a) == set(b) and any(k.startswith("optim.") for k in a)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def test_a_save_killed_halfway_leaves_the_previous_checkpoint(plan_file, tmp_path):
+    killed = shardwise_run(plan_file, tmp_path / "ckpt", crash="save:4")
+    assert killed.returncode != 0
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [".step-00000004.partial", "step-00000002"]
+    resumed = shardwise_run(plan_file, tmp_path / "ckpt")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"checkpoint: ignoring {tmp_path / 'ckpt' / '.step-00000004.partial'}: a save that did not finish" \
+        in resumed.stdout
+    assert "(step 2)" in resumed.stdout and (tmp_path / "ckpt" / f"step-{STEPS:08d}" / "manifest.json").is_file()
