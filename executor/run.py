@@ -17,8 +17,8 @@ update. A collective that fails or outlives `--timeout-s` ends the run with a li
 naming the rank and the step (exit 5).
 
 `SHARDWISE_TEST_CRASH_AT=RANK:STEP` (tests only) makes that rank die at that step on
-the first attempt, `SHARDWISE_TEST_CRASH_AT=save:STEP` every rank halfway through that
-step's save.
+the first attempt, `hang:RANK:STEP` stop answering there, `save:STEP` every rank die
+halfway through that step's save.
 """
 
 from __future__ import annotations
@@ -211,6 +211,8 @@ def train(job: RunJob, args: argparse.Namespace, source, device: torch.device, r
     for step in range(start_step, args.steps):
         if crash == f"{rank}:{step}":
             os._exit(1)
+        if crash == f"hang:{rank}:{step}":
+            time.sleep(3600)   # a rank that stops answering: its peers' collectives time out
         inputs, targets = source.global_batch(step, training.global_batch, training.seq_len)
         lr = trainer.scheduler.get_last_lr()[0]
         if device.type == "cuda":

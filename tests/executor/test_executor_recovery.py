@@ -1,8 +1,9 @@
 """Crash recovery under torchrun: when a rank is killed at a chosen step, `shardwise run
 --max-restarts` starts the group again and it resumes from the newest checkpoint, ending with
 parameters and optimizer states bitwise equal to an uninterrupted run; a save killed
-before its publish leaves the previous checkpoint to resume from; a non-finite loss
-stops the run with exit 4."""
+before its publish leaves the previous checkpoint to resume from; a rank that hangs
+makes its peer fail naming the rank, step and operation; a non-finite loss stops the
+run, or is skipped when asked."""
 
 import os
 import subprocess
@@ -67,3 +68,20 @@ def test_a_save_killed_halfway_leaves_the_previous_checkpoint(plan_file, tmp_pat
     assert f"checkpoint: ignoring {tmp_path / 'ckpt' / '.step-00000004.partial'}: a save that did not finish" \
         in resumed.stdout
     assert "(step 2)" in resumed.stdout and (tmp_path / "ckpt" / f"step-{STEPS:08d}" / "manifest.json").is_file()
+
+
+def test_a_hung_rank_makes_its_peer_time_out_naming_the_rank_the_step_and_the_operation(plan_file, tmp_path):
+    result = shardwise_run(plan_file, tmp_path / "ckpt", "--timeout-s", "5", crash="hang:1:2")
+    assert result.returncode != 0
+    line = next(l for l in result.stderr.splitlines() if l.startswith("error: rank 0: step 3:"))
+    assert "a collective failed or timed out (--timeout-s 5)" in line and "Timed out" in line
+
+
+def test_a_non_finite_loss_stops_the_run_or_is_skipped(plan_file, tmp_path):
+    stopped = shardwise_run(plan_file, tmp_path / "a", "--lr", "1e30")
+    assert stopped.returncode != 0
+    assert any(l.startswith("error: rank 0: step ") and "not finite; nothing was updated" in l
+               for l in stopped.stderr.splitlines())
+    skipped = shardwise_run(plan_file, tmp_path / "b", "--lr", "1e30", "--on-nonfinite", "skip")
+    assert skipped.returncode == 0, skipped.stderr[-2000:]
+    assert "not finite, skipped (no update)" in skipped.stdout
