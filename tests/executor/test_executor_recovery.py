@@ -6,6 +6,7 @@ makes its peer fail naming the rank, step and operation; a non-finite loss stops
 run, or is skipped when asked."""
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -85,3 +86,18 @@ def test_a_non_finite_loss_stops_the_run_or_is_skipped(plan_file, tmp_path):
     skipped = shardwise_run(plan_file, tmp_path / "b", "--lr", "1e30", "--on-nonfinite", "skip")
     assert skipped.returncode == 0, skipped.stderr[-2000:]
     assert "not finite, skipped (no update)" in skipped.stdout
+
+
+def test_a_new_plan_resumes_a_checkpoint_of_the_old_one(plan_file, tmp_path):
+    import re
+
+    doc = plan("tiny-gpt", "cpu", GLOBAL_BATCH, gpus=2, seq_len=SEQ_LEN, precision="fp32", fix={"dp": 1, "tp": 2})
+    write_plan(doc, tmp_path / "tp2.json")
+    whole = shardwise_run(plan_file, tmp_path / "dp2")
+    # Resume from step 4 of the same run (the schedule spans its 6 steps).
+    shutil.rmtree(tmp_path / "dp2" / f"step-{STEPS:08d}")
+    second = shardwise_run(tmp_path / "tp2.json", tmp_path / "tp2", "--resume", str(tmp_path / "dp2"))
+    assert whole.returncode == second.returncode == 0, second.stderr[-2000:]
+    assert f"checkpoint: resumed from {tmp_path / 'dp2' / 'step-00000004'} (step 4)" in second.stdout
+    losses = lambda out: re.findall(r"step (\d)/6  loss ([0-9.]+)", out)  # noqa: E731
+    assert losses(second.stdout) == losses(whole.stdout)[4:]
