@@ -12,14 +12,20 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import traceback
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from costmodel.loading import SpecError
+
+
+# Worker exit codes a restart cannot cure: bad input (2), a non-finite step (4).
+FINAL_EXIT_CODES = (2, 4)
 
 
 @dataclass(frozen=True)
@@ -70,12 +76,21 @@ def run_torchrun(launch: Launch, worker_args: list[str], log=print) -> int:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")   # one intra-op thread per rank: ranks share the cores
     once = Launch(**{**launch.__dict__, "max_restarts": 0})
-    for attempt in range(launch.max_restarts + 1):
-        env["SHARDWISE_RESTART"] = str(attempt)
-        code = subprocess.call(torchrun_command(once, worker_args), env=env)
-        if code == 0 or attempt == launch.max_restarts:
-            return code
-        log(f"shardwise: the group exited with code {code}; restart {attempt + 1} of {launch.max_restarts}")
+    with tempfile.TemporaryDirectory() as scratch:
+        # torchrun exits 1 whatever its workers' codes; rank 0 leaves its own here, so a
+        # failure no restart can cure (bad input, a non-finite step) is not retried.
+        exit_file = Path(scratch) / "exit-code"
+        env["SHARDWISE_EXIT_FILE"] = str(exit_file)
+        for attempt in range(launch.max_restarts + 1):
+            env["SHARDWISE_RESTART"] = str(attempt)
+            code = subprocess.call(torchrun_command(once, worker_args), env=env)
+            if exit_file.is_file():
+                code = int(exit_file.read_text())
+                if code in FINAL_EXIT_CODES:
+                    return code
+            if code == 0 or attempt == launch.max_restarts:
+                return code
+            log(f"shardwise: the group exited with code {code}; restart {attempt + 1} of {launch.max_restarts}")
     return code
 
 

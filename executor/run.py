@@ -32,6 +32,7 @@ import time
 import traceback
 from contextlib import nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -131,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     except (SpecError, ValueError) as err:
         if rank == 0:
             print(f"error: {err}", file=sys.stderr)
+        leave_exit_code(EXIT_BAD_INPUT, rank)
         return EXIT_BAD_INPUT
     device = device_for_rank()
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
@@ -154,9 +156,16 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         sys.stderr.flush()
         os._exit(1)
+    leave_exit_code(code, rank)
     dist.barrier()   # ranks leave together: avoids gloo's abort at shutdown
     dist.destroy_process_group()
     return code
+
+
+def leave_exit_code(code: int, rank: int) -> None:
+    """Rank 0's exit code for `shardwise run`, which torchrun's own exit code hides."""
+    if code and rank == 0 and os.environ.get("SHARDWISE_EXIT_FILE"):
+        Path(os.environ["SHARDWISE_EXIT_FILE"]).write_text(str(code))
 
 
 class NonFiniteStep(RuntimeError):
