@@ -100,13 +100,50 @@ def plan(model_name, cluster_name, nodes, gpus, global_batch, seq, precision, op
 
 @main.command()
 @click.argument("plan_file")
-def explain(plan_file) -> None:
-    """Print a plan file's strategy, stages and time and memory breakdowns."""
+@click.option("--plot", "plot_file", default=None,
+              help="Also draw the pipeline timeline per rank, memory per rank against capacity and the time "
+                   "breakdown, as one PNG here.")
+@click.option("--html", "html_file", default=None,
+              help="Also write one self-contained HTML page here: the tables and the figure, embedded.")
+def explain(plan_file, plot_file, html_file) -> None:
+    """Print a plan file's strategy, stages and time and memory breakdowns.
+
+    \b
+    shardwise explain plan.json --plot plan.png --html plan.html
+    """
+    import os
+
     try:
         doc = read_plan(plan_file)
+        for option, path in (("--plot", plot_file), ("--html", html_file)):
+            if path and not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
+                raise SpecError(option, f"cannot write {path}: its folder is missing or not writable")
     except SpecError as err:
         _fail(EXIT_BAD_INPUT, str(err))
     print_explain(doc)
+    if not (plot_file or html_file):
+        return
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from planner.plots import figure_png_bytes
+    from planner.report import explain_html
+
+    with Console(stderr=True).status("drawing the timeline, memory and time breakdown"):
+        png = figure_png_bytes(doc)
+    for option, path, data in (("--plot", plot_file, png),
+                               ("--html", html_file, explain_html(doc, png).encode() if html_file else None)):
+        if not path:
+            continue
+        tmp = Path(path + ".tmp")   # write aside, then rename: never half a file
+        try:
+            tmp.write_bytes(data)
+            tmp.replace(path)
+        except OSError as err:
+            tmp.unlink(missing_ok=True)
+            _fail(EXIT_BAD_INPUT, f"{option}: cannot write {path}: {err.strerror}")
+        click.echo(f"{option.removeprefix('--')} written to {path}")
 
 
 @main.command()

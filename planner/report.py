@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 GIB = 1 << 30
@@ -42,32 +43,70 @@ def print_plan(doc: dict, seconds: float, console: Console | None = None) -> Non
                   f"{seconds:.2f} s")
 
 
-def print_explain(doc: dict, console: Console | None = None) -> None:
-    console = console or Console()
+def explain_tables(doc: dict) -> tuple[list[str], list[tuple[str, list[str], list[list[str]]]]]:
+    """`explain`'s summary lines and tables (title, columns, rows of strings), shared by
+    the terminal (rich) and the HTML report."""
     e, s = doc["estimate"], doc["strategy"]
-    console.print(f"[bold]{doc['model']['name']}[/]: {_label(s)}")
-    console.print(f"step {e['step_time_s']:.3f} s, {e['tokens_per_s']:,.0f} tokens/s, "
-                  f"{e['tflops_per_gpu']:.1f} TFLOP/s per GPU, MFU {e['mfu']:.1%}, HFU {e['hfu']:.1%}")
-    time_table = Table(title="Step time")
-    time_table.add_column("term")
-    time_table.add_column("seconds", justify="right")
-    time_table.add_column("share", justify="right")
-    for key, value in e["time"].items():
-        time_table.add_row(key.removesuffix("_s"), f"{value:.3f}", f"{value / e['step_time_s']:.1%}")
-    console.print(time_table)
-    mem_table = Table(title=f"Memory of pipeline rank {e['peak_memory_rank']} (the peak)")
-    mem_table.add_column("term")
-    mem_table.add_column("GiB", justify="right")
-    for key, value in e["memory"].items():
-        mem_table.add_row(key.removesuffix("_bytes"), f"{value / GIB:.2f}")
-    mem_table.add_row("total", f"{e['peak_memory_bytes'] / GIB:.2f}")
-    console.print(mem_table)
-    stages = Table(title="Stages")
-    for col in ("stage", "pp rank", "layers", "full recompute", "selective", "rank s/micro-batch", "rank GiB"):
-        stages.add_column(col, justify="right")
+    lines = [f"{doc['model']['name']}: {_label(s)}",
+             f"step {e['step_time_s']:.3f} s, {e['tokens_per_s']:,.0f} tokens/s, "
+             f"{e['tflops_per_gpu']:.1f} TFLOP/s per GPU, MFU {e['mfu']:.1%}, HFU {e['hfu']:.1%}"]
+    time_rows = [[key.removesuffix("_s"), f"{value:.3f}", f"{value / e['step_time_s']:.1%}"]
+                 for key, value in e["time"].items()]
+    mem_rows = [[key.removesuffix("_bytes"), f"{value / GIB:.2f}"] for key, value in e["memory"].items()]
+    mem_rows.append(["total", f"{e['peak_memory_bytes'] / GIB:.2f}"])
+    stage_rows = []
     for st in s["stages"]:
         r = st["pp_rank"]
-        stages.add_row(str(st["index"]), str(r), f"{st['first_layer']}-{st['first_layer'] + st['num_layers'] - 1}",
-                       str(st["full_recompute_layers"]), str(st["selective_recompute_layers"]),
-                       f"{e['rank_time_s'][r]:.4f}", f"{e['rank_memory_bytes'][r] / GIB:.1f}")
-    console.print(stages)
+        stage_rows.append([str(st["index"]), str(r), f"{st['first_layer']}-{st['first_layer'] + st['num_layers'] - 1}",
+                           str(st["full_recompute_layers"]), str(st["selective_recompute_layers"]),
+                           f"{e['rank_time_s'][r]:.4f}", f"{e['rank_memory_bytes'][r] / GIB:.1f}"])
+    tables = [
+        ("Step time", ["term", "seconds", "share"], time_rows),
+        (f"Memory of pipeline rank {e['peak_memory_rank']} (the peak)", ["term", "GiB"], mem_rows),
+        ("Stages", ["stage", "pp rank", "layers", "full recompute", "selective", "rank s/micro-batch", "rank GiB"],
+         stage_rows),
+    ]
+    return lines, tables
+
+
+def print_explain(doc: dict, console: Console | None = None) -> None:
+    console = console or Console()
+    lines, tables = explain_tables(doc)
+    console.print(f"[bold]{escape(lines[0])}[/]")
+    for line in lines[1:]:
+        console.print(line)
+    for title, columns, rows in tables:
+        table = Table(title=title)
+        for i, col in enumerate(columns):
+            # First column left (names) except in the all-numbers stage table.
+            table.add_column(col, justify="left" if i == 0 and title != "Stages" else "right")
+        for row in rows:
+            table.add_row(*row)
+        console.print(table)
+
+
+def explain_html(doc: dict, png: bytes | None = None) -> str:
+    """One self-contained HTML page: `explain`'s lines and tables, and the figure
+    (planner.plots) embedded as a base64 PNG; no external assets."""
+    import base64
+    from html import escape as html_escape
+
+    lines, tables = explain_tables(doc)
+    parts = ["<!DOCTYPE html>", '<html><head><meta charset="utf-8">',
+             f"<title>Shardwise plan: {html_escape(doc['model']['name'])}</title>",
+             "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;margin:1em 0}"
+             "td,th{border:1px solid #bbb;padding:2px 8px}td{text-align:right}td:first-child{text-align:left}"
+             "caption{font-weight:bold;text-align:left}</style></head><body>",
+             f"<h1>{html_escape(lines[0])}</h1>"]
+    parts += [f"<p>{html_escape(line)}</p>" for line in lines[1:]]
+    for title, columns, rows in tables:
+        parts.append(f"<table><caption>{html_escape(title)}</caption><tr>"
+                     + "".join(f"<th>{html_escape(c)}</th>" for c in columns) + "</tr>")
+        parts += ["<tr>" + "".join(f"<td>{html_escape(v)}</td>" for v in row) + "</tr>" for row in rows]
+        parts.append("</table>")
+    if png is not None:
+        data = base64.b64encode(png).decode("ascii")
+        parts.append(f'<img alt="pipeline timeline, memory per rank and time breakdown" '
+                     f'src="data:image/png;base64,{data}">')
+    parts.append("</body></html>")
+    return "\n".join(parts) + "\n"

@@ -1,0 +1,294 @@
+"""Pictures of a plan document (`shardwise explain --plot / --html`): the pipeline
+schedule as a timeline per pipeline rank, memory per rank against the device capacity
+by category, and the step's time breakdown, as one PNG of three panels.
+
+Owns the schedule timeline (`timeline`), the per-rank memory breakdowns the plan file
+does not hold (`rank_memory_breakdowns`, recomputed with the cost model) and the
+drawing (`render_png`, `figure_png_bytes`). matplotlib runs on its Agg backend through
+an explicit Figure: no pyplot, no global state.
+
+The timeline is a dependency simulation of the plan's schedule: each rank runs its
+operations in the schedule's order, a forward of micro-batch i on stage s waits for
+stage s-1's forward of i, a backward for stage s+1's backward of i (the last stage: its
+own forward). A rank's micro-batch time t_r (estimate.rank_time_s; p2p sends included)
+splits into forward and backward by costmodel.compute.BACKWARD_FACTOR, recomputation
+going to the backward by its share of the plan's time breakdown.
+- gpipe: all forwards, then all backwards (torch.distributed.pipelining ScheduleGPipe).
+  The makespan is (m - 1) max t + sum t, the estimate's pipelined time, exactly.
+- 1f1b: min(p - r - 1, m) warm-up forwards, then one forward one backward, then the
+  cool-down backwards (PipeDream-flush). Equal ranks give the estimate's time exactly;
+  unequal ranks finish earlier than costmodel.pipeline's (m - 1) max t + sum t, which
+  is an upper bound there (the fill and drain through faster ranks overlap).
+- interleaved: Megatron-LM's order (Narayanan et al. 2021 §2.2.2): forwards in groups
+  of p micro-batches per model chunk, chunk by chunk, 2(p - r - 1) + (vpp - 1)p of
+  them warm-up, backwards in the same order with chunks reversed; each of a rank's vpp
+  chunks takes t_r / vpp (chunks taken as equal). With m a multiple of p and equal
+  ranks this matches the estimate; otherwise it is the approximation the figure shows.
+Idle time inside the step is drawn as bubble; p2p messages as ticks between rows where
+a stage sends its activation (forward) or gradient (backward) to its neighbour.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from dataclasses import dataclass
+
+from costmodel.compute import BACKWARD_FACTOR
+from costmodel.pipeline import pipeline_time_s
+
+GIB = 1 << 30
+FIGURE_SIZE_IN = (12.0, 13.0)
+FIGURE_DPI = 100          # 1200 x 1300 pixels
+
+# Category -> colour, fixed so a reader (and the tests) can find each in the picture.
+# Every colour is distinct from the others, from black text and from white.
+COLOURS = {
+    # timeline
+    "forward": "#1f77b4",
+    "backward": "#ff7f0e",
+    "bubble": "#c8c8c8",
+    "p2p": "#9400d3",
+    # memory (MemoryBreakdown fields without _bytes; buffers are comm buffers)
+    "weights": "#2ca02c",
+    "gradients": "#98df8a",
+    "optimizer": "#8c564b",
+    "activations": "#e377c2",
+    "buffers": "#17becf",
+    "reserve": "#7f7f00",
+    "temporary": "#ffbb78",
+    "capacity": "#d62728",
+    # time breakdown (TimeBreakdown fields without _s); bubble as above
+    "compute": "#4060a0",
+    "recompute": "#bcbd22",
+    "tp_comm": "#00a080",
+    "ep_comm": "#a0a0ff",
+    "pp_comm": "#600060",
+    "dp_comm": "#ff9896",
+    "optimizer_step": "#804000",
+}
+
+_MEMORY_KEYS = {"weights_bytes": "weights", "gradients_bytes": "gradients", "optimizer_bytes": "optimizer",
+                "activations_bytes": "activations", "comm_buffer_bytes": "buffers",
+                "runtime_reserve_bytes": "reserve", "temporary_bytes": "temporary"}
+
+
+def hex_rgb(colour: str) -> tuple[int, int, int]:
+    return tuple(int(colour[i:i + 2], 16) for i in (1, 3, 5))
+
+
+@dataclass(frozen=True)
+class Box:
+    """One forward or backward of one micro-batch on one model chunk of a rank."""
+
+    rank: int
+    kind: str          # "forward" | "backward"
+    microbatch: int
+    chunk: int
+    start_s: float
+    end_s: float
+
+
+@dataclass(frozen=True)
+class Timeline:
+    boxes: tuple[Box, ...]
+    makespan_s: float
+    estimate_s: float       # costmodel.pipeline.pipeline_time_s of the same rank times
+    num_ranks: int
+
+
+def _rank_order(schedule: str, pp: int, rank: int, m: int, vpp: int) -> list[tuple[str, int, int]]:
+    """(kind, chunk, micro-batch) in the order rank `rank` runs them."""
+    if schedule == "gpipe":
+        return [("forward", 0, i) for i in range(m)] + [("backward", 0, i) for i in range(m)]
+    if schedule == "interleaved" and vpp > 1:
+        forwards = [(c, i) for g in range(math.ceil(m / pp)) for c in range(vpp)
+                    for i in range(g * pp, min(g * pp + pp, m))]
+        backwards = [(vpp - 1 - c, i) for c, i in forwards]
+        warmup = min(2 * (pp - rank - 1) + (vpp - 1) * pp, m * vpp)
+    else:
+        forwards = backwards = [(0, i) for i in range(m)]
+        warmup = min(pp - rank - 1, m)
+    ops = [("forward", c, i) for c, i in forwards[:warmup]]
+    for k in range(len(forwards) - warmup):
+        ops += [("forward", *forwards[warmup + k]), ("backward", *backwards[k])]
+    ops += [("backward", c, i) for c, i in backwards[len(forwards) - warmup:]]
+    return ops
+
+
+def timeline(schedule: str, rank_times_s: list[float], num_microbatches: int, vpp: int = 1,
+             backward_share: float = BACKWARD_FACTOR / (1 + BACKWARD_FACTOR)) -> Timeline:
+    """Simulate the schedule (see the module docstring); `backward_share` of each
+    micro-batch time is its backward."""
+    pp, m = len(rank_times_s), num_microbatches
+    chunks = vpp if schedule == "interleaved" else 1
+    last_stage = pp * chunks - 1
+    duration = {"forward": [t * (1 - backward_share) / chunks for t in rank_times_s],
+                "backward": [t * backward_share / chunks for t in rank_times_s]}
+    orders = [_rank_order(schedule, pp, r, m, chunks) for r in range(pp)]
+    done: dict[tuple[str, int, int], float] = {}
+    free_s, position, boxes = [0.0] * pp, [0] * pp, []
+    progressed = True
+    while progressed:
+        progressed = False
+        for r in range(pp):
+            while position[r] < len(orders[r]):
+                kind, chunk, i = orders[r][position[r]]
+                stage = chunk * pp + r
+                if kind == "forward":
+                    needs = [("forward", stage - 1, i)] if stage > 0 else []
+                else:
+                    needs = [("backward", stage + 1, i)] if stage < last_stage else [("forward", stage, i)]
+                if any(n not in done for n in needs):
+                    break
+                start = max([free_s[r]] + [done[n] for n in needs])
+                end = start + duration[kind][r]
+                done[(kind, stage, i)] = free_s[r] = end
+                boxes.append(Box(r, kind, i, chunk, start, end))
+                position[r] += 1
+                progressed = True
+    if any(position[r] < len(orders[r]) for r in range(pp)):
+        raise ValueError(f"{schedule} order deadlocks for pp {pp}, m {m}, vpp {vpp}")
+    return Timeline(tuple(boxes), max(free_s), pipeline_time_s(schedule, rank_times_s, m, vpp), pp)
+
+
+def plan_timeline(doc: dict) -> Timeline:
+    """The timeline of a plan document's strategy and estimate."""
+    s, e = doc["strategy"], doc["estimate"]
+    t = e["time"]
+    busy = sum(v for k, v in t.items() if k not in ("bubble_s", "optimizer_s")) or 1.0
+    # Recompute runs inside the backward; the rest splits by BACKWARD_FACTOR.
+    recompute_share = t.get("recompute_s", 0.0) / busy
+    backward_share = recompute_share + (1 - recompute_share) * BACKWARD_FACTOR / (1 + BACKWARD_FACTOR)
+    return timeline(s["schedule"], list(e["rank_time_s"]), s["num_microbatches"], s["vpp"], backward_share)
+
+
+def rank_memory_breakdowns(doc: dict) -> list[dict[str, float]]:
+    """Bytes by category (COLOURS' memory keys) of every pipeline rank. The plan holds
+    the peak rank's breakdown and every rank's total only, so the breakdowns are
+    recomputed with the cost model from the plan's model, cluster, training and
+    strategy (the same functions estimate() used)."""
+    from costmodel.specs import Problem, TrainingSpec
+    from planner.plan import is_traced, model_of, strategy_of
+    from planner.replan import cluster_of, profile_of
+
+    strategy, training = strategy_of(doc), TrainingSpec(**doc["training"])
+    if is_traced(doc):
+        from costmodel.graph_estimate import TracedProblem, stage_memory, traced_units
+
+        problem = TracedProblem(model_of(doc), cluster_of(doc), training)
+        units = traced_units(problem, strategy)
+        stages = sorted(strategy.stages, key=lambda st: st.pp_rank)
+        breakdowns = [stage_memory(problem, units, strategy, st) for st in stages]
+    else:
+        from costmodel.estimate import rank_memory, unit_costs
+
+        problem = Problem(model_of(doc), cluster_of(doc), training, profile_of(doc))
+        units = unit_costs(problem, strategy)
+        breakdowns = [rank_memory(problem, units, strategy, r) for r in range(strategy.pp)]
+    return [{_MEMORY_KEYS[k]: getattr(b, k) for k in _MEMORY_KEYS} for b in breakdowns]
+
+
+def _draw_timeline(ax, tl: Timeline) -> None:
+    height = 0.7
+    for r in range(tl.num_ranks):
+        own = [b for b in tl.boxes if b.rank == r]
+        # Bubble first, under the boxes: the rank's idle spans within the step.
+        ax.broken_barh([(0.0, tl.makespan_s)], (r - height / 2, height), facecolors=COLOURS["bubble"])
+        for kind in ("forward", "backward"):
+            for odd in (False, True):   # interleaved: odd model chunks hatched
+                spans = [(b.start_s, b.end_s - b.start_s) for b in own if b.kind == kind and b.chunk % 2 == odd]
+                ax.broken_barh(spans, (r - height / 2, height), facecolors=COLOURS[kind],
+                               edgecolors="white", linewidth=0.3, hatch="///" if odd else None)
+    # p2p: a forward sends its activation to the next stage (drawn below the row), a
+    # backward its gradient to the previous one (above); interleaved chunks wrap from
+    # the last rank to the first, drawn at the edge.
+    stages = tl.num_ranks * (1 + max(b.chunk for b in tl.boxes))
+
+    def sends(b: Box) -> bool:
+        stage = b.chunk * tl.num_ranks + b.rank
+        return stage < stages - 1 if b.kind == "forward" else stage > 0
+
+    ticks = [(b.end_s, b.rank + (0.5 if b.kind == "forward" else -0.5)) for b in tl.boxes if sends(b)]
+    ax.vlines([x for x, _ in ticks], [y - 0.12 for _, y in ticks], [y + 0.12 for _, y in ticks],
+              colors=COLOURS["p2p"], linewidth=2.0)
+    ax.axvline(tl.estimate_s, color="black", linestyle=":", linewidth=1.0)
+    ax.set_yticks(range(tl.num_ranks), [f"pp rank {r}" for r in range(tl.num_ranks)])
+    ax.set_ylim(tl.num_ranks + 0.3, -0.7)   # inverted, with a strip below the rows for the legend
+    ax.set_xlim(0, max(tl.makespan_s, tl.estimate_s) * 1.01)
+    ax.set_xlabel("seconds into the step")
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    handles = [Patch(color=COLOURS[k], label=k) for k in ("forward", "backward", "bubble", "p2p")]
+    handles.append(Line2D([], [], color="black", linestyle=":", label=f"estimate {tl.estimate_s:.3f} s"))
+    ax.legend(handles=handles, loc="lower right", fontsize=8, ncol=5)
+    chunks = " (hatched: odd model chunks)" if stages > tl.num_ranks else ""
+    ax.set_title(f"Pipeline timeline: makespan {tl.makespan_s:.3f} s{chunks}")
+
+
+def _draw_memory(ax, breakdowns: list[dict[str, float]], capacity_bytes: float) -> None:
+    ranks = list(range(len(breakdowns)))
+    bottom = [0.0] * len(ranks)
+    drawn = []
+    for key in _MEMORY_KEYS.values():
+        values = [b[key] / GIB for b in breakdowns]
+        if not any(values):
+            continue
+        ax.bar(ranks, values, bottom=bottom, color=COLOURS[key], label=key, width=0.6)
+        bottom = [lo + v for lo, v in zip(bottom, values)]
+        drawn.append(key)
+    ax.axhline(capacity_bytes / GIB, color=COLOURS["capacity"], linewidth=2.0,
+               label=f"capacity {capacity_bytes / GIB:.0f} GiB")
+    for r, total in zip(ranks, bottom):
+        ax.text(r, total, f"{total:.1f}", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(ranks, [f"pp rank {r}" for r in ranks])
+    ax.set_ylabel("GiB per device")
+    ax.set_ylim(0, max(max(bottom), capacity_bytes / GIB) * 1.12)
+    ax.legend(loc="upper right", fontsize=8, ncol=4)
+    ax.set_title("Memory per pipeline rank at its peak")
+
+
+def _draw_time(ax, time_s: dict[str, float], step_s: float) -> None:
+    terms = [k.removesuffix("_s") for k in time_s]
+    names = ["optimizer_step" if k == "optimizer" else k for k in terms]
+    values = list(time_s.values())
+    ax.barh(range(len(terms)), values, color=[COLOURS[n] for n in names], height=0.6)
+    for i, v in enumerate(values):
+        ax.text(v, i, f" {v:.3f} s ({v / step_s:.1%})", va="center", fontsize=8)
+    ax.set_yticks(range(len(terms)), terms)
+    ax.invert_yaxis()
+    ax.set_xlim(0, max(values) * 1.25)
+    ax.set_xlabel("seconds per step")
+    ax.set_title(f"Step time {step_s:.3f} s by term (bottleneck rank, all micro-batches)")
+
+
+def figure_png_bytes(doc: dict) -> bytes:
+    """The three panels as PNG bytes (FIGURE_SIZE_IN at FIGURE_DPI)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    e = doc["estimate"]
+    fig = Figure(figsize=FIGURE_SIZE_IN, dpi=FIGURE_DPI)
+    FigureCanvasAgg(fig)
+    top, middle, bottom = fig.subplots(3, 1, gridspec_kw={"height_ratios": [1.2, 1.0, 0.8]})
+    _draw_timeline(top, plan_timeline(doc))
+    _draw_memory(middle, rank_memory_breakdowns(doc), doc["cluster"]["gpu"]["memory_bytes"])
+    _draw_time(bottom, e["time"], e["step_time_s"])
+    fig.suptitle(f"{doc['model']['name']} on {doc['cluster']['name']}: "
+                 f"dp {doc['strategy']['dp']} tp {doc['strategy']['tp']} pp {doc['strategy']['pp']}, "
+                 f"{doc['strategy']['schedule']}, {doc['strategy']['num_microbatches']} micro-batches")
+    fig.tight_layout()   # moves the axes inside the canvas; the canvas size stays fixed
+    out = io.BytesIO()
+    fig.savefig(out, format="png", dpi=FIGURE_DPI)
+    return out.getvalue()
+
+
+def render_png(doc: dict, path: str) -> None:
+    """Write the figure to `path` (aside, then renamed: never half a file)."""
+    from pathlib import Path
+
+    data = figure_png_bytes(doc)
+    tmp = Path(path + ".tmp")
+    tmp.write_bytes(data)
+    tmp.replace(path)
