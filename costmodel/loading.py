@@ -201,13 +201,17 @@ def load_model(source: str | Path, overrides: dict[str, str] | None = None) -> M
 
 def gpu_from_dict(data: dict, field: str = "gpu") -> GPUSpec:
     _check_keys(data, {"name", "peak_flops_per_s", "memory_bytes", "hbm_bandwidth_bytes_per_s",
-                       "gemm_efficiency_max", "gemm_half_dim"}, field)
+                       "gemm_efficiency_max", "gemm_half_dim", "busy_power_w", "idle_power_w"}, field)
     peaks = data.get("peak_flops_per_s")
     if not isinstance(peaks, dict) or not peaks:
         raise SpecError(f"{field}.peak_flops_per_s", "expected a mapping of precision to FLOP/s")
     for p in peaks:
         if p not in PRECISIONS:
             raise SpecError(f"{field}.peak_flops_per_s.{p}", f"unknown precision (known: {', '.join(PRECISIONS)})")
+    busy = _optional_number(data, "busy_power_w", field)
+    idle = _optional_number(data, "idle_power_w", field, exclusive=False)
+    if busy is not None and idle is not None and idle > busy:
+        raise SpecError(f"{field}.idle_power_w", f"{idle:g} W is above busy_power_w {busy:g} W")
     return GPUSpec(
         name=str(data.get("name", "gpu")),
         peak_flops_per_s={p: as_float(v, f"{field}.peak_flops_per_s.{p}") for p, v in sorted(peaks.items())},
@@ -216,7 +220,16 @@ def gpu_from_dict(data: dict, field: str = "gpu") -> GPUSpec:
         gemm_efficiency_max=_optional_fraction(data, "gemm_efficiency_max", field),
         gemm_half_dim=(as_float(data["gemm_half_dim"], f"{field}.gemm_half_dim", exclusive=False)
                        if "gemm_half_dim" in data else None),
+        busy_power_w=busy,
+        idle_power_w=idle,
     )
+
+
+def _optional_number(data: dict, key: str, field: str, exclusive: bool = True) -> float | None:
+    """An optional non-negative number (positive when `exclusive`); absent or null: None."""
+    if data.get(key) is None:
+        return None
+    return as_float(data[key], f"{field}.{key}", exclusive=exclusive)
 
 
 def _optional_fraction(data: dict, key: str, field: str) -> float | None:
@@ -259,7 +272,8 @@ def link_from_dict(data: Any, field: str) -> LinkSpec:
 def load_cluster(source: str | Path, nodes: int | None = None, gpus: int | None = None) -> ClusterSpec:
     """A cluster by name or path, resized by `nodes` or `gpus` (not both)."""
     data, name = read_document(source, "clusters", "--cluster")
-    _check_keys(data, {"name", "gpu", "gpus_per_node", "num_nodes", "intra_node", "inter_node", "comm_overlap"}, "cluster")
+    _check_keys(data, {"name", "gpu", "gpus_per_node", "num_nodes", "intra_node", "inter_node", "comm_overlap",
+                       "gpu_hour_price_usd"}, "cluster")
     gpu_data = data.get("gpu")
     if isinstance(gpu_data, str):
         gpu_data, _ = read_document(gpu_data, "hardware", "cluster.gpu")
@@ -287,6 +301,7 @@ def load_cluster(source: str | Path, nodes: int | None = None, gpus: int | None 
         intra_node=link_from_dict(data.get("intra_node"), "cluster.intra_node"),
         inter_node=link_from_dict(data.get("inter_node", data.get("intra_node")), "cluster.inter_node"),
         comm_overlap=_optional_fraction(data, "comm_overlap", "cluster") if "comm_overlap" in data else 1.0,
+        gpu_hour_price_usd=_optional_number(data, "gpu_hour_price_usd", "cluster"),
     )
 
 

@@ -68,6 +68,10 @@ class GPUSpec:
     # constants fitted on A100 tensor cores.
     gemm_efficiency_max: float | None = None
     gemm_half_dim: float | None = None
+    # Board power in watts while running kernels and while idle (costmodel.energy);
+    # None where the hardware file cites no figure. Busy is the vendor TDP.
+    busy_power_w: float | None = None
+    idle_power_w: float | None = None
 
     def peak_for(self, precision: str) -> float:
         return self.peak_flops_per_s[precision]
@@ -113,6 +117,8 @@ class ClusterSpec:
     # their own engine (NCCL kernels on their own stream), 0 where they share the
     # rank's only core with the computation (gloo on one CPU core per rank).
     comm_overlap: float = 1.0
+    # On-demand price of one GPU for one hour, USD (costmodel.energy); None: unpriced.
+    gpu_hour_price_usd: float | None = None
 
     @property
     def num_gpus(self) -> int:

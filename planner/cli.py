@@ -60,23 +60,42 @@ def main() -> None:
                    "measured layer, embedding and head times replace the analytic ones, interpolated between "
                    "measured micro-batch sizes and tp widths; shapes it does not cover stay analytic.")
 @click.option("--top", default="3", show_default=True, help="Plans to report: the best and the next alternatives.")
+@click.option("--objective", default=None,
+              help="time | memory | cost (USD per step, from the cluster's gpu_hour_price_usd) | energy (J per "
+                   "step, from the GPU's busy_power_w and idle_power_w) [default: the rules', else time].")
+@click.option("--max-cost-per-step", "max_cost", default=None, help="Drop plans costing more than this many USD per step.")
+@click.option("--power-cap", "power_cap", default=None,
+              help="Drop plans whose busiest GPU averages more than this many watts over a step.")
+@click.option("--energy-budget", "energy_budget", default=None,
+              help="Drop plans using more than this many joules per step (all GPUs).")
+@click.option("--pareto", is_flag=True, default=False,
+              help="Solve every candidate that fits and list those no other beats on all of step time, cost and energy.")
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
 @click.option("-o", "--output", default=None, help="Write the plan file here.")
 def plan(model_name, cluster_name, nodes, gpus, global_batch, seq, precision, optimizer, attention,
-         rules_name, fix, overrides, profile_file, top, fmt, output) -> None:
-    """Find the fastest strategy that fits, and write it as a plan file."""
+         rules_name, fix, overrides, profile_file, top, objective, max_cost, power_cap, energy_budget, pareto,
+         fmt, output) -> None:
+    """Find the best strategy that fits (fastest, or by --objective), and write it as a plan file."""
+    from dataclasses import replace
+
+    from planner.rules import parse_objective
+
     try:
         problem = make_problem(model_name, cluster_name, global_batch, nodes=nodes, gpus=gpus, seq_len=seq,
                                precision=precision, optimizer=optimizer, flash_attention=attention == "flash",
                                overrides=parse_overrides(overrides), fix=parse_fix(fix), profile=profile_file)
         rules = load_rules(rules_name).with_fix(parse_fix(fix))
+        budgets = {key: as_float(value, option) for key, option, value in (
+            ("max_cost_per_step_usd", "--max-cost-per-step", max_cost), ("power_cap_w", "--power-cap", power_cap),
+            ("energy_budget_j", "--energy-budget", energy_budget)) if value is not None}
+        rules = replace(rules, **budgets,
+                        **({"objective": parse_objective(objective, "--objective")} if objective is not None else {}))
         top_k = as_int(top, "--top")
+        result = search(problem, rules, top=top_k, pareto=pareto)
     except SpecError as err:
         _fail(EXIT_BAD_INPUT, str(err))
-    try:
-        result = search(problem, rules, top=top_k)
     except Infeasible as err:
-        relax = suggest_relaxation(problem, rules)
+        relax = err.relaxation or suggest_relaxation(problem, rules)
         hint = f"; would fit if you {relax}" if relax else "; no relaxation up to 16x the GPUs helps"
         _fail(EXIT_INFEASIBLE, f"no feasible plan: {err.reason}{hint}")
     doc = plan_document(problem, rules.name, result)
@@ -94,8 +113,38 @@ def plan(model_name, cluster_name, nodes, gpus, global_batch, seq, precision, op
         click.echo(dumps(doc), nl=False)
     else:
         print_plan(doc, result.stats.seconds)
+        _print_cost_energy(doc)
         if output:
             click.echo(f"plan written to {output}")
+
+
+def _print_cost_energy(doc: dict) -> None:
+    """The best plan's cost and energy, and the Pareto table when there is one."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from planner.report import _label
+
+    figures = doc.get("cost_energy", {})
+    if figures:
+        parts = []
+        if "cost_per_step_usd" in figures:
+            parts.append(f"${figures['cost_per_step_usd']:.4g} per step")
+        if "energy_per_step_j" in figures:
+            parts.append(f"{figures['energy_per_step_j'] / 1e3:.4g} kJ per step, "
+                         f"{figures['average_power_w']:.0f} W average per GPU, "
+                         f"{figures['max_device_power_w']:.0f} W on the busiest")
+        click.echo("best plan: " + ", ".join(parts))
+    if doc.get("pareto"):
+        table = Table(title="Pareto front: no other plan beats these on all of step time, cost and energy")
+        for col in ("#", "strategy", "step s", "USD/step", "kJ/step", "W/GPU avg"):
+            table.add_column(col, justify="left" if col == "strategy" else "right")
+        for i, cand in enumerate(doc["pareto"]):
+            f = cand["cost_energy"]
+            table.add_row(str(i + 1), _label(cand["strategy"]), f"{cand['estimate']['step_time_s']:.4g}",
+                          f"{f['cost_per_step_usd']:.4g}", f"{f['energy_per_step_j'] / 1e3:.4g}",
+                          f"{f['average_power_w']:.0f}")
+        Console().print(table)
 
 
 @main.command()

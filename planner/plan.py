@@ -13,10 +13,11 @@ from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
+from costmodel.energy import cost_energy
 from costmodel.estimate import Estimate
 from costmodel.graph_estimate import NodeCost, TracedModel
 from costmodel.loading import SpecError
-from costmodel.specs import ModelSpec
+from costmodel.specs import ClusterSpec, ModelSpec
 from costmodel.strategy import Stage, Strategy
 from planner.search import Candidate, SearchResult
 
@@ -47,9 +48,33 @@ def strategy_dict(strategy: Strategy) -> dict:
     return out
 
 
-def candidate_dict(candidate: Candidate) -> dict:
-    return {"strategy": strategy_dict(candidate.strategy), "estimate": asdict(candidate.estimate),
-            "partition_gap": candidate.gap}
+def candidate_dict(candidate: Candidate, cluster: ClusterSpec | None = None) -> dict:
+    """A candidate's strategy and estimate; given a cluster with a price or power
+    figures, also its "cost_energy" (costmodel.energy), which plans of unpriced
+    clusters never carry."""
+    out = {"strategy": strategy_dict(candidate.strategy), "estimate": asdict(candidate.estimate),
+           "partition_gap": candidate.gap}
+    figures = cost_energy(cluster, candidate.strategy, candidate.estimate).as_dict() if cluster else {}
+    if figures:
+        out["cost_energy"] = figures
+    return out
+
+
+# Optional cluster fields a plan carries only when set, so plans of clusters without
+# them keep their bytes.
+_OPTIONAL_GPU_FIELDS = ("busy_power_w", "idle_power_w")
+_OPTIONAL_CLUSTER_FIELDS = ("gpu_hour_price_usd",)
+
+
+def cluster_dict(cluster: ClusterSpec) -> dict:
+    out = asdict(cluster)
+    for key in _OPTIONAL_CLUSTER_FIELDS:
+        if out[key] is None:
+            del out[key]
+    for key in _OPTIONAL_GPU_FIELDS:
+        if out["gpu"][key] is None:
+            del out["gpu"][key]
+    return out
 
 
 def plan_document(problem, rules_name: str, result: SearchResult) -> dict:
@@ -60,13 +85,15 @@ def plan_document(problem, rules_name: str, result: SearchResult) -> dict:
         "schema_version": SCHEMA_VERSION,
         "model": asdict(problem.model),
         "model_fingerprint": fingerprint(problem.model),
-        "cluster": asdict(problem.cluster),
+        "cluster": cluster_dict(problem.cluster),
         "training": asdict(problem.training),
         "rules": rules_name,
-        **candidate_dict(result.best),
-        "alternatives": [candidate_dict(c) for c in result.alternatives],
+        **candidate_dict(result.best, problem.cluster),
+        "alternatives": [candidate_dict(c, problem.cluster) for c in result.alternatives],
         "search": stats,
     }
+    if result.pareto:
+        doc["pareto"] = [candidate_dict(c, problem.cluster) for c in result.pareto]
     if getattr(problem, "profile", None) is not None:
         # The measured times the estimate used, so the plan says what priced it (the
         # file's path is left out: the same measurements give the same plan).

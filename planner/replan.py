@@ -60,7 +60,10 @@ def cluster_of(doc: dict) -> ClusterSpec:
                            gpus_per_node=as_int(data["gpus_per_node"], "plan.cluster.gpus_per_node"),
                            num_nodes=as_int(data["num_nodes"], "plan.cluster.num_nodes"),
                            comm_overlap=as_float(data.get("comm_overlap", 1.0), "plan.cluster.comm_overlap",
-                                                 exclusive=False), **links)
+                                                 exclusive=False),
+                           gpu_hour_price_usd=(as_float(data["gpu_hour_price_usd"], "plan.cluster.gpu_hour_price_usd")
+                                               if data.get("gpu_hour_price_usd") is not None else None),
+                           **links)
     except SpecError:
         raise
     except (KeyError, TypeError, ValueError, AttributeError) as err:

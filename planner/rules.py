@@ -20,7 +20,10 @@ INT_KNOBS = ("dp", "tp", "pp", "vpp", "ep", "mbs", "zero")
 KNOBS = INT_KNOBS + ("recompute", "sp", "schedule")
 # Longer spellings accepted in rule files and --fix.
 ALIASES = {"micro_batch_size": "mbs", "zero_stage": "zero", "sequence_parallel": "sp"}
-OBJECTIVES = ("time", "memory")
+OBJECTIVES = ("time", "memory", "cost", "energy")
+# Budgets a plan must meet (costmodel.energy): rule-file key -> CLI option.
+BUDGETS = {"max_cost_per_step_usd": "--max-cost-per-step", "power_cap_w": "--power-cap",
+           "energy_budget_j": "--energy-budget"}
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,11 @@ class Rules:
     forbidden: tuple[tuple[str, Any], ...] = ()
     pinned: dict[str, Any] = field(default_factory=dict)
     objective: str = "time"
+    # Per step: USD for all GPUs; W averaged over the step on the busiest device; J for
+    # all GPUs (per step rather than per run: the planner does not know the run's length).
+    max_cost_per_step_usd: float | None = None
+    power_cap_w: float | None = None
+    energy_budget_j: float | None = None
 
     def permits(self, knob: str, value: Any) -> bool:
         """Whether `value` for `knob` passes allowed, forbidden and pinned."""
@@ -60,6 +68,13 @@ class Rules:
     def with_fix(self, fix: dict[str, Any]) -> Rules:
         """These rules with more knobs pinned (`--fix` wins over the file's pins)."""
         return replace(self, pinned={**self.pinned, **fix})
+
+
+def parse_objective(value: Any, field_name: str) -> str:
+    objective = str(value)
+    if objective not in OBJECTIVES:
+        raise SpecError(field_name, f"unknown {objective!r} (known: {', '.join(OBJECTIVES)})")
+    return objective
 
 
 def format_value(value: Any) -> str:
@@ -103,7 +118,7 @@ def parse_fix(text: str | dict | None, field_name: str = "--fix") -> dict[str, A
 
 def rules_from_dict(data: dict, name: str) -> Rules:
     known = {"tp_within_node", "tp_divides_heads", "ep_divides_experts", "memory_headroom",
-             "max_stage_imbalance", "micro_batch_size", "allowed", "forbid", "pinned", "objective"}
+             "max_stage_imbalance", "micro_batch_size", "allowed", "forbid", "pinned", "objective", *BUDGETS}
     unknown = sorted(set(data) - known)
     if unknown:
         raise SpecError(f"rules.{unknown[0]}", f"unknown field (fields: {', '.join(sorted(known))})")
@@ -147,9 +162,7 @@ def rules_from_dict(data: dict, name: str) -> Rules:
         raise SpecError("rules.pinned", "expected a mapping of knob to value")
     pinned = parse_fix(pinned_data, "rules.pinned")
 
-    objective = str(data.get("objective", "time"))
-    if objective not in OBJECTIVES:
-        raise SpecError("rules.objective", f"unknown {objective!r} (known: {', '.join(OBJECTIVES)})")
+    objective = parse_objective(data.get("objective", "time"), "rules.objective")
     return Rules(
         name=name,
         tp_within_node=as_bool(data.get("tp_within_node", True), "rules.tp_within_node"),
@@ -163,6 +176,7 @@ def rules_from_dict(data: dict, name: str) -> Rules:
         forbidden=tuple(forbidden),
         pinned=pinned,
         objective=objective,
+        **{key: as_float(data[key], f"rules.{key}") for key in BUDGETS if data.get(key) is not None},
     )
 
 
