@@ -482,7 +482,6 @@ def estimate(problem: Problem, strategy: Strategy, units: UnitCosts | None = Non
     works = [rank_work(units, strategy, r) for r in range(pp)]
     rank_times = [w.total_s for w in works]
     pipelined = pipeline_time_s(strategy.schedule, rank_times, m, strategy.vpp)
-    bottleneck = max(range(pp), key=lambda r: (rank_times[r], -r))
     # Gradient sync overlaps the last micro-batch's backward on each rank (DDP bucketing,
     # Li et al. 2020 §3.2.3); the rest is exposed. The ZeRO-1/2 weight all-gather is
     # counted in the sync (it follows the optimizer step).
@@ -491,22 +490,33 @@ def estimate(problem: Problem, strategy: Strategy, units: UnitCosts | None = Non
         window = sum(s.num_layers for s in strategy.rank_stages(r)) * units.layer_backward_s
         dp_exposed = max(dp_exposed, max(0.0, dp_sync_s(problem, units, strategy, r) - window))
     optimizer_s = max(optimizer_step_s(problem, units, strategy, r) for r in range(pp))
-    step = pipelined + dp_exposed + optimizer_s
+    memories = [rank_memory(problem, units, strategy, r) for r in range(pp)]
+    model_flops = model_flops_per_step(problem.model, problem.training.global_batch, problem.training.seq_len)
+    return step_estimate(problem, strategy, works, pipelined, dp_exposed, optimizer_s, memories,
+                         model_flops, model_flops + recompute_flops(problem, strategy))
 
+
+def step_estimate(problem, strategy: Strategy, works: list[Work], pipelined_s: float, dp_exposed_s: float,
+                  optimizer_s: float, memories: list[MemoryBreakdown], model_flops: float,
+                  hardware_flops: float) -> Estimate:
+    """The Estimate of a step from its parts: each pipeline rank's micro-batch work and
+    memory, the pipelined time, the exposed gradient sync and the optimizer step. The
+    time breakdown is the slowest rank's, over all micro-batches, the rest of the
+    pipelined time its bubble. Shared by costmodel.graph_estimate."""
+    pp, m = strategy.pp, strategy.num_microbatches
+    rank_times = [w.total_s for w in works]
+    bottleneck = max(range(pp), key=lambda r: (rank_times[r], -r))
+    step = pipelined_s + dp_exposed_s + optimizer_s
     busy = works[bottleneck].scaled(m)
     time = TimeBreakdown(
         compute_s=busy.compute_s, recompute_s=busy.recompute_s, tp_comm_s=busy.tp_comm_s,
-        ep_comm_s=busy.ep_comm_s, pp_comm_s=busy.pp_comm_s, dp_comm_s=busy.dp_comm_s + dp_exposed,
-        bubble_s=pipelined - busy.total_s, optimizer_s=optimizer_s,
+        ep_comm_s=busy.ep_comm_s, pp_comm_s=busy.pp_comm_s, dp_comm_s=busy.dp_comm_s + dp_exposed_s,
+        bubble_s=pipelined_s - busy.total_s, optimizer_s=optimizer_s,
     )
-    memories = [rank_memory(problem, units, strategy, r) for r in range(pp)]
     totals = [mem.total_bytes for mem in memories]
     peak_rank = max(range(pp), key=lambda r: (totals[r], -r))
-
-    model_flops = model_flops_per_step(problem.model, problem.training.global_batch, problem.training.seq_len)
     gpus = strategy.num_gpus
     peak = problem.cluster.gpu.peak_for(problem.training.precision)
-    hardware_flops = model_flops + recompute_flops(problem, strategy)
     return Estimate(
         step_time_s=step,
         tokens_per_s=problem.training.tokens_per_step / step,

@@ -37,13 +37,13 @@ import networkx as nx
 from costmodel import compute, memory
 from costmodel.comm import collective_time_s
 from costmodel.estimate import (
-    OPTIMIZER_BYTES_PER_PARAMETER,
     Estimate,
     MemoryBreakdown,
-    TimeBreakdown,
+    OPTIMIZER_BYTES_PER_PARAMETER,
     Work,
     groups,
     sharded_collective_s,
+    step_estimate,
 )
 from costmodel.pipeline import pipeline_time_s
 from costmodel.specs import ClusterSpec, TrainingSpec
@@ -283,35 +283,11 @@ def estimate_traced(problem: TracedProblem, strategy: Strategy, units: TracedUni
     works = [stage_work(units, s) for s in stages]
     rank_times = [w.total_s for w in works]
     pipelined = pipeline_time_s(strategy.schedule, rank_times, m)
-    bottleneck = max(range(strategy.pp), key=lambda r: (rank_times[r], -r))
     dp_exposed = max(exposed_dp_s(problem, units, strategy, s) for s in stages)
     optimizer_s = max(optimizer_step_s(problem, units, strategy, s) for s in stages)
-    step = pipelined + dp_exposed + optimizer_s
-    busy = works[bottleneck].scaled(m)
-    time = TimeBreakdown(
-        compute_s=busy.compute_s, recompute_s=busy.recompute_s, tp_comm_s=0.0, ep_comm_s=0.0,
-        pp_comm_s=busy.pp_comm_s, dp_comm_s=busy.dp_comm_s + dp_exposed,
-        bubble_s=pipelined - busy.total_s, optimizer_s=optimizer_s,
-    )
     memories = [stage_memory(problem, units, strategy, s) for s in stages]
-    totals = [mem.total_bytes for mem in memories]
-    peak_rank = max(range(strategy.pp), key=lambda r: (totals[r], -r))
-
     nodes, samples = problem.model.nodes, problem.training.global_batch / problem.model.traced_batch
     model_flops = samples * sum(n.forward_flops + n.backward_flops for n in nodes)
     recomputed = sum(n.forward_flops for s in stages for n in nodes[s.first_layer:s.first_layer + s.full_recompute_layers])
-    gpus, peak = strategy.num_gpus, problem.cluster.gpu.peak_for(problem.training.precision)
-    return Estimate(
-        step_time_s=step,
-        tokens_per_s=problem.training.tokens_per_step / step,
-        tflops_per_gpu=model_flops / step / gpus / 1e12,
-        mfu=model_flops / step / gpus / peak,
-        hfu=(model_flops + samples * recomputed) / step / gpus / peak,
-        peak_memory_bytes=totals[peak_rank],
-        peak_memory_rank=peak_rank,
-        bottleneck_rank=bottleneck,
-        time=time,
-        memory=memories[peak_rank],
-        rank_time_s=tuple(rank_times),
-        rank_memory_bytes=tuple(totals),
-    )
+    return step_estimate(problem, strategy, works, pipelined, dp_exposed, optimizer_s, memories,
+                         model_flops, model_flops + samples * recomputed)

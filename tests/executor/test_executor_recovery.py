@@ -10,7 +10,6 @@ import shutil
 import subprocess
 import sys
 
-import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -19,14 +18,6 @@ from planner.api import plan
 from planner.plan import write_plan
 
 STEPS = 6
-
-
-@pytest.fixture(scope="module")
-def plan_file(tmp_path_factory):
-    doc = plan("tiny-gpt", "cpu", GLOBAL_BATCH, gpus=2, seq_len=SEQ_LEN, precision="fp32", fix={"dp": 2, "tp": 1})
-    path = tmp_path_factory.mktemp("plans") / "tiny-gpt-dp2.json"
-    write_plan(doc, path)
-    return path
 
 
 def shardwise_run(plan_file, checkpoints, *extra, crash=None):

@@ -11,18 +11,8 @@ from click.testing import CliRunner
 
 from executor.launch import plan_launch, torchrun_command
 from executor.run import main as worker_main
-from executor_test_helpers import CONFIG, GLOBAL_BATCH, SEQ_LEN, STEPS, reference_run
-from planner.api import plan
+from executor_test_helpers import CONFIG, STEPS, reference_run
 from planner.cli import main as cli
-from planner.plan import write_plan
-
-
-@pytest.fixture(scope="module")
-def plan_file(tmp_path_factory):
-    doc = plan("tiny-gpt", "cpu", GLOBAL_BATCH, gpus=2, seq_len=SEQ_LEN, precision="fp32", fix={"dp": 2, "tp": 1})
-    path = tmp_path_factory.mktemp("plans") / "tiny-gpt-dp2.json"
-    write_plan(doc, path)
-    return path
 
 
 def run_cli(*args):
