@@ -93,6 +93,20 @@ def read_document(source: str | Path, kind: str, field: str) -> tuple[dict, str]
     return data, name
 
 
+def read_json_object(path: str | Path, field: str) -> dict:
+    """A JSON file holding one object (a plan, a profile), parsed without pickle;
+    SpecError naming `field` when it cannot be read or is not an object."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except OSError as err:
+        raise SpecError(field, f"cannot read {path}: {err.strerror or err}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise SpecError(field, f"{path} is not valid JSON: {err}") from None
+    if not isinstance(doc, dict):
+        raise SpecError(field, f"{path} must hold a JSON object")
+    return doc
+
+
 def parse_overrides(text: str | None, field: str = "--set") -> dict[str, str]:
     """`a=1,b=x` -> {"a": "1", "b": "x"}."""
     out: dict[str, str] = {}

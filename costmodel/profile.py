@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from costmodel import compute
-from costmodel.loading import SpecError
+from costmodel.loading import SpecError, read_json_object
 from costmodel.specs import PRECISIONS, ClusterSpec, ModelSpec, TrainingSpec
 
 PROFILE_SCHEMA_VERSION = 2   # 2 added the layer kinds ("layers") and all_to_all
@@ -216,14 +216,7 @@ def validate_layer_entry(entry: Any, where: str) -> dict:
 
 def read_profile(path: str | Path) -> dict:
     """A profile's JSON, checked as far as planning needs it; raises SpecError."""
-    try:
-        doc = json.loads(Path(path).read_text())
-    except OSError as err:
-        raise SpecError("--profile", f"cannot read {path}: {err.strerror or err}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise SpecError("--profile", f"{path} is not valid JSON: {err}") from None
-    if not isinstance(doc, dict):
-        raise SpecError("--profile", f"{path} must hold a JSON object")
+    doc = read_json_object(path, "--profile")
     if doc.get("schema_version") not in READABLE_SCHEMA_VERSIONS:
         raise SpecError("profile.schema_version",
                         f"expected one of {', '.join(map(str, READABLE_SCHEMA_VERSIONS))}, got {doc.get('schema_version')!r}")

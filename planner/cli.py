@@ -369,7 +369,9 @@ def evaluate(source, model_name, cluster_name, nodes, gpus, global_batch, seq, p
               help="Start from this checkpoint (or the newest under this directory), written under any plan "
                    "of the same model: it is resharded on load.")
 @click.option("--max-restarts", default="0", show_default=True,
-              help="Restarts torchrun makes when a rank dies; with --checkpoint-dir the group resumes.")
+              help="Times the group is started again (a fresh torchrun) when it fails, say a rank died; with "
+                   "--checkpoint-dir it resumes from the newest checkpoint. Bad input and non-finite steps are "
+                   "not retried.")
 @click.option("--on-nonfinite", type=click.Choice(["stop", "skip"]), default="stop", show_default=True,
               help="A step with a non-finite loss or gradient: stop the run (exit 4) or skip its update.")
 @click.option("--timeout-s", default="600", show_default=True,

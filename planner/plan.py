@@ -16,7 +16,7 @@ from typing import Any
 from costmodel.energy import cost_energy
 from costmodel.estimate import Estimate
 from costmodel.graph_estimate import NodeCost, TracedModel
-from costmodel.loading import SpecError
+from costmodel.loading import SpecError, read_json_object
 from costmodel.specs import ClusterSpec, ModelSpec
 from costmodel.strategy import Stage, Strategy
 from planner.search import Candidate, SearchResult
@@ -118,14 +118,7 @@ _STRATEGY_INTS = ("dp", "tp", "pp", "micro_batch_size", "num_microbatches", "vpp
 
 def read_plan(path: str | Path) -> dict:
     """Load and validate a plan file; raises SpecError naming the bad field."""
-    try:
-        doc = json.loads(Path(path).read_text())
-    except OSError as err:
-        raise SpecError("plan", f"cannot read {path}: {err.strerror}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise SpecError("plan", f"{path} is not valid JSON: {err}") from None
-    if not isinstance(doc, dict):
-        raise SpecError("plan", "expected a JSON object")
+    doc = read_json_object(path, "plan")
     if doc.get("schema_version") != SCHEMA_VERSION:
         raise SpecError("plan.schema_version", f"expected {SCHEMA_VERSION}, got {doc.get('schema_version')!r}")
     for key in ("model", "model_fingerprint", "cluster", "training", "strategy", "estimate"):
