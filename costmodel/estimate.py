@@ -18,7 +18,7 @@ from costmodel.graph import (
 )
 from costmodel.pipeline import pipeline_time_s
 from costmodel.profile import profiled_layer
-from costmodel.specs import Problem
+from costmodel.specs import MixedClusterSpec, Problem
 from costmodel.strategy import RECOMPUTE_MODES, Stage, Strategy
 
 # HBM bytes the optimizer step moves per local parameter: Adam reads fp32 master
@@ -75,6 +75,7 @@ class UnitCosts:
     logits_bytes: float
     p2p_s: float                           # one activation (or gradient) send between stages
     p2p_bytes: float
+    tied_sync_s: float = 0.0               # all-reduce of the tied embedding's gradient, first and last stage
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,9 @@ class Estimate:
     memory: MemoryBreakdown          # of the peak rank
     rank_time_s: tuple[float, ...]   # per pipeline rank, one micro-batch
     rank_memory_bytes: tuple[float, ...]
+    # Mixed clusters with replica groups (costmodel.mixed): per data-parallel replica,
+    # its micro-batches' seconds in one step; empty otherwise.
+    replica_time_s: tuple[float, ...] = ()
 
 
 def sharded_collective_s(kind: str, total_bytes: float, group: Placement, cluster) -> float:
@@ -270,6 +274,12 @@ def unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
     # gathered after (Narayanan et al. 2021 §4.1, scatter/gather optimisation).
     p2p_bytes = message / tp
     p2p_s = collective_time_s("p2p", p2p_bytes, where["pp"], cluster) if strategy.pp > 1 else 0.0
+    tied_sync_s = 0.0
+    if model.tie_word_embeddings and strategy.pp > 1:
+        # Tied embeddings over pp > 1: the first and last stage all-reduce the
+        # embedding's gradient (Megatron-LM).
+        tied_sync_s = collective_time_s("all_reduce", model.vocab_size * model.hidden_size / tp * states.gradients,
+                                        where["pp_ends"], cluster)
     return UnitCosts(
         layer_work=layer_work,
         layer_backward_s=hide * (bwd_compute + tp_backward),
@@ -284,6 +294,7 @@ def unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
         logits_bytes=memory.logits_bytes(model, training, b, tp),
         p2p_s=p2p_s,
         p2p_bytes=p2p_bytes,
+        tied_sync_s=tied_sync_s,
     )
 
 
@@ -443,9 +454,8 @@ def dp_sync_s(problem: Problem, units: UnitCosts, strategy: Strategy, pp_rank: i
             else:
                 total += (collective_time_s("reduce_scatter", params * states.gradients, group, cluster)
                           + collective_time_s("all_gather", params * states.weights, group, cluster))
-    if problem.model.tie_word_embeddings and strategy.pp > 1 and pp_rank in (0, strategy.pp - 1):
-        embedding = problem.model.vocab_size * problem.model.hidden_size / strategy.tp
-        total += collective_time_s("all_reduce", embedding * states.gradients, where["pp_ends"], cluster)
+    if pp_rank in (0, strategy.pp - 1):
+        total += units.tied_sync_s
     return total
 
 
@@ -477,32 +487,44 @@ def estimate(problem: Problem, strategy: Strategy, units: UnitCosts | None = Non
     """Predicted step of `strategy` (which must carry its stages) on `problem`."""
     if not strategy.stages:
         raise ValueError("strategy has no stages; use costmodel.strategy.even_stages")
+    if isinstance(problem.cluster, MixedClusterSpec):
+        # Imported here: costmodel.mixed prices each group with this module's terms.
+        from costmodel.mixed import estimate_mixed
+        return estimate_mixed(problem, strategy)
     units = units or unit_costs(problem, strategy)
+    return estimate_ranks(problem, strategy, [(problem, units)] * strategy.pp)
+
+
+def estimate_ranks(problem: Problem, strategy: Strategy, rank_costs: list[tuple[Problem, UnitCosts]]) -> Estimate:
+    """The estimate with each pipeline rank priced by its own (problem, unit costs): the
+    same pair for every rank on one cluster, its group's on a mixed cluster."""
     pp, m = strategy.pp, strategy.num_microbatches
-    works = [rank_work(units, strategy, r) for r in range(pp)]
+    works = [rank_work(u, strategy, r) for r, (_, u) in enumerate(rank_costs)]
     rank_times = [w.total_s for w in works]
     pipelined = pipeline_time_s(strategy.schedule, rank_times, m, strategy.vpp)
     # Gradient sync overlaps the last micro-batch's backward on each rank (DDP bucketing,
     # Li et al. 2020 §3.2.3); the rest is exposed. The ZeRO-1/2 weight all-gather is
     # counted in the sync (it follows the optimizer step).
     dp_exposed = 0.0
-    for r in range(pp):
-        window = sum(s.num_layers for s in strategy.rank_stages(r)) * units.layer_backward_s
-        dp_exposed = max(dp_exposed, max(0.0, dp_sync_s(problem, units, strategy, r) - window))
-    optimizer_s = max(optimizer_step_s(problem, units, strategy, r) for r in range(pp))
-    memories = [rank_memory(problem, units, strategy, r) for r in range(pp)]
+    for r, (p, u) in enumerate(rank_costs):
+        window = sum(s.num_layers for s in strategy.rank_stages(r)) * u.layer_backward_s
+        dp_exposed = max(dp_exposed, max(0.0, dp_sync_s(p, u, strategy, r) - window))
+    optimizer_s = max(optimizer_step_s(p, u, strategy, r) for r, (p, u) in enumerate(rank_costs))
+    memories = [rank_memory(p, u, strategy, r) for r, (p, u) in enumerate(rank_costs)]
     model_flops = model_flops_per_step(problem.model, problem.training.global_batch, problem.training.seq_len)
+    peak = sum(p.cluster.gpu.peak_for(problem.training.precision) for p, _ in rank_costs) / pp
     return step_estimate(problem, strategy, works, pipelined, dp_exposed, optimizer_s, memories,
-                         model_flops, model_flops + recompute_flops(problem, strategy))
+                         model_flops, model_flops + recompute_flops(problem, strategy), peak)
 
 
 def step_estimate(problem, strategy: Strategy, works: list[Work], pipelined_s: float, dp_exposed_s: float,
                   optimizer_s: float, memories: list[MemoryBreakdown], model_flops: float,
-                  hardware_flops: float) -> Estimate:
+                  hardware_flops: float, peak_flops_per_gpu: float | None = None) -> Estimate:
     """The Estimate of a step from its parts: each pipeline rank's micro-batch work and
     memory, the pipelined time, the exposed gradient sync and the optimizer step. The
     time breakdown is the slowest rank's, over all micro-batches, the rest of the
-    pipelined time its bubble. Shared by costmodel.graph_estimate."""
+    pipelined time its bubble. `peak_flops_per_gpu`: the mean peak of the devices (MFU's
+    denominator), by default the cluster's GPU's. Shared by costmodel.graph_estimate."""
     pp, m = strategy.pp, strategy.num_microbatches
     rank_times = [w.total_s for w in works]
     bottleneck = max(range(pp), key=lambda r: (rank_times[r], -r))
@@ -516,7 +538,7 @@ def step_estimate(problem, strategy: Strategy, works: list[Work], pipelined_s: f
     totals = [mem.total_bytes for mem in memories]
     peak_rank = max(range(pp), key=lambda r: (totals[r], -r))
     gpus = strategy.num_gpus
-    peak = problem.cluster.gpu.peak_for(problem.training.precision)
+    peak = peak_flops_per_gpu or problem.cluster.gpu.peak_for(problem.training.precision)
     return Estimate(
         step_time_s=step,
         tokens_per_s=problem.training.tokens_per_step / step,

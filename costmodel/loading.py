@@ -9,7 +9,7 @@ naming the field, which the CLI prints as one line with exit code 2.
 from __future__ import annotations
 
 import json
-from dataclasses import fields
+from dataclasses import fields, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,7 @@ from costmodel.specs import (
     ClusterSpec,
     GPUSpec,
     LinkSpec,
+    MixedClusterSpec,
     ModelSpec,
     TrainingSpec,
 )
@@ -283,9 +284,16 @@ def link_from_dict(data: Any, field: str) -> LinkSpec:
     )
 
 
-def load_cluster(source: str | Path, nodes: int | None = None, gpus: int | None = None) -> ClusterSpec:
-    """A cluster by name or path, resized by `nodes` or `gpus` (not both)."""
+def load_cluster(source: str | Path, nodes: int | None = None,
+                 gpus: int | None = None) -> ClusterSpec | MixedClusterSpec:
+    """A cluster by name or path, resized by `nodes` or `gpus` (not both). A file with
+    `groups` is a mixed cluster (`mixed_cluster_from_dict`), sized by its groups."""
     data, name = read_document(source, "clusters", "--cluster")
+    if "groups" in data:
+        if nodes is not None or gpus is not None:
+            raise SpecError("--gpus" if gpus is not None else "--nodes",
+                            f"{name} is a mixed cluster: its size is its groups' num_nodes (edit the cluster file)")
+        return mixed_cluster_from_dict(data, name)
     _check_keys(data, {"name", "gpu", "gpus_per_node", "num_nodes", "intra_node", "inter_node", "comm_overlap",
                        "gpu_hour_price_usd"}, "cluster")
     gpu_data = data.get("gpu")
@@ -319,15 +327,45 @@ def load_cluster(source: str | Path, nodes: int | None = None, gpus: int | None 
     )
 
 
-def make_training(model: ModelSpec, cluster: ClusterSpec, global_batch: Any, seq_len: Any = None,
+def mixed_cluster_from_dict(data: dict, name: str) -> MixedClusterSpec:
+    """groups: a list of {cluster: built-in name or path, num_nodes: N, name: optional
+    group name}; inter_group: the link between nodes of different groups."""
+    _check_keys(data, {"name", "groups", "inter_group"}, "cluster")
+    entries = data.get("groups")
+    if not isinstance(entries, list) or not entries:
+        raise SpecError("cluster.groups", "expected a non-empty list of groups")
+    groups = []
+    for i, entry in enumerate(entries):
+        field = f"cluster.groups[{i}]"
+        if not isinstance(entry, dict):
+            raise SpecError(field, "expected a mapping with cluster and num_nodes")
+        _check_keys(entry, {"cluster", "num_nodes", "name"}, field)
+        if not isinstance(entry.get("cluster"), str):
+            raise SpecError(f"{field}.cluster", "expected a built-in cluster name or a path")
+        base = load_cluster(entry["cluster"], nodes=as_int(entry.get("num_nodes", 1), f"{field}.num_nodes"))
+        if isinstance(base, MixedClusterSpec):
+            raise SpecError(f"{field}.cluster", "a group is a homogeneous cluster, not a mixed one")
+        groups.append(replace(base, name=str(entry.get("name", base.name))))
+    names = [g.name for g in groups]
+    duplicate = next((n for n in names if names.count(n) > 1), None)
+    if duplicate is not None:
+        raise SpecError("cluster.groups", f"two groups are named {duplicate!r}: give each a name")
+    if "inter_group" not in data:
+        raise SpecError("cluster.inter_group", "missing: the link between nodes of different groups")
+    return MixedClusterSpec(name=str(data.get("name", name)), groups=tuple(groups),
+                            inter_group=link_from_dict(data["inter_group"], "cluster.inter_group"))
+
+
+def make_training(model: ModelSpec, cluster: ClusterSpec | MixedClusterSpec, global_batch: Any, seq_len: Any = None,
                   precision: str = "bf16", optimizer: str = "adamw", flash_attention: bool = True) -> TrainingSpec:
     batch = as_int(global_batch, "--global-batch")
     seq = model.max_position_embeddings if seq_len is None else as_int(seq_len, "--seq")
     if precision not in PRECISIONS:
         raise SpecError("--precision", f"unknown {precision!r} (known: {', '.join(PRECISIONS)})")
-    if precision not in cluster.gpu.peak_flops_per_s:
-        have = ", ".join(cluster.gpu.peak_flops_per_s)
-        raise SpecError("--precision", f"{cluster.gpu.name} has no {precision} peak (has: {have})")
+    for group in getattr(cluster, "groups", (cluster,)):
+        if precision not in group.gpu.peak_flops_per_s:
+            have = ", ".join(group.gpu.peak_flops_per_s)
+            raise SpecError("--precision", f"{group.gpu.name} has no {precision} peak (has: {have})")
     if optimizer not in OPTIMIZERS:
         raise SpecError("--optimizer", f"unknown {optimizer!r} (known: {', '.join(OPTIMIZERS)})")
     return TrainingSpec(batch, seq, precision, optimizer, flash_attention)

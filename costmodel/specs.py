@@ -126,6 +126,28 @@ class ClusterSpec:
 
 
 @dataclass(frozen=True)
+class MixedClusterSpec:
+    """Groups of nodes of different GPU types and links. Each group is a homogeneous
+    cluster (its `name` the group's name); `inter_group` is the link between nodes of
+    different groups, per GPU and one direction. Global ranks run over the groups in
+    this order, so node ranks follow it (group 0's nodes first)."""
+
+    name: str
+    groups: tuple[ClusterSpec, ...]
+    inter_group: LinkSpec
+
+    @property
+    def num_gpus(self) -> int:
+        return sum(g.num_gpus for g in self.groups)
+
+    def group(self, name: str) -> ClusterSpec:
+        for g in self.groups:
+            if g.name == name:
+                return g
+        raise KeyError(name)
+
+
+@dataclass(frozen=True)
 class TrainingSpec:
     """global_batch in sequences; precision "bf16"/"fp16" means mixed precision with
     fp32 master weights and optimizer states, "fp32" means everything in fp32."""
@@ -146,7 +168,7 @@ class Problem:
     """Everything a strategy is judged against."""
 
     model: ModelSpec
-    cluster: ClusterSpec
+    cluster: ClusterSpec | MixedClusterSpec
     training: TrainingSpec
     # Measured layer times (`shardwise plan --profile`); None prices every layer analytically.
     profile: MeasuredTimes | None = None

@@ -51,6 +51,26 @@ class Strategy:
     recompute: str = "none"
     sequence_parallel: bool = False
     stages: tuple[Stage, ...] = ()
+    # On a mixed cluster (costmodel.mixed), at most one of these is set. stage_groups:
+    # the group holding each pipeline rank (all its dp x tp ranks). replica_groups (pp
+    # 1 only): the group holding each data-parallel replica, and replica_microbatches
+    # the micro-batches each replica runs per step, so faster replicas take a larger
+    # share of the global batch (mbs x sum(replica_microbatches) sequences).
+    stage_groups: tuple[str, ...] = ()
+    replica_groups: tuple[str, ...] = ()
+    replica_microbatches: tuple[int, ...] = ()
+
+    @property
+    def is_mixed(self) -> bool:
+        return bool(self.stage_groups or self.replica_groups)
+
+    def replica_share(self, dp_rank: int) -> tuple[int, int]:
+        """(first micro-batch, micro-batches) of data-parallel replica `dp_rank` in the
+        global batch's micro-batches."""
+        if not self.replica_microbatches:
+            return dp_rank * self.num_microbatches, self.num_microbatches
+        counts = self.replica_microbatches
+        return sum(counts[:dp_rank]), counts[dp_rank]
 
     @property
     def num_gpus(self) -> int:

@@ -17,7 +17,7 @@ from costmodel.energy import cost_energy
 from costmodel.estimate import Estimate
 from costmodel.graph_estimate import NodeCost, TracedModel
 from costmodel.loading import SpecError, read_json_object
-from costmodel.specs import ClusterSpec, ModelSpec
+from costmodel.specs import ClusterSpec, MixedClusterSpec, ModelSpec
 from costmodel.strategy import Stage, Strategy
 from planner.search import Candidate, SearchResult
 
@@ -42,8 +42,13 @@ def _round(value: Any) -> Any:
     return value
 
 
+# Strategy fields a plan carries only when set (mixed clusters), so other plans keep their bytes.
+_MIXED_STRATEGY_FIELDS = ("stage_groups", "replica_groups", "replica_microbatches")
+
+
 def strategy_dict(strategy: Strategy) -> dict:
-    out = {f.name: getattr(strategy, f.name) for f in fields(strategy) if f.name != "stages"}
+    out = {f.name: getattr(strategy, f.name) for f in fields(strategy)
+           if f.name != "stages" and not (f.name in _MIXED_STRATEGY_FIELDS and not getattr(strategy, f.name))}
     out["stages"] = [asdict(s) | {"ranks": list(strategy.ranks(s.pp_rank))} for s in strategy.stages]
     return out
 
@@ -66,7 +71,10 @@ _OPTIONAL_GPU_FIELDS = ("busy_power_w", "idle_power_w")
 _OPTIONAL_CLUSTER_FIELDS = ("gpu_hour_price_usd",)
 
 
-def cluster_dict(cluster: ClusterSpec) -> dict:
+def cluster_dict(cluster: ClusterSpec | MixedClusterSpec) -> dict:
+    if isinstance(cluster, MixedClusterSpec):
+        return {"name": cluster.name, "groups": [cluster_dict(g) for g in cluster.groups],
+                "inter_group": asdict(cluster.inter_group)}
     out = asdict(cluster)
     for key in _OPTIONAL_CLUSTER_FIELDS:
         if out[key] is None:
@@ -152,6 +160,33 @@ def model_of(doc: dict) -> ModelSpec | TracedModel:
         raise SpecError("plan.model", f"malformed: {err}") from None
 
 
+def _check_mixed(strategy: Strategy, doc: dict) -> None:
+    """The group fields of a mixed plan: one group per pipeline rank or per replica, each
+    named in the plan's cluster, and replica shares that add up to the global batch."""
+    s = strategy
+    if not s.is_mixed:
+        return
+    names = {g.get("name") for g in doc["cluster"].get("groups", [])} if isinstance(doc["cluster"], dict) else set()
+    if s.stage_groups and s.replica_groups:
+        raise SpecError("plan.strategy.replica_groups", "a plan sets stage_groups or replica_groups, not both")
+    groups, field, count = ((s.stage_groups, "stage_groups", s.pp) if s.stage_groups
+                            else (s.replica_groups, "replica_groups", s.dp))
+    if len(groups) != count:
+        raise SpecError(f"plan.strategy.{field}", f"expected {count} group names, got {len(groups)}")
+    unknown = [g for g in groups if g not in names]
+    if unknown:
+        raise SpecError(f"plan.strategy.{field}", f"group {unknown[0]!r} is not a group of the plan's cluster")
+    if s.replica_groups:
+        shares = s.replica_microbatches
+        if len(shares) != s.dp or any(not isinstance(m, int) or isinstance(m, bool) or m < 1 for m in shares):
+            raise SpecError("plan.strategy.replica_microbatches", f"expected {s.dp} positive integers, got {list(shares)}")
+        if s.pp != 1:
+            raise SpecError("plan.strategy.replica_groups", "replica groups need pp 1")
+        if s.micro_batch_size * sum(shares) != doc["training"].get("global_batch"):
+            raise SpecError("plan.strategy.replica_microbatches",
+                            f"mbs x sum = {s.micro_batch_size * sum(shares)} is not the global batch")
+
+
 def strategy_of(doc: dict) -> Strategy:
     """The Strategy a plan document holds."""
     data = doc["strategy"]
@@ -162,9 +197,11 @@ def strategy_of(doc: dict) -> Strategy:
         stages = tuple(Stage(**{k: v for k, v in s.items() if k != "ranks"}) for s in data.get("stages", []))
         strategy = Strategy(**{k: data[k] for k in _STRATEGY_INTS},
                             schedule=str(data["schedule"]), recompute=str(data["recompute"]),
-                            sequence_parallel=bool(data["sequence_parallel"]), stages=stages)
+                            sequence_parallel=bool(data["sequence_parallel"]), stages=stages,
+                            **{k: tuple(data[k]) for k in _MIXED_STRATEGY_FIELDS if k in data})
     except (TypeError, KeyError) as err:
         raise SpecError("plan.strategy", f"malformed: {err}") from None
+    _check_mixed(strategy, doc)
     if is_traced(doc):
         if sum(s.num_layers for s in stages) != len(doc["model"]["nodes"]):
             raise SpecError("plan.strategy.stages", "nodes of the stages do not add up to the module's nodes")

@@ -9,6 +9,7 @@ byte for byte the plan `shardwise plan` makes for the same model, cluster, size 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -17,7 +18,7 @@ from costmodel.loading import (
     make_training,
 )
 from costmodel.profile import LayerPoint, MeasuredTimes
-from costmodel.specs import ClusterSpec, Problem
+from costmodel.specs import ClusterSpec, LinkSpec, MixedClusterSpec, Problem
 from costmodel.strategy import Strategy
 from planner.plan import is_traced, model_of, plan_document, strategy_of
 from planner.rules import Rules, load_rules, parse_fix
@@ -42,20 +43,29 @@ class NoPlan(Infeasible):
         self.rules = rules
 
 
-def cluster_of(doc: dict) -> ClusterSpec:
-    """The ClusterSpec a plan document holds, validated as a cluster file is."""
+def _plan_link(data: dict, field: str) -> LinkSpec:
+    link = dict(data)
+    # asdict writes a collective's figures as a pair; cluster files name them.
+    link["collectives"] = {kind: {"bandwidth_bytes_per_s": bw, "latency_s": lat}
+                           for kind, (bw, lat) in link.get("collectives", {}).items()}
+    return link_from_dict(link, field)
+
+
+def cluster_of(doc: dict) -> ClusterSpec | MixedClusterSpec:
+    """The cluster a plan document holds, validated as a cluster file is."""
     data = doc["cluster"]
     if not isinstance(data, dict):
         raise SpecError("plan.cluster", "expected a mapping")
+    if "groups" in data:
+        try:
+            return MixedClusterSpec(name=str(data["name"]),
+                                    groups=tuple(cluster_of({"cluster": g}) for g in data["groups"]),
+                                    inter_group=_plan_link(data["inter_group"], "plan.cluster.inter_group"))
+        except (KeyError, TypeError) as err:
+            raise SpecError("plan.cluster", f"malformed: {err!r}") from None
     try:
         gpu = {k: v for k, v in data["gpu"].items() if v is not None}   # None: the fitted A100 constants
-        links = {}
-        for side in ("intra_node", "inter_node"):
-            link = dict(data[side])
-            # asdict writes a collective's figures as a pair; cluster files name them.
-            link["collectives"] = {kind: {"bandwidth_bytes_per_s": bw, "latency_s": lat}
-                                   for kind, (bw, lat) in link.get("collectives", {}).items()}
-            links[side] = link_from_dict(link, f"plan.cluster.{side}")
+        links = {side: _plan_link(data[side], f"plan.cluster.{side}") for side in ("intra_node", "inter_node")}
         return ClusterSpec(name=str(data["name"]), gpu=gpu_from_dict(gpu, "plan.cluster.gpu"),
                            gpus_per_node=as_int(data["gpus_per_node"], "plan.cluster.gpus_per_node"),
                            num_nodes=as_int(data["num_nodes"], "plan.cluster.num_nodes"),
@@ -134,15 +144,16 @@ def nearest_batches(global_batch: int, dps: list[int], rules: Rules) -> list[int
     return sorted(batches, key=lambda b: (abs(b - global_batch), -b))[:MAX_BATCH_TRIES]
 
 
-def _search_at(problem: Problem, rules: Rules, top: int) -> SearchResult | None:
+def _search_at(problem: Problem, rules: Rules, top: int, progress=None) -> SearchResult | None:
     try:
         check_fix(problem, rules.pinned)
-        return search(problem, rules, top=top)
+        return search(problem, rules, top=top, progress=progress)
     except (Infeasible, SpecError):   # a pin that this batch does not divide plans nothing either
         return None
 
 
-def _nearest_plan(problem: Problem, rules: Rules, top: int, reason: str) -> tuple[SearchResult, Problem, str]:
+def _nearest_plan(problem: Problem, rules: Rules, top: int, reason: str,
+                  progress=None) -> tuple[SearchResult, Problem, str]:
     """The plan at the nearest other batch that has one, its problem, and why the
     plan's own batch has none; raises NoPlan when none of those tried plans."""
     batch, mbs = problem.training.global_batch, rules.pinned.get("mbs", 1)
@@ -152,7 +163,7 @@ def _nearest_plan(problem: Problem, rules: Rules, top: int, reason: str) -> tupl
         reason = f"no dp the size and rules allow ({', '.join(map(str, dps))}){times} divides it"
     for other in nearest_batches(batch, dps, rules):
         candidate = _problem_at(problem, other)
-        result = _search_at(candidate, rules, top)
+        result = _search_at(candidate, rules, top, progress)
         if result is not None:
             return result, candidate, reason
     raise NoPlan(f"global batch {batch} on {problem.cluster.num_gpus} GPUs: {reason}; none of the nearest "
@@ -178,10 +189,12 @@ def strategy_changes(old: Strategy, new: Strategy) -> str:
 
 
 def replan(doc: dict, *, gpus: Any = None, nodes: Any = None, cluster: str | None = None, rules: str | None = None,
-           fix: dict | str | None = None, top: int = 3) -> tuple[dict, list[str]]:
+           fix: dict | str | None = None, top: int = 3,
+           progress: Callable[[int, int], None] | None = None) -> tuple[dict, list[str]]:
     """The plan document of `doc`'s job on the new size, and the notes saying what was
     kept and what changed. `cluster` (a name or file) replaces the plan's cluster, sized
     by `nodes` or `gpus` or else its own file; without it the plan's cluster is resized.
+    `progress(done, total)` is told each search's progress (search's own callback).
     Raises SpecError naming the bad field, NoPlan when no batch tried plans."""
     if is_traced(doc):
         raise SpecError("plan.model", "a traced module's plan cannot be replanned from the file: "
@@ -216,10 +229,10 @@ def replan(doc: dict, *, gpus: Any = None, nodes: Any = None, cluster: str | Non
     batch = training.global_batch
     notes.insert(0, f"{_sized(old_cluster)} → {_sized(new_cluster)}")
     try:
-        result, planned = search(problem, rule_set, top=top), problem
+        result, planned = search(problem, rule_set, top=top, progress=progress), problem
         notes.append(f"global batch {batch} kept")
     except Infeasible as err:
-        result, planned, reason = _nearest_plan(problem, rule_set, top, err.reason)
+        result, planned, reason = _nearest_plan(problem, rule_set, top, err.reason, progress)
         notes.append(f"global batch {batch} cannot be kept on {new_cluster.num_gpus} GPUs: {reason}; "
                      f"{planned.training.global_batch} is the closest that plans")
     new_doc = plan_document(planned, rule_set.name, result)

@@ -73,7 +73,8 @@ def test_every_builtin_model_loads(name):
 
 def test_builtin_lists_are_the_config_files():
     assert len(builtin_names("models")) == 18
-    assert builtin_names("clusters") == ["cpu", "dgx-a100-40gb", "dgx-a100-80gb", "dgx-h100", "dgx-h200", "dgx-v100"]
+    assert builtin_names("clusters") == ["cpu", "dgx-a100-40gb", "dgx-a100-80gb", "dgx-h100", "dgx-h200", "dgx-v100",
+                                          "mixed-a100-v100", "mixed-h100-a100", "mixed-h200-a100-40gb"]
     assert "a100-80gb" in builtin_names("hardware")
 
 
@@ -103,8 +104,10 @@ def test_builtin_mixtral_is_moe():
 @pytest.mark.parametrize("name", builtin_names("clusters"))
 def test_every_builtin_cluster_loads(name):
     c = load_cluster(name)
-    assert c.num_gpus == c.gpus_per_node * c.num_nodes
-    assert 0 < c.intra_node.efficiency <= 1 and 0 < c.inter_node.efficiency <= 1
+    for g in getattr(c, "groups", (c,)):
+        assert g.num_gpus == g.gpus_per_node * g.num_nodes
+        assert 0 < g.intra_node.efficiency <= 1 and 0 < g.inter_node.efficiency <= 1
+    assert c.num_gpus == sum(g.num_gpus for g in getattr(c, "groups", (c,)))
 
 
 def test_dgx_a100_80gb_figures():
