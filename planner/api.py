@@ -8,19 +8,20 @@ does it for any torch.nn.Module.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from costmodel.graph import total_parameters
 from costmodel.graph_estimate import TracedProblem, traced_model
 from costmodel.hf import check_spec
-from costmodel.loading import SpecError, load_cluster, load_model, make_training, model_from_dict
+from costmodel.loading import SpecError, as_float, load_cluster, load_model, make_training, model_from_dict
 from costmodel.profile import load_measured_times
 from costmodel.specs import ModelSpec, Problem
 from costmodel.trace import trace_module
 from planner.graph_search import check_fix_traced, search_traced
 from planner.plan import plan_document
-from planner.rules import load_rules, parse_fix
+from planner.rules import BUDGETS, Rules, load_rules, parse_fix, parse_objective
 from planner.search import search
 from planner.space import check_fix
 
@@ -46,6 +47,20 @@ def make_problem(model: str, cluster: str, global_batch: Any, *, nodes: Any = No
     problem = Problem(model_spec, cluster_spec, training, measured)
     check_fix(problem, fix or {})
     return problem
+
+
+def make_rules(rules: str | Path | None = None, fix: dict | None = None, *, objective: Any = None,
+               budgets: dict[str, Any] | None = None) -> Rules:
+    """The rule set `shardwise plan` searches under: `rules` (a built-in name or a file)
+    with the `fix` pins (parsed, as parse_fix returns them) and, over the file's own, the
+    `objective` and the `budgets` (rules field -> value: max_cost_per_step_usd,
+    power_cap_w, energy_budget_j; None values are not given). A bad value raises
+    SpecError naming its command-line option."""
+    rule_set = load_rules(rules).with_fix(fix or {})
+    given = {key: as_float(value, BUDGETS[key]) for key, value in (budgets or {}).items() if value is not None}
+    if objective is not None:
+        given["objective"] = parse_objective(objective, "--objective")
+    return replace(rule_set, **given)
 
 
 def plan(model: str, cluster: str, global_batch: Any, *, nodes: Any = None, gpus: Any = None,

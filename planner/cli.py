@@ -1,6 +1,7 @@
 """The `shardwise` command line: `plan` searches for the best parallel strategy and
 writes a plan file, `explain` prints a plan file's breakdowns, `replan` plans a plan
-file's job on another size or cluster, `export` writes a plan as
+file's job on another size or cluster, `sweep` plans a job at a range of sizes and
+compares them (capacity planning), `export` writes a plan as
 torchtitan / Megatron-LM / DeepSpeed configuration, `evaluate` prices such a
 configuration beside the best plan, `run` trains with a plan, `profile` measures this
 machine and fits a cluster spec (the executor is imported only by those two).
@@ -16,8 +17,9 @@ import sys
 import click
 
 from costmodel.loading import SpecError, as_float, as_int, parse_overrides
-from planner.api import make_problem
+from planner.api import make_problem, make_rules
 from planner.plan import dumps, plan_document, read_plan, write_plan
+from planner.progress import progress_bar
 from planner.report import print_explain, print_plan
 from planner.rules import load_rules, parse_fix
 from planner.search import Infeasible, search, suggest_relaxation
@@ -76,22 +78,16 @@ def plan(model_name, cluster_name, nodes, gpus, global_batch, seq, precision, op
          rules_name, fix, overrides, profile_file, top, objective, max_cost, power_cap, energy_budget, pareto,
          fmt, output) -> None:
     """Find the best strategy that fits (fastest, or by --objective), and write it as a plan file."""
-    from dataclasses import replace
-
-    from planner.rules import parse_objective
-
     try:
         problem = make_problem(model_name, cluster_name, global_batch, nodes=nodes, gpus=gpus, seq_len=seq,
                                precision=precision, optimizer=optimizer, flash_attention=attention == "flash",
                                overrides=parse_overrides(overrides), fix=parse_fix(fix), profile=profile_file)
-        rules = load_rules(rules_name).with_fix(parse_fix(fix))
-        budgets = {key: as_float(value, option) for key, option, value in (
-            ("max_cost_per_step_usd", "--max-cost-per-step", max_cost), ("power_cap_w", "--power-cap", power_cap),
-            ("energy_budget_j", "--energy-budget", energy_budget)) if value is not None}
-        rules = replace(rules, **budgets,
-                        **({"objective": parse_objective(objective, "--objective")} if objective is not None else {}))
+        rules = make_rules(rules_name, parse_fix(fix), objective=objective,
+                           budgets={"max_cost_per_step_usd": max_cost, "power_cap_w": power_cap,
+                                    "energy_budget_j": energy_budget})
         top_k = as_int(top, "--top")
-        result = search(problem, rules, top=top_k, pareto=pareto)
+        with progress_bar("searching") as progress:
+            result = search(problem, rules, top=top_k, progress=progress, pareto=pareto)
     except SpecError as err:
         _fail(EXIT_BAD_INPUT, str(err))
     except Infeasible as err:
@@ -145,6 +141,151 @@ def _print_cost_energy(doc: dict) -> None:
                           f"{f['cost_per_step_usd']:.4g}", f"{f['energy_per_step_j'] / 1e3:.4g}",
                           f"{f['average_power_w']:.0f}")
         Console().print(table)
+
+
+@main.command()
+@click.option("--model", "model_name", required=True, help="Built-in model or a spec / config.json path, as for `plan`.")
+@click.option("--cluster", "cluster_name", required=True, help="Built-in cluster or a YAML path, as for `plan`.")
+@click.option("--gpus", "sizes", required=True,
+              help="Sizes to plan: A..B doubles from A to B (8..1024: 8, 16, ..., 1024), or a list 8,16,48 "
+                   "(items mix: 8..64,96).")
+@click.option("--global-batch", required=True, type=str, help="Global batch in sequences, the same at every size.")
+@click.option("--seq", type=str, default=None, help="Sequence length [default: the model's max_position_embeddings].")
+@click.option("--precision", default="bf16", show_default=True, help="bf16 | fp16 (mixed, fp32 master weights) | fp32.")
+@click.option("--optimizer", default="adamw", show_default=True, help="adam | adamw | sgd.")
+@click.option("--attention", type=click.Choice(["flash", "eager"]), default="flash", show_default=True,
+              help="Attention kernel: flash keeps no score matrix.")
+@click.option("--set", "overrides", default=None, help="Override model fields: key=value,...")
+@click.option("--rules", "rules_name", default=None, help="Rule set, as for `plan`.")
+@click.option("--fix", default=None, help="Pin knobs at every size, as for `plan`.")
+@click.option("--objective", default=None, help="time | memory | cost | energy, as for `plan`.")
+@click.option("--tokens", default=None,
+              help="Token budget of the training run (300e9): adds the time, cost (USD) and energy to train it "
+                   "at each size.")
+@click.option("--plot", "plot_file", default=None,
+              help="Also draw tokens/s against GPUs with ideal linear scaling, the scaling efficiency and, with "
+                   "--tokens, the days to train, as one PNG here.")
+@click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
+@click.option("-o", "--output", default=None, help="Write the rows as JSON here.")
+def sweep(model_name, cluster_name, sizes, global_batch, seq, precision, optimizer, attention, overrides,
+          rules_name, fix, objective, tokens, plot_file, fmt, output) -> None:
+    """Capacity planning: plan the same job at each cluster size, as `plan --gpus N`
+    would, and compare the sizes: throughput, scaling efficiency (tokens/s per GPU
+    against the smallest size that plans) and, with --tokens, the time, cost and
+    energy to train that many tokens. A size that cannot be built or where nothing
+    fits is a row saying why; exit 3 when no size plans.
+
+    \b
+    shardwise sweep --model llama3-70b --cluster dgx-h100 --gpus 8..1024 --global-batch 1024 --seq 8192 \\
+        --rules megatron --tokens 300e9 --plot sweep.png
+    shardwise sweep --model llama2-7b --cluster dgx-a100-80gb --gpus 8,16,32 --global-batch 64 --format json
+    """
+    import json
+    import os
+
+    from planner.sweep import IMPOSSIBLE, OK, parse_sizes
+    from planner.sweep import sweep as sweep_rows
+
+    try:
+        gpus = parse_sizes(sizes)
+        for option, path in (("--plot", plot_file), ("-o", output)):
+            if path and not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
+                raise SpecError(option, f"cannot write {path}: its folder is missing or not writable")
+        with progress_bar("sweep") as update:
+            def tick(done: int, total: int) -> None:   # label the bar with the size planned next
+                update(done, total, f"planning {gpus[done]} GPUs" if done < total else "sweep")
+
+            tick(0, len(gpus))
+            rows = sweep_rows(model_name, cluster_name, gpus, global_batch, seq_len=seq, precision=precision,
+                              optimizer=optimizer, flash_attention=attention == "flash",
+                              overrides=parse_overrides(overrides), rules=rules_name, fix=fix, objective=objective,
+                              tokens=tokens, progress=tick)
+    except SpecError as err:
+        _fail(EXIT_BAD_INPUT, str(err))
+    planned = [r for r in rows if r.status == OK]
+    if not planned and all(r.status == IMPOSSIBLE for r in rows):
+        _fail(EXIT_BAD_INPUT, rows[0].reason)   # bad at every size: bad input, not a capacity answer
+    budget = float(tokens) if tokens is not None else None   # checked by sweep_rows
+    document = {"model": planned[0].plan["model"]["name"] if planned else model_name,
+                "cluster": planned[0].plan["cluster"]["name"] if planned else cluster_name,
+                "tokens": budget, "rows": [r.as_dict() for r in rows]}
+    text = json.dumps(document, sort_keys=True, indent=2) + "\n"
+    written = []
+    if plot_file and planned:
+        from planner.plots import sweep_png_bytes
+
+        t = planned[0].plan["training"]
+        title = f"{document['model']} on {document['cluster']}, global batch {t['global_batch']} x {t['seq_len']} tokens"
+        _write_aside("--plot", plot_file, sweep_png_bytes(rows, title, budget))
+        written.append(f"plot written to {plot_file}")
+    if output:
+        _write_aside("-o", output, text.encode())
+        written.append(f"sweep written to {output}")
+    if fmt == "json":
+        click.echo(text, nl=False)
+    else:
+        _print_sweep(rows, budget)
+    for line in written:
+        click.echo(line, err=fmt == "json")   # stdout holds only the JSON document
+    if not planned:
+        _fail(EXIT_INFEASIBLE, f"no size plans: {'; '.join(f'{r.gpus} GPUs: {r.reason}' for r in rows)}")
+
+
+def _write_aside(option: str, path: str, data: bytes) -> None:
+    """Write aside, then rename: never half a file; exit 2 naming `option` if it cannot."""
+    from pathlib import Path
+
+    tmp = Path(path + ".tmp")
+    try:
+        tmp.write_bytes(data)
+        tmp.replace(path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        _fail(EXIT_BAD_INPUT, f"{option}: cannot write {path}: {err.strerror}")
+
+
+def _print_sweep(rows, tokens: float | None) -> None:
+    """The sweep as rich tables (the sizes; with a token budget, what training it takes
+    at each), then why each size without a plan has none."""
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+
+    from planner.report import GIB
+
+    def table(title: str, columns: list[str]) -> Table:
+        out = Table(title=title, box=box.SIMPLE_HEAD)
+        for col in columns:   # the strategy wraps on a narrow terminal, the figures do not
+            out.add_column(col, justify="left" if col == "strategy" else "right", no_wrap=col != "strategy",
+                           overflow="fold" if col == "strategy" else "ellipsis")
+        return out
+
+    planned = [r for r in rows if r.plan is not None]
+    if planned:
+        doc = planned[0].plan
+        t = doc["training"]
+        click.echo(f"{doc['model']['name']} on {doc['cluster']['gpu']['name']} ({doc['cluster']['name']}), "
+                   f"global batch {t['global_batch']} x {t['seq_len']} tokens, {t['precision']}, rules {doc['rules']}")
+    sizes = table("Plans by size", ["GPUs", "strategy", "step s", "tokens/s", "per GPU", "scaling", "MFU", "peak GiB"])
+    for r in rows:
+        if r.plan is None:
+            sizes.add_row(str(r.gpus), f"no plan: {r.status}", *[""] * 6)
+        else:
+            sizes.add_row(str(r.gpus), r.strategy, f"{r.step_time_s:.3f}", f"{r.tokens_per_s:,.0f}",
+                          f"{r.tokens_per_s_per_gpu:,.0f}", f"{r.scaling_efficiency:.1%}", f"{r.mfu:.1%}",
+                          f"{r.peak_memory_bytes / GIB:.1f}")
+    console = Console()
+    console.print(sizes)
+    if tokens is not None and planned:
+        train = table(f"Training {tokens:.3g} tokens", ["GPUs", "steps", "days", "USD", "MWh"])
+        for r in planned:
+            train.add_row(str(r.gpus), f"{r.train_steps:,.0f}", f"{r.train_time_s / 86400:.3g}",   # 86400 s a day
+                          f"{r.train_cost_usd:,.0f}" if r.train_cost_usd is not None else "-",
+                          f"{r.train_energy_j / 3.6e9:.3g}" if r.train_energy_j is not None else "-")   # 3.6e9 J a MWh
+        console.print(train)
+    for r in rows:
+        if r.plan is None:
+            click.echo(f"{r.gpus} GPUs: {r.reason}")
 
 
 @main.command()
@@ -225,8 +366,9 @@ def replan(plan_file, gpus, nodes, cluster_name, rules_name, fix, top, fmt, outp
 
     started = time.perf_counter()
     try:
-        doc, notes = replan_doc(read_plan(plan_file), gpus=gpus, nodes=nodes, cluster=cluster_name,
-                                rules=rules_name, fix=fix, top=as_int(top, "--top"))
+        with progress_bar("searching") as progress:
+            doc, notes = replan_doc(read_plan(plan_file), gpus=gpus, nodes=nodes, cluster=cluster_name,
+                                    rules=rules_name, fix=fix, top=as_int(top, "--top"), progress=progress)
     except SpecError as err:
         _fail(EXIT_BAD_INPUT, str(err))
     except NoPlan as err:

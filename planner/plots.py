@@ -292,3 +292,82 @@ def render_png(doc: dict, path: str) -> None:
     tmp = Path(path + ".tmp")
     tmp.write_bytes(data)
     tmp.replace(path)
+
+
+# `shardwise sweep --plot`: throughput, scaling efficiency and time to train against GPUs.
+SWEEP_FIGURE_SIZE_IN = (9.0, 10.0)     # 900 x 1000 pixels at FIGURE_DPI; 9 x 7 without a token budget
+SWEEP_COLOURS = {"tokens_per_s": "#1f77b4", "ideal": "#7f7f7f", "efficiency": "#2ca02c", "train_time": "#d62728",
+                 "no_plan": "#ff7f0e"}
+SECONDS_PER_DAY = 86400.0
+
+
+def sweep_figure(rows, title: str, tokens: float | None = None):
+    """The sweep's panels as a matplotlib Figure (Agg canvas), from planner.sweep's rows:
+    tokens/s against GPUs on log2 x log axes with the ideal line, linear scaling from
+    the smallest size that plans (its tokens/s x GPUs / its GPUs); scaling efficiency;
+    and with the token budget `tokens`, days to train it. Sizes without a plan are
+    dotted lines across every panel."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import EngFormatter, FormatStrFormatter, FuncFormatter
+
+    planned = [r for r in rows if r.status == "ok"]
+    missing = [r.gpus for r in rows if r.status != "ok"]
+    budget = tokens is not None and bool(planned)
+    width, height = SWEEP_FIGURE_SIZE_IN
+    fig = Figure(figsize=(width, height if budget else height * 0.7), dpi=FIGURE_DPI)
+    FigureCanvasAgg(fig)
+    axes = list(fig.subplots(3 if budget else 2, 1, sharex=True))
+    gpus = [r.gpus for r in planned]
+    throughput, efficiency = axes[0], axes[1]
+    throughput.plot(gpus, [r.tokens_per_s for r in planned], "o-", color=SWEEP_COLOURS["tokens_per_s"],
+                    label="planned")
+    if planned:
+        first = planned[0]
+        throughput.plot(gpus, [first.tokens_per_s * n / first.gpus for n in gpus], "--",
+                        color=SWEEP_COLOURS["ideal"], label=f"ideal: linear from {first.gpus} GPUs")
+        throughput.legend(loc="upper left", fontsize=8)
+        efficiency.set_title(f"Scaling efficiency: tokens/s per GPU against {first.gpus} GPUs")
+    throughput.set_yscale("log")
+    throughput.set_ylabel("tokens/s")
+    throughput.set_title("Throughput")
+    efficiency.plot(gpus, [r.scaling_efficiency for r in planned], "o-", color=SWEEP_COLOURS["efficiency"])
+    efficiency.axhline(1.0, color=SWEEP_COLOURS["ideal"], linestyle="--", linewidth=1.0)
+    # Above 1 when the smallest size is squeezed (recomputation, deep pipelines to fit memory).
+    efficiency.set_ylim(0, max([1.0] + [r.scaling_efficiency for r in planned]) * 1.1)
+    efficiency.set_ylabel("scaling efficiency")
+    if budget:
+        axes[2].plot(gpus, [r.train_time_s / SECONDS_PER_DAY for r in planned], "o-",
+                     color=SWEEP_COLOURS["train_time"])
+        axes[2].set_yscale("log")
+        axes[2].set_ylabel("days")
+        axes[2].set_title(f"Time to train {tokens:.3g} tokens")
+    for ax in (throughput, *axes[2:]):   # log y: 40k, 1M and 3, 10 rather than 4 x 10^4
+        plain = EngFormatter(sep="") if ax is throughput else FormatStrFormatter("%g")
+        ax.yaxis.set_major_formatter(plain)
+        ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, pos, plain=plain: plain(v, pos) if _leading_digit(v)
+                                                   in (2, 5) else ""))
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.grid(True, which="major", alpha=0.3)
+        for n in missing:
+            ax.axvline(n, color=SWEEP_COLOURS["no_plan"], linestyle=":", linewidth=1.5)
+    sizes = sorted(r.gpus for r in rows)
+    axes[-1].set_xticks(sizes, [str(n) for n in sizes])
+    axes[-1].set_xlabel("GPUs" + (" (dotted: no plan)" if missing else ""))
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def _leading_digit(value: float) -> int:
+    """The first significant digit of a positive number: 2 for 2e4 (minor ticks 2 and 5 get labels)."""
+    return round(value / 10 ** math.floor(math.log10(value))) if value > 0 else 0
+
+
+def sweep_png_bytes(rows, title: str, tokens: float | None = None) -> bytes:
+    """sweep_figure as PNG bytes, without the matplotlib version in the file's metadata
+    (the same rows give the same bytes)."""
+    out = io.BytesIO()
+    sweep_figure(rows, title, tokens).savefig(out, format="png", dpi=FIGURE_DPI, metadata={"Software": None})
+    return out.getvalue()
