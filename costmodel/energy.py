@@ -29,7 +29,8 @@ from dataclasses import dataclass
 
 from costmodel.estimate import Estimate
 from costmodel.loading import SpecError
-from costmodel.specs import ClusterSpec
+from costmodel.mixed import device_groups
+from costmodel.specs import ClusterSpec, MixedClusterSpec
 from costmodel.strategy import Strategy
 
 SECONDS_PER_HOUR = 3600.0
@@ -43,7 +44,7 @@ class CostEnergy:
     energy_per_step_j: float | None       # all GPUs of the strategy
     average_power_w: float | None         # per device, mean over the devices and the step
     max_device_power_w: float | None      # the busiest device, averaged over the step
-    rank_busy_s: tuple[float, ...]        # per pipeline rank, seconds busy in one step
+    rank_busy_s: tuple[float, ...]        # per pipeline rank (or replica), seconds busy in one step
 
     def as_dict(self) -> dict:
         """The figures that are set (a plan document carries only those)."""
@@ -56,49 +57,57 @@ class CostEnergy:
         return out
 
 
-def has_power(cluster: ClusterSpec) -> bool:
-    return cluster.gpu.busy_power_w is not None and cluster.gpu.idle_power_w is not None
+def _groups(cluster) -> tuple[ClusterSpec, ...]:
+    return cluster.groups if isinstance(cluster, MixedClusterSpec) else (cluster,)
 
 
-def require(cluster: ClusterSpec, *, price: bool = False, power: bool = False, why: str = "") -> None:
+def has_power(cluster: ClusterSpec | MixedClusterSpec) -> bool:
+    return all(g.gpu.busy_power_w is not None and g.gpu.idle_power_w is not None for g in _groups(cluster))
+
+
+def has_price(cluster: ClusterSpec | MixedClusterSpec) -> bool:
+    return all(g.gpu_hour_price_usd is not None for g in _groups(cluster))
+
+
+def require(cluster: ClusterSpec | MixedClusterSpec, *, price: bool = False, power: bool = False, why: str = "") -> None:
     """Raise SpecError naming the first missing field that `why` needs."""
-    if price and cluster.gpu_hour_price_usd is None:
-        raise SpecError("cluster.gpu_hour_price_usd",
-                        f"missing: {why} needs a price per GPU-hour in the cluster spec ({cluster.name})")
-    if power:
-        for key in ("busy_power_w", "idle_power_w"):
-            if getattr(cluster.gpu, key) is None:
-                raise SpecError(f"cluster.gpu.{key}",
-                                f"missing: {why} needs the GPU's {key} in the hardware spec ({cluster.gpu.name})")
+    for g in _groups(cluster):
+        if price and g.gpu_hour_price_usd is None:
+            raise SpecError("cluster.gpu_hour_price_usd",
+                            f"missing: {why} needs a price per GPU-hour in the cluster spec ({g.name})")
+        if power:
+            for key in ("busy_power_w", "idle_power_w"):
+                if getattr(g.gpu, key) is None:
+                    raise SpecError(f"cluster.gpu.{key}",
+                                    f"missing: {why} needs the GPU's {key} in the hardware spec ({g.gpu.name})")
 
 
-def rank_busy_s(estimate: Estimate, strategy: Strategy) -> tuple[float, ...]:
-    """Seconds each pipeline rank is busy in one step (module docstring)."""
-    m, step = strategy.num_microbatches, estimate.step_time_s
-    slowest = estimate.rank_time_s[estimate.bottleneck_rank]
-    # step = pipelined + exposed DP sync + optimizer, pipelined = m * slowest + bubble
-    # (costmodel.estimate.estimate), so the tail is what is left of the step.
-    tail = max(0.0, step - m * slowest - estimate.time.bubble_s)
-    return tuple(min(step, m * t + tail) for t in estimate.rank_time_s)
+def rank_busy_s(estimate: Estimate, strategy: Strategy, cluster: ClusterSpec | MixedClusterSpec | None = None) -> tuple[float, ...]:
+    """Seconds each pipeline rank (each replica, for replica groups) is busy in one
+    step (module docstring)."""
+    return tuple(busy for _, _, busy in device_groups(cluster, strategy, estimate))
 
 
-def cost_energy(cluster: ClusterSpec, strategy: Strategy, estimate: Estimate) -> CostEnergy:
+def cost_energy(cluster: ClusterSpec | MixedClusterSpec, strategy: Strategy, estimate: Estimate) -> CostEnergy:
+    """Cost and energy of one step, each set of devices priced and powered as its group
+    (costmodel.mixed.device_groups: a pipeline rank's devices, or a replica's)."""
     step, gpus = estimate.step_time_s, strategy.num_gpus
-    busy = rank_busy_s(estimate, strategy)
-    price = cluster.gpu_hour_price_usd
-    cost = step * gpus * price / SECONDS_PER_HOUR if price is not None else None
-    energy = average = hottest = None
+    sets = device_groups(cluster, strategy, estimate)
+    busy = tuple(b for _, _, b in sets)
+    cost = energy = average = hottest = None
+    if has_price(cluster):
+        cost = step * sum(n * g.gpu_hour_price_usd for g, n, _ in sets) / SECONDS_PER_HOUR
     if has_power(cluster):
-        p_busy, p_idle = cluster.gpu.busy_power_w, cluster.gpu.idle_power_w
-        per_rank_j = [b * p_busy + (step - b) * p_idle for b in busy]   # one device of each rank
-        devices_per_rank = gpus // strategy.pp
-        energy = devices_per_rank * sum(per_rank_j)
+        per_device_j = [b * g.gpu.busy_power_w + (step - b) * g.gpu.idle_power_w for g, _, b in sets]
+        energy = sum(n * j for (_, n, _), j in zip(sets, per_device_j))
         average = energy / (gpus * step)
-        hottest = max(per_rank_j) / step
+        hottest = max(per_device_j) / step
     return CostEnergy(cost, energy, average, hottest, busy)
 
 
-def energy_lower_bound_j(cluster: ClusterSpec, num_gpus: int, step_time_lower_bound_s: float) -> float:
+def energy_lower_bound_j(cluster: ClusterSpec | MixedClusterSpec, num_gpus: int,
+                         step_time_lower_bound_s: float) -> float:
     """A lower bound of the energy of any step at least this long: every device draws at
-    least idle power for the whole step (busy_power_w >= idle_power_w, checked on load)."""
-    return num_gpus * cluster.gpu.idle_power_w * step_time_lower_bound_s
+    least idle power for the whole step (busy_power_w >= idle_power_w, checked on load);
+    on a mixed cluster, at least the least idle power of its groups."""
+    return num_gpus * min(g.gpu.idle_power_w for g in _groups(cluster)) * step_time_lower_bound_s

@@ -127,13 +127,17 @@ def usable_memory_bytes(problem: Problem, headroom: float) -> float:
 
 def solve_partition(problem: Problem, units: UnitCosts, strategy: Strategy, modes: tuple[str, ...],
                     headroom: float, max_imbalance: float, objective: str = "time",
-                    cutoff_s: float | None = None) -> Solution | None:
+                    cutoff_s: float | None = None,
+                    rank_costs: list[tuple[Problem, UnitCosts]] | None = None) -> Solution | None:
     """The best partition of `strategy`, or None when no partition fits memory and the
     imbalance rule (or, given `cutoff_s`, none is faster than that). `modes` are the
-    recompute modes layers may use."""
+    recompute modes layers may use. `rank_costs`: each pipeline rank's own (problem,
+    unit costs), on a mixed cluster (costmodel.mixed): each rank's time, memory and
+    device capacity are then its group's, so a slower or smaller group takes fewer layers."""
     pp, vpp, layers = strategy.pp, strategy.vpp, problem.model.num_hidden_layers
     m = strategy.num_microbatches
-    ranks = [rank_model(problem, units, strategy, r) for r in range(pp)]
+    rank_costs = rank_costs or [(problem, units)] * pp
+    ranks = [rank_model(p, u, strategy, r) for r, (p, u) in enumerate(rank_costs)]
     time_unit = units.layer_work["none"].total_s / TIME_RESOLUTION
 
     def t(x: float) -> int:
@@ -149,7 +153,8 @@ def solve_partition(problem: Problem, units: UnitCosts, strategy: Strategy, mode
                                   + abs(r.optimizer.per_layer) + abs(r.dp_exposed.per_layer))
                       for r in ranks)) + 1000 * (layers + pp)
     n_vars, t_vars = [], []
-    mem_cap = math.floor(usable_memory_bytes(problem, headroom) / MEMORY_UNIT_BYTES)
+    caps = [math.floor(usable_memory_bytes(p, headroom) / MEMORY_UNIT_BYTES) for p, _ in rank_costs]
+    mem_cap = max(caps)
     exposed = model.NewIntVar(0, big_t, "dp_exposed")
     opt = model.NewIntVar(0, big_t, "optimizer")
     peak_t = model.NewIntVar(0, big_t, "max_t")
@@ -170,6 +175,8 @@ def solve_partition(problem: Problem, units: UnitCosts, strategy: Strategy, mode
         mem = (b(rm.memory.const) + b(rm.memory.per_layer) * n + b(rm.memory.per_full) * f
                + b(rm.memory.per_selective) * s + b(rm.memory.if_recompute) * z)
         model.Add(mem <= peak_mem)
+        if caps[r] < mem_cap:
+            model.Add(mem <= caps[r])
         model.Add(exposed >= t(rm.dp_exposed.const) + t(rm.dp_exposed.per_layer) * n)
         model.Add(opt >= t(rm.optimizer.const) + t(rm.optimizer.per_layer) * n)
         n_vars.append((n, f, s))

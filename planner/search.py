@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 from costmodel.energy import SECONDS_PER_HOUR, CostEnergy, cost_energy, energy_lower_bound_j, require
 from costmodel.estimate import Estimate, UnitCosts, estimate, unit_costs
-from costmodel.specs import Problem
+from costmodel.specs import MixedClusterSpec, Problem
 from costmodel.strategy import Strategy, even_stages
 from planner import bounds
 from planner.partition import solve_partition, usable_memory_bytes
@@ -186,6 +186,10 @@ def search(problem: Problem, rules: Rules, top: int = 3,
     when the objective, a budget or `pareto` needs a price or power figure the cluster
     lacks. With `pareto`, every candidate that fits is solved (no bound pruning) and
     the result carries the Pareto front of (step time, cost, energy)."""
+    if isinstance(problem.cluster, MixedClusterSpec):
+        # Imported here: the mixed search ranks candidates with this module's functions.
+        from planner.mixed_search import search_mixed
+        return search_mixed(problem, rules, top, progress, pareto)
     started = time.perf_counter()
     _check_specs(problem, rules, pareto)
     space, why = enumerate_space(problem, rules)

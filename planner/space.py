@@ -10,6 +10,7 @@ which rule emptied it.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 from costmodel.loading import SpecError
@@ -210,4 +211,10 @@ def describe(strategy: Strategy) -> str:
         parts.append(f"ep{strategy.ep}")
     parts += [f"mbs{strategy.micro_batch_size}", strategy.schedule, f"zero{strategy.zero_stage}"]
     parts.append(f"sp={format_value(strategy.sequence_parallel)}")
+    if strategy.stage_groups:
+        parts.append("stages " + "+".join(f"{name}x{len(list(run))}"
+                                          for name, run in itertools.groupby(strategy.stage_groups)))
+    if strategy.replica_groups:
+        parts.append("replicas " + " ".join(f"{name}:{m}" for name, m in
+                                            zip(strategy.replica_groups, strategy.replica_microbatches)))
     return " ".join(parts)

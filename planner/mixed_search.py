@@ -1,0 +1,268 @@
+"""The search on a mixed cluster (costmodel.mixed): which groups to use, how to place
+ranks on them, and the rest of the strategy.
+
+For every non-empty set of groups (in the cluster file's order) the homogeneous space
+(`planner.space`) is enumerated on a stand-in cluster of the set's GPUs, and each mesh
+shape is placed on the groups two ways:
+
+- stage groups: every group holds whole pipeline ranks, n_g / (dp x tp) of them, in
+  each order of the groups along the pipeline; the partition program
+  (`planner.partition`) then gives each rank layers by its group's speed and memory.
+- replica groups (pp 1, ZeRO <= 2, no experts, two groups or more): every group holds
+  n_g / tp data-parallel replicas; the micro-batches are shared so replicas finish
+  together (`costmodel.mixed.replica_shares`), and the fewest layers recompute that let
+  every group fit (time grows and memory shrinks with each recomputed layer, so the
+  least that fits is the fastest).
+
+Every group of a set is used whole. A set of one group is the homogeneous search on
+that group, so the result is never worse than the best plan on its fastest group alone.
+Candidates are ranked as `planner.search` ranks them (objective, budgets, Pareto front)
+and pruned as it prunes them: in order of a lower bound, stopping at the first bound no
+better than the K-th best plan. The bound is `planner.bounds.quick` on unit costs that
+take, term by term, the cheapest of the groups a placement uses (`fastest_units`), and
+on the largest of their memories; no rank of any placement can do better than that.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import fields, replace
+
+from costmodel.energy import CostEnergy, cost_energy
+from costmodel.estimate import UnitCosts, Work, estimate_ranks, unit_costs
+from costmodel.mixed import estimate_replicas, replica_microbatch_s, replica_shares, stage_rank_costs
+from costmodel.specs import ClusterSpec, MixedClusterSpec, Problem
+from costmodel.strategy import Strategy, even_stages
+from planner import bounds
+from planner.partition import solve_partition, usable_memory_bytes
+from planner.rules import BUDGETS, Rules
+from planner.search import (
+    Candidate,
+    Infeasible,
+    SearchResult,
+    SearchStats,
+    _budget_reason,
+    _check_specs,
+    _metric,
+    _order_key,
+    _over_budget,
+    _score,
+    pareto_front,
+    unit_key,
+)
+from planner.space import enumerate_space, recompute_modes
+
+
+def stand_in(groups: tuple[ClusterSpec, ...]) -> ClusterSpec:
+    """One homogeneous cluster with the groups' GPUs, nodes no larger than the smallest
+    group's: what the space enumerates mesh shapes on (its devices are never priced)."""
+    per_node = min(g.gpus_per_node for g in groups)
+    total = sum(g.num_gpus for g in groups)
+    return replace(groups[0], name="+".join(g.name for g in groups), gpus_per_node=per_node,
+                   num_nodes=total // per_node)
+
+
+def group_sets(cluster: MixedClusterSpec) -> list[tuple[ClusterSpec, ...]]:
+    """Non-empty sets of groups, in file order, whose GPUs fill whole stand-in nodes."""
+    out = []
+    for size in range(1, len(cluster.groups) + 1):
+        for combo in itertools.combinations(cluster.groups, size):
+            per_node = min(g.gpus_per_node for g in combo)
+            if all(g.num_gpus % per_node == 0 for g in combo):
+                out.append(combo)
+    return out
+
+
+def stage_placements(groups: tuple[ClusterSpec, ...], s: Strategy) -> list[tuple[str, ...]]:
+    """Each order of the groups along the pipeline, every group holding whole pipeline ranks."""
+    ranks_per = s.dp * s.tp
+    if any(g.num_gpus % ranks_per or s.tp > g.gpus_per_node for g in groups):
+        return []
+    out = []
+    for order in itertools.permutations(groups):
+        names = tuple(n for g in order for n in [g.name] * (g.num_gpus // ranks_per))
+        if names not in out:
+            out.append(names)
+    return out
+
+
+def replica_placement(groups: tuple[ClusterSpec, ...], s: Strategy) -> tuple[str, ...] | None:
+    """The groups' replicas in file order, when the strategy can be shared out by replica."""
+    if len(groups) < 2 or s.pp != 1 or s.zero_stage > 2 or s.ep > 1:
+        return None
+    if any(g.num_gpus % s.tp or s.tp > g.gpus_per_node for g in groups):
+        return None
+    return tuple(n for g in groups for n in [g.name] * (g.num_gpus // s.tp))
+
+
+def fastest_units(units: list[UnitCosts]) -> UnitCosts:
+    """Unit costs that are, term by term, the least of `units` (a bound on every group)."""
+    def least(values):
+        first = values[0]
+        if isinstance(first, Work):
+            return Work(*(min(getattr(v, f.name) for v in values) for f in fields(Work)))
+        if isinstance(first, dict):
+            return {k: least([v[k] for v in values]) for k in first}
+        return min(values)
+    return UnitCosts(**{f.name: least([getattr(u, f.name) for u in units]) for f in fields(UnitCosts)})
+
+
+def _group_units(problem: Problem, group: ClusterSpec, s: Strategy, cache: dict) -> UnitCosts:
+    base = replace(s, stage_groups=(), replica_groups=(), replica_microbatches=())
+    key = (group.name, unit_key(base))
+    if key not in cache:
+        cache[key] = unit_costs(replace(problem, cluster=group), base)
+    return cache[key]
+
+
+def _bound_s(problem: Problem, rules: Rules, s: Strategy, modes: tuple[str, ...], cache: dict) -> tuple[float, float]:
+    """(lower bound of the step time, of the fullest rank's memory minus the largest
+    usable memory of the groups) of a placed strategy; memory > 0 cannot fit."""
+    cluster: MixedClusterSpec = problem.cluster
+    names = dict.fromkeys(s.stage_groups or s.replica_groups)
+    groups = [cluster.group(n) for n in names]
+    units = fastest_units([_group_units(problem, g, s, cache) for g in groups])
+    usable = max(usable_memory_bytes(replace(problem, cluster=g), rules.memory_headroom) for g in groups)
+    b = bounds.quick(problem, units, s, modes, usable)
+    return b.time_s, b.memory_bytes - usable
+
+
+def _bound_scale(problem: Problem, s: Strategy, objective: str) -> float:
+    """k with k * (a step-time bound) a bound of the objective (planner.search._time_bound_scale):
+    the placement's price per second exactly, or its devices' least idle power."""
+    cluster: MixedClusterSpec = problem.cluster
+    if objective == "cost":
+        per_set = s.dp * s.tp if s.stage_groups else s.tp
+        return sum(per_set * cluster.group(n).gpu_hour_price_usd for n in (s.stage_groups or s.replica_groups)) / 3600.0
+    if objective == "energy":
+        return s.num_gpus * min(cluster.group(n).gpu.idle_power_w for n in (s.stage_groups or s.replica_groups))
+    return 1.0
+
+
+def _fits(problem: Problem, rules: Rules, memory: list[tuple[str, float]]) -> bool:
+    cluster: MixedClusterSpec = problem.cluster
+    return all(mem <= usable_memory_bytes(replace(problem, cluster=cluster.group(name)), rules.memory_headroom)
+               for name, mem in memory)
+
+
+def solve_replicas(problem: Problem, rules: Rules, strategy: Strategy, modes: tuple[str, ...]) -> Candidate | None:
+    """A replica-group strategy with its shares and the fewest fully recomputed layers
+    that fit every group (selective recompute is not offered here); None if none fits."""
+    layers = problem.model.num_hidden_layers
+    total = strategy.dp * strategy.num_microbatches
+    times = replica_microbatch_s(problem, replace(strategy, stages=even_stages(layers, 1)))
+    shares = replica_shares([times[n] for n in strategy.replica_groups], total)
+    s = replace(strategy, replica_microbatches=shares, num_microbatches=max(shares))
+    low = 0 if "none" in modes else layers
+    high = layers if "full" in modes else low
+
+    def attempt(full: int):
+        staged = s.with_stages(even_stages(layers, 1)) if full == 0 else s.with_stages(
+            (replace(even_stages(layers, 1)[0], full_recompute_layers=full),))
+        e, memory = estimate_replicas(problem, staged)
+        return (staged, e) if _fits(problem, rules, memory) else None
+
+    if attempt(high) is None:
+        return None
+    while low < high:   # memory falls with each recomputed layer: bisect the least that fits
+        mid = (low + high) // 2
+        if attempt(mid) is None:
+            low = mid + 1
+        else:
+            high = mid
+    staged, e = attempt(low)
+    return Candidate(staged, e, 0.0)
+
+
+def _key(strategy: Strategy) -> tuple:
+    return (_order_key(strategy), strategy.stage_groups, strategy.replica_groups)
+
+
+def search_mixed(problem: Problem, rules: Rules, top: int = 3,
+                 progress: Callable[[int, int], None] | None = None, pareto: bool = False) -> SearchResult:
+    """The best plans on a mixed cluster (module docstring); as `planner.search.search`."""
+    started = time.perf_counter()
+    _check_specs(problem, rules, pareto)
+    cluster: MixedClusterSpec = problem.cluster
+    modes = recompute_modes(problem, rules)
+    budgeted = any(getattr(rules, key) is not None for key in BUDGETS)
+    placed: list[Strategy] = []
+    space_size = 0
+    last_why = None
+    for groups in group_sets(cluster):
+        space, why = enumerate_space(replace(problem, cluster=stand_in(groups)), rules)
+        space_size += len(space)
+        last_why = why
+        for s in space:
+            placed += [replace(s, stage_groups=names) for names in stage_placements(groups, s)]
+            names = replica_placement(groups, s)
+            if names is not None:
+                placed.append(replace(s, replica_groups=names))
+    if not placed:
+        raise Infeasible(f"no strategy fits the groups of {cluster.name} whole and satisfies the rules"
+                         f" ({last_why.summary() if last_why else 'no group set'})")
+    objective = rules.objective
+    cache: dict = {}
+    scored, pruned_memory = [], 0
+    for s in placed:
+        time_s, over_bytes = _bound_s(problem, rules, s, modes, cache)
+        if over_bytes > 0:
+            pruned_memory += 1
+            continue
+        primary = 0.0 if objective == "memory" else time_s * _bound_scale(problem, s, objective)
+        scored.append((primary, _key(s), s))
+    scored.sort(key=lambda item: item[:2])
+    found: list[Candidate] = []
+    evaluated: list[Candidate] = []
+    dropped: list[tuple[tuple[str, ...], CostEnergy, Strategy]] = []
+    solves = infeasible = 0
+    rank_cache: dict = {}
+    for done, (primary, _, s) in enumerate(scored):
+        if progress:
+            progress(done, len(scored))
+        prune = len(found) >= top and not pareto
+        kth = _metric(problem, found[top - 1], objective) if prune else None
+        if prune and primary >= kth:
+            break
+        solves += 1
+        scale = _bound_scale(problem, s, objective)
+        # A partition slower than kth / scale cannot enter the top (as in planner.search).
+        cutoff = kth / scale if prune and objective != "memory" and scale > 0 else None
+        if s.replica_groups:
+            candidate = solve_replicas(problem, rules, s, modes)
+        else:
+            rank_costs = stage_rank_costs(problem, s, rank_cache)
+            solution = solve_partition(problem, rank_costs[0][1], s, modes, rules.memory_headroom,
+                                       rules.max_stage_imbalance,
+                                       "memory" if objective == "memory" else "time", cutoff, rank_costs)
+            candidate = (None if solution is None else
+                         Candidate(solution.strategy, estimate_ranks(problem, solution.strategy, rank_costs),
+                                   solution.gap))
+        if candidate is None:
+            infeasible += cutoff is None
+            continue
+        if budgeted or pareto:
+            figures = cost_energy(cluster, candidate.strategy, candidate.estimate)
+            over = _over_budget(rules, figures)
+            if over:
+                dropped.append((over, figures, candidate.strategy))
+                continue
+            evaluated.append(candidate)
+        found.append(candidate)
+        found.sort(key=lambda c: (*_score(problem, c, objective), _key(c.strategy)))
+        del found[top:]
+    if progress:
+        progress(len(scored), len(scored))
+    if not found and dropped:
+        reason, relaxation = _budget_reason(rules, dropped)
+        raise Infeasible(reason, dropped[0][2], relaxation)
+    if not found:
+        raise Infeasible(f"no placement of {len(placed)} strategies on the groups of {cluster.name} fits "
+                         f"device memory (memory_headroom {rules.memory_headroom:g}) and the rules")
+    stats = SearchStats(candidates=len(placed), pruned_memory=pruned_memory,
+                        pruned_bound=len(scored) - solves, ilp_solves=solves,
+                        ilp_infeasible=infeasible, gap=found[0].gap, seconds=time.perf_counter() - started)
+    front = pareto_front(problem, evaluated) if pareto else ()
+    return SearchResult(found[0], tuple(found[1:]), stats, front)
