@@ -24,6 +24,7 @@ from costmodel import memory
 from costmodel.comm import Placement, collective_time_s
 from costmodel.estimate import (
     Estimate,
+    MemoryBreakdown,
     UnitCosts,
     dp_sync_s,
     estimate_ranks,
@@ -177,6 +178,23 @@ def estimate_mixed(problem: Problem, strategy: Strategy) -> Estimate:
     if strategy.replica_groups:
         return estimate_replicas(problem, strategy)[0]
     raise ValueError("a strategy on a mixed cluster needs stage_groups or replica_groups")
+
+
+def rank_memories(problem: Problem, strategy: Strategy) -> list[MemoryBreakdown]:
+    """Each pipeline rank's memory at its peak, by kind, on any cluster (for replica
+    groups, the fullest group's)."""
+    if not isinstance(problem.cluster, MixedClusterSpec):
+        units = unit_costs(problem, strategy)
+        return [rank_memory(problem, units, strategy, r) for r in range(strategy.pp)]
+    if strategy.stage_groups:
+        return [rank_memory(p, u, strategy, r) for r, (p, u) in enumerate(stage_rank_costs(problem, strategy))]
+    cluster: MixedClusterSpec = problem.cluster
+    out = []
+    for name, m in zip(strategy.replica_groups, strategy.replica_microbatches):
+        p = group_problem(problem, cluster.group(name))
+        s = replace(plain(strategy), num_microbatches=m)
+        out.append(rank_memory(p, unit_costs(p, s), s, 0))
+    return [max(out, key=lambda mem: mem.total_bytes)]
 
 
 def rank_capacity_bytes(cluster, strategy: Strategy) -> tuple[int, ...]:

@@ -181,8 +181,10 @@ def _key(strategy: Strategy) -> tuple:
 
 
 def search_mixed(problem: Problem, rules: Rules, top: int = 3,
-                 progress: Callable[[int, int], None] | None = None, pareto: bool = False) -> SearchResult:
-    """The best plans on a mixed cluster (module docstring); as `planner.search.search`."""
+                 progress: Callable[[int, int], None] | None = None, pareto: bool = False,
+                 every_group: bool = False) -> SearchResult:
+    """The best plans on a mixed cluster (module docstring); as `planner.search.search`.
+    `every_group`: only plans that use all the groups."""
     started = time.perf_counter()
     _check_specs(problem, rules, pareto)
     cluster: MixedClusterSpec = problem.cluster
@@ -192,6 +194,8 @@ def search_mixed(problem: Problem, rules: Rules, top: int = 3,
     space_size = 0
     last_why = None
     for groups in group_sets(cluster):
+        if every_group and len(groups) < len(cluster.groups):
+            continue
         space, why = enumerate_space(replace(problem, cluster=stand_in(groups)), rules)
         space_size += len(space)
         last_why = why

@@ -181,12 +181,20 @@ def rank_memory_breakdowns(doc: dict) -> list[dict[str, float]]:
         stages = sorted(strategy.stages, key=lambda st: st.pp_rank)
         breakdowns = [stage_memory(problem, units, strategy, st) for st in stages]
     else:
-        from costmodel.estimate import rank_memory, unit_costs
+        from costmodel.mixed import rank_memories
 
         problem = Problem(model_of(doc), cluster_of(doc), training, profile_of(doc))
-        units = unit_costs(problem, strategy)
-        breakdowns = [rank_memory(problem, units, strategy, r) for r in range(strategy.pp)]
+        breakdowns = rank_memories(problem, strategy)
     return [{_MEMORY_KEYS[k]: getattr(b, k) for k in _MEMORY_KEYS} for b in breakdowns]
+
+
+def rank_capacities(doc: dict) -> list[float]:
+    """Device memory of each pipeline rank (its group's GPU on a mixed cluster)."""
+    from costmodel.mixed import rank_capacity_bytes
+    from planner.plan import strategy_of
+    from planner.replan import cluster_of
+
+    return [float(c) for c in rank_capacity_bytes(cluster_of(doc), strategy_of(doc))]
 
 
 def _draw_timeline(ax, tl: Timeline) -> None:
@@ -227,7 +235,7 @@ def _draw_timeline(ax, tl: Timeline) -> None:
     ax.set_title(f"Pipeline timeline: makespan {tl.makespan_s:.3f} s{chunks}")
 
 
-def _draw_memory(ax, breakdowns: list[dict[str, float]], capacity_bytes: float) -> None:
+def _draw_memory(ax, breakdowns: list[dict[str, float]], capacity_bytes: float | list[float]) -> None:
     ranks = list(range(len(breakdowns)))
     bottom = [0.0] * len(ranks)
     drawn = []
@@ -238,13 +246,18 @@ def _draw_memory(ax, breakdowns: list[dict[str, float]], capacity_bytes: float) 
         ax.bar(ranks, values, bottom=bottom, color=COLOURS[key], label=key, width=0.6)
         bottom = [lo + v for lo, v in zip(bottom, values)]
         drawn.append(key)
-    ax.axhline(capacity_bytes / GIB, color=COLOURS["capacity"], linewidth=2.0,
-               label=f"capacity {capacity_bytes / GIB:.0f} GiB")
+    capacities = capacity_bytes if isinstance(capacity_bytes, list) else [capacity_bytes] * len(ranks)
+    if len(set(capacities)) == 1:
+        ax.axhline(capacities[0] / GIB, color=COLOURS["capacity"], linewidth=2.0,
+                   label=f"capacity {capacities[0] / GIB:.0f} GiB")
+    else:   # a mixed cluster: each rank against its own group's device
+        ax.hlines([c / GIB for c in capacities], [r - 0.4 for r in ranks], [r + 0.4 for r in ranks],
+                  color=COLOURS["capacity"], linewidth=2.0, label="capacity of each rank's GPU")
     for r, total in zip(ranks, bottom):
         ax.text(r, total, f"{total:.1f}", ha="center", va="bottom", fontsize=8)
     ax.set_xticks(ranks, [f"pp rank {r}" for r in ranks])
     ax.set_ylabel("GiB per device")
-    ax.set_ylim(0, max(max(bottom), capacity_bytes / GIB) * 1.12)
+    ax.set_ylim(0, max(max(bottom), max(capacities) / GIB) * 1.12)
     ax.legend(loc="upper right", fontsize=8, ncol=4)
     ax.set_title("Memory per pipeline rank at its peak")
 
@@ -273,7 +286,7 @@ def figure_png_bytes(doc: dict) -> bytes:
     FigureCanvasAgg(fig)
     top, middle, bottom = fig.subplots(3, 1, gridspec_kw={"height_ratios": [1.2, 1.0, 0.8]})
     _draw_timeline(top, plan_timeline(doc))
-    _draw_memory(middle, rank_memory_breakdowns(doc), doc["cluster"]["gpu"]["memory_bytes"])
+    _draw_memory(middle, rank_memory_breakdowns(doc), rank_capacities(doc))
     _draw_time(bottom, e["time"], e["step_time_s"])
     fig.suptitle(f"{doc['model']['name']} on {doc['cluster']['name']}: "
                  f"dp {doc['strategy']['dp']} tp {doc['strategy']['tp']} pp {doc['strategy']['pp']}, "

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -19,15 +21,29 @@ def _label(strategy: dict) -> str:
         parts.append(f"ep {s['ep']}")
     parts += [f"mbs {s['micro_batch_size']} x {s['num_microbatches']}", s["schedule"], f"zero {s['zero_stage']}",
               f"recompute {s['recompute']}", "sp" if s["sequence_parallel"] else "no sp"]
+    if s.get("stage_groups"):
+        parts.append("stages on " + "+".join(f"{name}x{len(list(run))}"
+                                             for name, run in itertools.groupby(s["stage_groups"])))
+    if s.get("replica_groups"):
+        parts[parts.index(f"mbs {s['micro_batch_size']} x {s['num_microbatches']}")] = (
+            f"mbs {s['micro_batch_size']} x " + "/".join(str(m) for m in s["replica_microbatches"]))
+        parts.append("replicas on " + "+".join(f"{name}x{len(list(run))}"
+                                               for name, run in itertools.groupby(s["replica_groups"])))
     return ", ".join(parts)
+
+
+def cluster_line(cluster: dict) -> str:
+    """"16 x H100-SXM (2 nodes)", or each group's for a mixed cluster."""
+    if "groups" in cluster:
+        return " + ".join(cluster_line(g) for g in cluster["groups"]) + f" ({cluster['name']})"
+    gpus = cluster["gpus_per_node"] * cluster["num_nodes"]
+    return f"{gpus} x {cluster['gpu']['name']} ({cluster['num_nodes']} nodes)"
 
 
 def print_plan(doc: dict, seconds: float, console: Console | None = None) -> None:
     console = console or Console()
     model, cluster = doc["model"], doc["cluster"]
-    gpus = cluster["gpus_per_node"] * cluster["num_nodes"]
-    console.print(f"[bold]{model['name']}[/] on {gpus} x {cluster['gpu']['name']} "
-                  f"({cluster['num_nodes']} nodes), global batch {doc['training']['global_batch']} "
+    console.print(f"[bold]{model['name']}[/] on {cluster_line(cluster)}, global batch {doc['training']['global_batch']} "
                   f"x {doc['training']['seq_len']} tokens, {doc['training']['precision']}")
     table = Table(title="Plans, best first")
     for col in ("#", "strategy", "step s", "tokens/s", "TFLOP/s/GPU", "MFU", "peak GiB"):
@@ -55,17 +71,23 @@ def explain_tables(doc: dict) -> tuple[list[str], list[tuple[str, list[str], lis
     mem_rows = [[key.removesuffix("_bytes"), f"{value / GIB:.2f}"] for key, value in e["memory"].items()]
     mem_rows.append(["total", f"{e['peak_memory_bytes'] / GIB:.2f}"])
     stage_rows = []
+    groups = s.get("stage_groups") or ["+".join(dict.fromkeys(s.get("replica_groups", [])))] * s["pp"]
     for st in s["stages"]:
         r = st["pp_rank"]
         stage_rows.append([str(st["index"]), str(r), f"{st['first_layer']}-{st['first_layer'] + st['num_layers'] - 1}",
                            str(st["full_recompute_layers"]), str(st["selective_recompute_layers"]),
-                           f"{e['rank_time_s'][r]:.4f}", f"{e['rank_memory_bytes'][r] / GIB:.1f}"])
+                           f"{e['rank_time_s'][r]:.4f}", f"{e['rank_memory_bytes'][r] / GIB:.1f}"]
+                          + ([groups[r]] if "groups" in doc["cluster"] else []))
     tables = [
         ("Step time", ["term", "seconds", "share"], time_rows),
         (f"Memory of pipeline rank {e['peak_memory_rank']} (the peak)", ["term", "GiB"], mem_rows),
-        ("Stages", ["stage", "pp rank", "layers", "full recompute", "selective", "rank s/micro-batch", "rank GiB"],
-         stage_rows),
+        ("Stages", ["stage", "pp rank", "layers", "full recompute", "selective", "rank s/micro-batch", "rank GiB"]
+         + (["group"] if "groups" in doc["cluster"] else []), stage_rows),
     ]
+    if s.get("replica_groups"):
+        tables.append(("Replicas", ["replica", "group", "micro-batches", "seconds per step"],
+                       [[str(d), name, str(m), f"{t:.3f}"] for d, (name, m, t) in enumerate(
+                           zip(s["replica_groups"], s["replica_microbatches"], e["replica_time_s"]))]))
     return lines, tables
 
 
