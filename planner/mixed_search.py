@@ -52,7 +52,7 @@ from planner.search import (
     pareto_front,
     unit_key,
 )
-from planner.space import enumerate_space, recompute_modes
+from planner.space import Exclusions, _tp_options, divisors, enumerate_space, recompute_modes
 
 
 def stand_in(groups: tuple[ClusterSpec, ...]) -> ClusterSpec:
@@ -88,13 +88,40 @@ def stage_placements(groups: tuple[ClusterSpec, ...], s: Strategy) -> list[tuple
     return out
 
 
-def replica_placement(groups: tuple[ClusterSpec, ...], s: Strategy) -> tuple[str, ...] | None:
-    """The groups' replicas in file order, when the strategy can be shared out by replica."""
-    if len(groups) < 2 or s.pp != 1 or s.zero_stage > 2 or s.ep > 1:
-        return None
-    if any(g.num_gpus % s.tp or s.tp > g.gpus_per_node for g in groups):
-        return None
-    return tuple(n for g in groups for n in [g.name] * (g.num_gpus // s.tp))
+def replica_space(problem: Problem, rules: Rules, groups: tuple[ClusterSpec, ...]) -> list[Strategy]:
+    """Replica-group strategies on `groups` (two or more): pp 1, every group holding
+    n_g / tp replicas in file order, ZeRO <= 2, no expert parallelism. Unlike the
+    homogeneous space, dp need not divide the batch: the shares only need a micro-batch
+    for every replica. The shares are placeholders (an even split) until
+    `solve_replicas` sets them from the groups' speeds."""
+    if len(groups) < 2 or not rules.permits("pp", 1) or not rules.permits("vpp", 1):
+        return []
+    stand = replace(problem, cluster=stand_in(groups))
+    batch, why = problem.training.global_batch, Exclusions()
+    schedules = [name for name in ("1f1b", "gpipe") if rules.permits("schedule", name)]
+    modes = recompute_modes(problem, rules)
+    if not schedules or not modes or problem.model.is_moe:
+        return []
+    out = []
+    for tp in _tp_options(stand, rules, divisors(min(g.gpus_per_node for g in groups)), why):
+        if any(g.num_gpus % tp for g in groups):
+            continue
+        names = tuple(n for g in groups for n in [g.name] * (g.num_gpus // tp))
+        dp = len(names)
+        if not rules.permits("dp", dp):
+            continue
+        for mbs in range(rules.micro_batch_min, rules.micro_batch_max + 1):
+            if batch % mbs or batch // mbs < dp or not rules.permits("mbs", mbs):
+                continue
+            even = replica_shares([1.0] * dp, batch // mbs)
+            for zero in (z for z in range(3) if rules.permits("zero", z)):
+                sp_options = (False, True) if tp > 1 and problem.training.seq_len % tp == 0 else (False,)
+                for sp in (x for x in sp_options if rules.permits("sp", x)):
+                    out.append(Strategy(dp=dp, tp=tp, pp=1, micro_batch_size=mbs, num_microbatches=max(even),
+                                        schedule=schedules[0], zero_stage=zero,
+                                        recompute=modes[0] if len(modes) == 1 else "none", sequence_parallel=sp,
+                                        replica_groups=names, replica_microbatches=even))
+    return out
 
 
 def fastest_units(units: list[UnitCosts]) -> UnitCosts:
@@ -151,7 +178,7 @@ def solve_replicas(problem: Problem, rules: Rules, strategy: Strategy, modes: tu
     """A replica-group strategy with its shares and the fewest fully recomputed layers
     that fit every group (selective recompute is not offered here); None if none fits."""
     layers = problem.model.num_hidden_layers
-    total = strategy.dp * strategy.num_microbatches
+    total = sum(strategy.replica_microbatches)
     times = replica_microbatch_s(problem, replace(strategy, stages=even_stages(layers, 1)))
     shares = replica_shares([times[n] for n in strategy.replica_groups], total)
     s = replace(strategy, replica_microbatches=shares, num_microbatches=max(shares))
@@ -201,9 +228,7 @@ def search_mixed(problem: Problem, rules: Rules, top: int = 3,
         last_why = why
         for s in space:
             placed += [replace(s, stage_groups=names) for names in stage_placements(groups, s)]
-            names = replica_placement(groups, s)
-            if names is not None:
-                placed.append(replace(s, replica_groups=names))
+        placed += replica_space(problem, rules, groups)
     if not placed:
         raise Infeasible(f"no strategy fits the groups of {cluster.name} whole and satisfies the rules"
                          f" ({last_why.summary() if last_why else 'no group set'})")

@@ -25,10 +25,10 @@ def _label(strategy: dict) -> str:
         parts.append("stages on " + "+".join(f"{name}x{len(list(run))}"
                                              for name, run in itertools.groupby(s["stage_groups"])))
     if s.get("replica_groups"):
-        parts[parts.index(f"mbs {s['micro_batch_size']} x {s['num_microbatches']}")] = (
-            f"mbs {s['micro_batch_size']} x " + "/".join(str(m) for m in s["replica_microbatches"]))
-        parts.append("replicas on " + "+".join(f"{name}x{len(list(run))}"
-                                               for name, run in itertools.groupby(s["replica_groups"])))
+        runs = itertools.groupby(zip(s["replica_groups"], s["replica_microbatches"]))
+        parts[parts.index(f"mbs {s['micro_batch_size']} x {s['num_microbatches']}")] = f"mbs {s['micro_batch_size']}"
+        parts.append("replicas " + " + ".join(f"{name} x{len(list(run))} of {m} micro-batches"
+                                              for (name, m), run in runs))
     return ", ".join(parts)
 
 
@@ -85,9 +85,14 @@ def explain_tables(doc: dict) -> tuple[list[str], list[tuple[str, list[str], lis
          + (["group"] if "groups" in doc["cluster"] else []), stage_rows),
     ]
     if s.get("replica_groups"):
-        tables.append(("Replicas", ["replica", "group", "micro-batches", "seconds per step"],
-                       [[str(d), name, str(m), f"{t:.3f}"] for d, (name, m, t) in enumerate(
-                           zip(s["replica_groups"], s["replica_microbatches"], e["replica_time_s"]))]))
+        rows, first = [], 0
+        for (name, m, t), run in itertools.groupby(zip(s["replica_groups"], s["replica_microbatches"],
+                                                       e["replica_time_s"])):
+            count = len(list(run))
+            label = str(first) if count == 1 else f"{first}-{first + count - 1}"
+            rows.append([label, name, str(m), f"{t:.3f}"])
+            first += count
+        tables.append(("Replicas", ["replicas", "group", "micro-batches each", "seconds per step"], rows))
     return lines, tables
 
 

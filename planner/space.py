@@ -215,6 +215,6 @@ def describe(strategy: Strategy) -> str:
         parts.append("stages " + "+".join(f"{name}x{len(list(run))}"
                                           for name, run in itertools.groupby(strategy.stage_groups)))
     if strategy.replica_groups:
-        parts.append("replicas " + " ".join(f"{name}:{m}" for name, m in
-                                            zip(strategy.replica_groups, strategy.replica_microbatches)))
+        runs = itertools.groupby(zip(strategy.replica_groups, strategy.replica_microbatches))
+        parts.append("replicas " + "+".join(f"{name}x{len(list(run))}:{m}" for (name, m), run in runs))
     return " ".join(parts)
