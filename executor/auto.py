@@ -294,6 +294,11 @@ class DecoderTrainer:
                 raise UnsupportedPlan(f"plan.strategy.{knob}: auto_parallelize on a Hugging Face model runs tp, "
                                       f"pp (gpipe, 1f1b), dp, ZeRO and full recompute; plan with --fix "
                                       f"sp=off,vpp=1,ep=1")
+        if len(set(strategy.replica_microbatches)) > 1:
+            raise UnsupportedPlan(f"plan.strategy.replica_groups: auto_parallelize on a Hugging Face model gives "
+                                  f"every replica an equal share, the plan's are "
+                                  f"{list(strategy.replica_microbatches)} micro-batches; run uneven shares with "
+                                  f"Shardwise's own models, or plan with stage groups")
         if any(st.selective_recompute_layers for st in strategy.stages):
             raise UnsupportedPlan("plan.strategy.stages: selective recompute needs the attention core as a "
                                   "module of its own; plan with --fix recompute=full or none")
@@ -424,7 +429,7 @@ class DecoderTrainer:
         self._sum_tied_gradients()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return global_loss(loss, self.strategy, self.device)
+        return global_loss(loss, self.strategy, self.device, self.dp_rank)
 
     def _forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
         s = self.strategy

@@ -6,7 +6,8 @@ This module owns three things:
   ``CorpusTokens`` cuts windows out of a small real text (by default the
   built-in corpus in ``executor/corpus/``, tokenized one byte per token);
 * loading and caching that corpus as token ids;
-* splitting a global batch across data-parallel ranks (``dp_shard``).
+* splitting a global batch across data-parallel ranks (``dp_shard``; ``replica_shard``
+  for a plan's shares, uneven on a mixed cluster where a faster replica takes more).
 
 Every source is a pure function of (seed, step). Every rank builds the same
 global batch for a step and keeps its own slice of it, so ranks need no
@@ -19,12 +20,15 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
+
+from costmodel.strategy import Strategy
 
 BUILTIN_CORPUS = Path(__file__).parent / "corpus" / "python_reference.txt"
 BYTE_VOCAB = 256  # a byte-level tokenizer uses ids 0..255
@@ -207,15 +211,34 @@ def make_source(name: str, vocab_size: int, seed: int = 0) -> TokenSource:
     return CorpusTokens(load_corpus(None if name == "corpus" else name), seed)
 
 
-def dp_shard(inputs: torch.Tensor, targets: torch.Tensor, dp_rank: int, dp: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """This data-parallel rank's contiguous slice of the global batch, along dim 0."""
+def dp_shard(inputs: torch.Tensor, targets: torch.Tensor, dp_rank: int, dp: int,
+             sizes: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """This data-parallel rank's contiguous slice of the global batch, along dim 0:
+    equal slices, or `sizes[r]` sequences for rank r (the sizes add up to the batch)."""
     if inputs.shape != targets.shape:
         raise ValueError(f"data: inputs {tuple(inputs.shape)} and targets {tuple(targets.shape)} differ in shape")
     if dp < 1 or not 0 <= dp_rank < dp:
         raise ValueError(f"data: need 0 <= dp_rank < dp, got dp_rank={dp_rank}, dp={dp}")
     batch = inputs.shape[0]
+    if sizes is not None:
+        if len(sizes) != dp or sum(sizes) != batch or min(sizes) < 1:
+            raise ValueError(f"data: shares {list(sizes)} of dp={dp} ranks do not split a global batch of {batch}")
+        start = sum(sizes[:dp_rank])
+        rows = slice(start, start + sizes[dp_rank])
+        return inputs[rows], targets[rows]
     if batch % dp:
         raise ValueError(f"data: global batch of {batch} does not divide across dp={dp} ranks")
     per_rank = batch // dp
     rows = slice(dp_rank * per_rank, (dp_rank + 1) * per_rank)
     return inputs[rows], targets[rows]
+
+
+def replica_shard(inputs: torch.Tensor, targets: torch.Tensor, strategy: Strategy,
+                  dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Replica `dp_rank`'s rows: its `Strategy.replica_share` of the global batch's
+    micro-batches. An equal slice on a uniform plan; on a mixed cluster's replica
+    groups each replica takes replica_microbatches[d] micro-batches."""
+    if not strategy.replica_microbatches:
+        return dp_shard(inputs, targets, dp_rank, strategy.dp)
+    sizes = [strategy.replica_share(d)[1] * strategy.micro_batch_size for d in range(strategy.dp)]
+    return dp_shard(inputs, targets, dp_rank, strategy.dp, sizes)

@@ -1,6 +1,7 @@
 """What a run measures and how it is reported: one JSON line per step (flushed as it is
 written, so a crash loses nothing before it), and a closing summary that puts the
-measured step time and memory beside the plan's estimate, as a JSON line and a table.
+measured step time and memory beside the plan's estimate, as a JSON line and a table;
+the JSON also lists each rank's group of the cluster, hardware and device.
 """
 
 from __future__ import annotations
@@ -54,9 +55,10 @@ class MetricsWriter:
             self.file.close()
 
 
-def summarize(steps: list[StepMetrics], estimate: dict, device: torch.device) -> dict:
+def summarize(steps: list[StepMetrics], estimate: dict, device: torch.device, ranks: list[dict] | None = None) -> dict:
     """Median measured step (the first step, which warms up, is left out when there are
-    more) against the plan's estimate."""
+    more) against the plan's estimate; `ranks`, each rank's group, hardware and device
+    (executor.run.rank_group), by rank."""
     timed = steps[1:] if len(steps) > 1 else steps
     step_s = statistics.median(s.step_time_s for s in timed)
     peak = max(s.peak_memory_bytes for s in steps)
@@ -73,7 +75,21 @@ def summarize(steps: list[StepMetrics], estimate: dict, device: torch.device) ->
         "memory_kind": "allocated" if device.type == "cuda" else "process RSS",
         "first_loss": steps[0].loss,
         "last_loss": steps[-1].loss,
+        **({"ranks": ranks} if ranks is not None else {}),
     }
+
+
+def group_summaries(ranks: list[dict]) -> list[str]:
+    """One entry per group of the cluster: its ranks, hardware and device."""
+    by_group: dict[str, list[dict]] = {}
+    for r in ranks:
+        by_group.setdefault(r["group"], []).append(r)
+    out = []
+    for group, members in by_group.items():
+        numbers = ", ".join(str(r["rank"]) for r in members)
+        kinds = ", ".join(sorted({f"{r['gpu']} on {r['device']}" for r in members}))
+        out.append(f"{group}: rank{'s' if len(members) > 1 else ''} {numbers} ({kinds})")
+    return out
 
 
 def print_summary(summary: dict, console: Console | None = None) -> None:

@@ -63,6 +63,36 @@ def check_supported(spec: ModelSpec, strategy: Strategy, seq_len: int) -> None:
         raise UnsupportedPlan(f"strategy.ep: {strategy.ep} does not divide the {spec.num_local_experts} experts")
     if strategy.ep > 1 and strategy.zero_stage in (1, 2):
         raise UnsupportedPlan("strategy.zero_stage: ZeRO 1 and 2 with expert parallelism are not supported; use 0 or 3")
+    if strategy.stage_groups and len(strategy.stage_groups) != strategy.pp:
+        raise UnsupportedPlan(f"plan.strategy.stage_groups: expected one group per pipeline rank ({strategy.pp}), "
+                              f"got {len(strategy.stage_groups)}")
+    if strategy.replica_groups or strategy.replica_microbatches:
+        check_replica_shares(strategy)
+
+
+def check_replica_shares(strategy: Strategy) -> None:
+    """Replica groups (a mixed cluster's data-parallel replicas, each running its own
+    number of micro-batches): every replica must issue the same collectives whatever
+    its count. DDP, `replicate` and ZeRO-2's FSDP do (gradients are reduced once, on
+    the last micro-batch; ZeRO-2 gathers each weight once, on the first); what gathers
+    or exchanges per micro-batch does not."""
+    s, field = strategy, "plan.strategy.replica_groups"
+    counts = s.replica_microbatches
+    if len(counts) != s.dp or any(not isinstance(m, int) or m < 1 for m in counts):
+        raise UnsupportedPlan(f"plan.strategy.replica_microbatches: expected {s.dp} positive micro-batch counts "
+                              f"(one per dp replica), got {list(counts)}")
+    if len(s.replica_groups) != s.dp:
+        raise UnsupportedPlan(f"{field}: expected {s.dp} group names (one per dp replica), got {len(s.replica_groups)}")
+    if s.pp > 1:
+        raise UnsupportedPlan(f"{field}: replica shares need pp 1 (a pipeline schedule runs one micro-batch count "
+                              f"on every stage), the plan has pp {s.pp}; plan with stage groups")
+    if s.zero_stage >= 3:
+        raise UnsupportedPlan(f"{field}: ZeRO-3 gathers every layer's weights in each micro-batch's forward and "
+                              f"backward, so replicas running {list(counts)} micro-batches would issue different "
+                              f"collectives; plan with zero_stage <= 2")
+    if s.ep > 1:
+        raise UnsupportedPlan(f"{field}: expert parallelism exchanges tokens across replicas in each micro-batch, "
+                              f"so replicas running {list(counts)} micro-batches cannot meet; plan with ep 1")
 
 
 def stage_module(spec: ModelSpec, seq_len: int, stage: Stage | None, num_stages: int) -> Transformer:

@@ -7,6 +7,12 @@ CUDA, gloo on CPU), builds this rank's trainer, trains, and on rank 0 writes the
 metrics and prints progress and the summary. Exit code 2 on a bad plan or a plan that
 does not fit the processes started.
 
+Each rank's device follows the plan: the group of the cluster that holds the rank
+(`rank_group`: on a mixed cluster the group of its pipeline rank or dp replica) and
+that group's hardware, CPU for hardware named cpu (configs/hardware/cpu.yaml), CUDA
+otherwise (CPU where no GPU is visible). A plan whose groups need both is refused:
+one job runs one backend. The summary lists every rank's group.
+
 Checkpoints (`executor.checkpoint`): with `--checkpoint-dir D` the worker saves every
 `--checkpoint-every` steps and after the last, keeping the newest `--keep-last`, and
 when D already holds a checkpoint it resumes from the newest good one: that is how a
@@ -27,6 +33,7 @@ import argparse
 import datetime
 import math
 import os
+import re
 import sys
 import time
 import traceback
@@ -42,7 +49,15 @@ from costmodel.specs import ModelSpec, TrainingSpec
 from costmodel.strategy import Strategy
 from executor import checkpoint
 from executor.data import make_source
-from executor.metrics import MetricsWriter, StepMetrics, peak_memory_bytes, print_summary, record, summarize
+from executor.metrics import (
+    MetricsWriter,
+    StepMetrics,
+    group_summaries,
+    peak_memory_bytes,
+    print_summary,
+    record,
+    summarize,
+)
 from executor.parallelize import UnsupportedPlan, check_supported
 from executor.train import TrainConfig, Trainer
 from planner.plan import fingerprint, is_traced, read_plan, strategy_of
@@ -83,13 +98,79 @@ def load_job(plan_path: str, model_name: str | None = None, world_size: int | No
         raise SpecError("--nproc-per-node", f"the plan needs {strategy.num_gpus} processes "
                                             f"(dp {strategy.dp} x tp {strategy.tp} x pp {strategy.pp}), "
                                             f"{world_size} would be started")
-    if strategy.dp * strategy.micro_batch_size * strategy.num_microbatches != training.global_batch:
-        raise SpecError("plan.strategy", "dp x micro_batch_size x num_microbatches does not equal the global batch")
+    if strategy.replica_microbatches:
+        batch, why = (strategy.micro_batch_size * sum(strategy.replica_microbatches),
+                      "micro_batch_size x sum(replica_microbatches)")
+    else:
+        batch, why = (strategy.dp * strategy.micro_batch_size * strategy.num_microbatches,
+                      "dp x micro_batch_size x num_microbatches")
+    if batch != training.global_batch:
+        raise SpecError("plan.strategy", f"{why} does not equal the global batch")
     try:
         check_supported(model, strategy, training.seq_len)
     except UnsupportedPlan as err:
         raise SpecError(*str(err).split(": ", 1)) from None
+    job_device_type(doc)
     return RunJob(doc, model, training, strategy)
+
+
+@dataclass(frozen=True)
+class RankGroup:
+    """Where a plan puts one global rank: its group of the cluster (the cluster itself
+    when it is not mixed), the group's hardware and the device type that runs it."""
+
+    group: str
+    gpu: str
+    device_type: str   # "cpu" or "cuda"
+
+
+def is_cpu_hardware(name: str) -> bool:
+    """Hardware the executor runs on CPU: configs/hardware/cpu.yaml is named "CPU", and
+    its copies keep the word first ("cpu-slow", "CPU 2x")."""
+    return re.split(r"[^a-z0-9]", name.strip().lower(), maxsplit=1)[0] == "cpu"
+
+
+def rank_group(doc: dict, rank: int) -> RankGroup:
+    """The group of global `rank` in plan `doc`. Ranks run tp innermost, then dp, then
+    pp (costmodel.strategy): with stage groups a rank's group is its pipeline rank's,
+    rank // (dp x tp); with replica groups its dp replica's, (rank // tp) % dp; any other
+    plan on a mixed cluster fills the groups in the cluster file's order."""
+    s, cluster = strategy_of(doc), doc["cluster"]
+    if not 0 <= rank < s.num_gpus:
+        raise SpecError("RANK", f"rank {rank} is not one of the plan's {s.num_gpus} ranks")
+    if "groups" not in cluster:
+        gpu = cluster["gpu"]["name"]
+        return RankGroup(cluster["name"], gpu, "cpu" if is_cpu_hardware(gpu) else "cuda")
+    groups = cluster["groups"]
+    if s.stage_groups:
+        name = s.stage_groups[rank // (s.dp * s.tp)]
+    elif s.replica_groups:
+        name = s.replica_groups[(rank // s.tp) % s.dp]
+    else:
+        first = 0
+        for g in groups:
+            first += g["gpus_per_node"] * g["num_nodes"]
+            if rank < first:
+                name = g["name"]
+                break
+        else:
+            raise SpecError("plan.cluster.groups", f"the groups hold fewer than the plan's {s.num_gpus} ranks")
+    group = next(g for g in groups if g["name"] == name)   # strategy_of checked the names
+    gpu = group["gpu"]["name"]
+    return RankGroup(name, gpu, "cpu" if is_cpu_hardware(gpu) else "cuda")
+
+
+def job_device_type(doc: dict) -> str:
+    """The device type of every rank of the plan; SpecError when its groups need both
+    CPU and CUDA (one job joins one process group: gloo or NCCL)."""
+    placed = [rank_group(doc, r) for r in range(strategy_of(doc).num_gpus)]
+    kinds = {p.device_type: p for p in placed}
+    if len(kinds) > 1:
+        cpu, cuda = kinds["cpu"], kinds["cuda"]
+        raise SpecError("plan.cluster.groups", f"group {cpu.group} ({cpu.gpu}) runs on CPU and group {cuda.group} "
+                                               f"({cuda.gpu}) on CUDA: one job runs one backend (gloo or NCCL); "
+                                               f"plan the GPU groups alone")
+    return placed[0].device_type
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -112,8 +193,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def device_for_rank() -> torch.device:
-    if torch.cuda.is_available():
+def device_for_rank(device_type: str) -> torch.device:
+    """This process's device for a rank the plan puts on `device_type`: its local GPU
+    for "cuda" (CPU when none is visible), else the CPU."""
+    if device_type == "cuda" and torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)
         return torch.device("cuda", local)
@@ -129,17 +212,18 @@ def main(argv: list[str] | None = None) -> int:
         if args.steps < 1:
             raise SpecError("--steps", "must be at least 1")
         source = make_source(args.data, job.model.vocab_size, args.seed)
+        placement = rank_group(job.plan, rank)
     except (SpecError, ValueError) as err:
         if rank == 0:
             print(f"error: {err}", file=sys.stderr)
         leave_exit_code(EXIT_BAD_INPUT, rank)
         return EXIT_BAD_INPUT
-    device = device_for_rank()
+    device = device_for_rank(placement.device_type)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                             timeout=datetime.timedelta(seconds=args.timeout_s))
     code = 0
     try:
-        train(job, args, source, device, rank)
+        train(job, args, source, device, rank, placement)
     except NonFiniteStep as err:   # every rank sees the same global norm: they stop together
         print(f"error: rank {rank}: {err}", file=sys.stderr, flush=True)
         code = EXIT_NONFINITE
@@ -202,7 +286,8 @@ def resume(trainer: Trainer, job: RunJob, args: argparse.Namespace, rank: int) -
     return step
 
 
-def train(job: RunJob, args: argparse.Namespace, source, device: torch.device, rank: int) -> None:
+def train(job: RunJob, args: argparse.Namespace, source, device: torch.device, rank: int,
+          placement: RankGroup) -> None:
     training = job.training
     if device.type == "cpu" and training.precision != "fp32":
         training = TrainingSpec(**{**job.plan["training"], "precision": "fp32"})   # CPU runs in fp32
@@ -211,6 +296,13 @@ def train(job: RunJob, args: argparse.Namespace, source, device: torch.device, r
     trainer = Trainer(job.model, training, job.strategy, config, device)
     autocast = (torch.autocast("cuda", dtype=torch.bfloat16 if training.precision == "bf16" else torch.float16)
                 if device.type == "cuda" and training.precision != "fp32" else nullcontext())
+    # Each rank says where it runs, as it resolved it from the plan: the summary shows
+    # that rank r ran in the group the plan declares.
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, {"rank": rank, "group": placement.group, "gpu": placement.gpu,
+                                   "device": device.type})
+    if rank == 0 and len({r["group"] for r in ranks}) > 1:
+        print("groups: " + "; ".join(group_summaries(ranks)), flush=True)
     start_step = resume(trainer, job, args, rank)
     writer = MetricsWriter(args.metrics_out if rank == 0 else None)
     tokens = training.global_batch * training.seq_len
@@ -257,7 +349,7 @@ def train(job: RunJob, args: argparse.Namespace, source, device: torch.device, r
                                    crash_after_write=crash == f"save:{done}")
             if rank == 0:
                 print(f"checkpoint: step {done} saved to {path}", flush=True)
-    summary = summarize(steps, job.plan["estimate"], device)
+    summary = summarize(steps, job.plan["estimate"], device, ranks)
     writer.write({"summary": summary})
     writer.close()
     if rank == 0:

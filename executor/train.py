@@ -2,7 +2,8 @@
 executor.parallelize), the optimizer with its learning-rate schedule, the pipeline
 schedule, and runs training steps: micro-batches, gradient synchronisation, the tied
 embedding's gradient, clipping by the global norm, the update. Every rank of the job
-calls `Trainer.step` with the same global batch; each takes its own share.
+calls `Trainer.step` with the same global batch; each takes its own share (on a mixed
+cluster's replica groups, its replica's number of micro-batches).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from costmodel.specs import ModelSpec, TrainingSpec
 from costmodel.strategy import Strategy
-from executor.data import dp_shard
+from executor.data import replica_shard
 from executor.models import canonical_name, materialize
 from executor.parallelize import (
     UnsupportedPlan,
@@ -202,8 +203,8 @@ class Trainer:
     # -- one step -------------------------------------------------------------------
 
     def local_batch(self, inputs: torch.Tensor, targets: torch.Tensor):
-        """This rank's dp share of the global batch."""
-        x, y = dp_shard(inputs, targets, self.dp_rank, self.strategy.dp)
+        """This rank's dp share of the global batch (its replica's micro-batches)."""
+        x, y = replica_shard(inputs, targets, self.strategy, self.dp_rank)
         return x.to(self.device), y.to(self.device)
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
@@ -218,15 +219,20 @@ class Trainer:
                 return torch.stack([self._plain(l.detach()) for l in losses]).mean() if self.is_last else None
             model = self.modules[0]
             total = torch.zeros((), device=self.device)
-            chunks = zip(inputs.chunk(s.num_microbatches), targets.chunk(s.num_microbatches))
-            for i, (x, y) in enumerate(chunks):
-                last = i == s.num_microbatches - 1
+            count = s.replica_share(self.dp_rank)[1]
+            # DDP and FSDP average gradients over dp. Dividing each micro-batch's loss
+            # by an average replica's micro-batch count (all micro-batches / dp) makes
+            # that average the gradient of the mean loss over the whole global batch,
+            # also when replicas run different counts (a mixed cluster's shares).
+            per_replica = sum(s.replica_share(d)[1] for d in range(s.dp)) / s.dp
+            for i, (x, y) in enumerate(zip(inputs.chunk(count), targets.chunk(count))):
+                last = i == count - 1
                 with ExitStack() as stack:
                     self._accumulate(stack, model, last)
                     loss = cross_entropy(model(x), y)
-                    (loss / s.num_microbatches).backward()
+                    (loss / per_replica).backward()
                 total += self._plain(loss.detach())
-            return total / s.num_microbatches
+            return total / count
 
     def _accumulate(self, stack: ExitStack, model: nn.Module, last: bool) -> None:
         """Gradient accumulation over micro-batches: DDP reduces on the last one only;
@@ -359,7 +365,7 @@ class Trainer:
         return out
 
     def global_loss(self, loss: torch.Tensor | None) -> float:
-        return global_loss(loss, self.strategy, self.device)
+        return global_loss(loss, self.strategy, self.device, self.dp_rank)
 
 
 def tied_ends_group(mesh) -> dist.ProcessGroup | None:
@@ -376,10 +382,13 @@ def tied_ends_group(mesh) -> dist.ProcessGroup | None:
     return mine
 
 
-def global_loss(loss: torch.Tensor | None, strategy: Strategy, device: torch.device) -> float:
-    """Mean over dp of the last stage's loss (its tp ranks hold the same value), on every rank."""
+def global_loss(loss: torch.Tensor | None, strategy: Strategy, device: torch.device, dp_rank: int) -> float:
+    """The global batch's mean loss, on every rank: the last stage's replica means
+    (`loss`, this rank's) weighted by their replicas' sequences; its tp ranks hold the
+    same value."""
+    counts = [strategy.replica_share(d)[1] for d in range(strategy.dp)]
     value = torch.zeros((), dtype=torch.float64, device=device)
     if loss is not None:
-        value += loss.double()
+        value += loss.double() * counts[dp_rank]
     dist.all_reduce(value)
-    return float(value) / (strategy.dp * strategy.tp)
+    return float(value) / (sum(counts) * strategy.tp)

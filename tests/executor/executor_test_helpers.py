@@ -22,8 +22,8 @@ STEPS = 5
 CONFIG = TrainConfig(lr=3e-3, warmup_steps=2, total_steps=5)
 
 
-def training(optimizer: str = "adamw") -> TrainingSpec:
-    return TrainingSpec(global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN, precision="fp32", optimizer=optimizer,
+def training(optimizer: str = "adamw", global_batch: int = GLOBAL_BATCH) -> TrainingSpec:
+    return TrainingSpec(global_batch=global_batch, seq_len=SEQ_LEN, precision="fp32", optimizer=optimizer,
                         flash_attention=True)
 
 
@@ -38,12 +38,12 @@ def strategy(dp=1, tp=1, pp=1, vpp=1, ep=1, m=None, schedule="1f1b", zero=0, rec
                     stages=stages or even_stages(layers, pp, vpp, recompute))
 
 
-def batches(spec, steps=STEPS):
+def batches(spec, steps=STEPS, global_batch=GLOBAL_BATCH):
     source = SyntheticTokens(spec.vocab_size, seed=0)
-    return [source.global_batch(step, GLOBAL_BATCH, SEQ_LEN) for step in range(steps)]
+    return [source.global_batch(step, global_batch, SEQ_LEN) for step in range(steps)]
 
 
-def reference_run(model_name: str, optimizer: str = "adamw", steps: int = STEPS):
+def reference_run(model_name: str, optimizer: str = "adamw", steps: int = STEPS, global_batch: int = GLOBAL_BATCH):
     """Losses and final parameters of the unsplit model trained in one process."""
     spec = load_model(model_name)
     torch.manual_seed(0)
@@ -56,7 +56,7 @@ def reference_run(model_name: str, optimizer: str = "adamw", steps: int = STEPS)
                   weight_decay=CONFIG.weight_decay if optimizer == "adamw" else 0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(CONFIG, s))
     losses = []
-    for inputs, targets in batches(spec, steps):
+    for inputs, targets in batches(spec, steps, global_batch):
         loss = cross_entropy(model(inputs), targets)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CONFIG.grad_clip)
@@ -67,9 +67,9 @@ def reference_run(model_name: str, optimizer: str = "adamw", steps: int = STEPS)
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def parallel_run(rank, world, model_name, strat, optimizer="adamw", steps=STEPS):
+def parallel_run(rank, world, model_name, strat, optimizer="adamw", steps=STEPS, global_batch=GLOBAL_BATCH):
     """Rank body: train `strat` and return (losses, full parameters) on every rank."""
     spec = load_model(model_name)
-    trainer = Trainer(spec, training(optimizer), strat, CONFIG, "cpu")
-    losses = [trainer.step(x, y) for x, y in batches(spec, steps)]
+    trainer = Trainer(spec, training(optimizer, global_batch), strat, CONFIG, "cpu")
+    losses = [trainer.step(x, y) for x, y in batches(spec, steps, global_batch)]
     return losses, trainer.full_state_dict()

@@ -1,0 +1,259 @@
+"""Mixed clusters: the executor runs a plan whose ranks sit on groups of different
+hardware. Replica groups, whose dp replicas run their own number of micro-batches,
+and stage groups, whose pipeline ranks hold uneven stages, train the tiny models as
+one process does (test_executor_parity's tolerances); `shardwise run` reports each
+rank in the group the plan declares; bad group fields are refused by name.
+
+On CPU every group is CPU hardware, declared as different types: configs/hardware/
+cpu.yaml and a copy at half its peak named "cpu-slow", each behind a cluster file of
+its own."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import yaml
+from click.testing import CliRunner
+
+from costmodel.loading import load_cluster, load_model
+from costmodel.strategy import Stage, Strategy, even_stages
+from executor.comms import CommCounter
+from executor.data import SyntheticTokens, replica_shard
+from executor.parallelize import UnsupportedPlan, check_supported
+from executor.run import is_cpu_hardware, rank_group
+from executor.train import Trainer
+from executor_test_helpers import CONFIG, batches, parallel_run, reference_run, run_ranks, training
+from planner.api import plan
+from planner.cli import main as cli
+from planner.plan import cluster_dict, strategy_dict, write_plan
+
+STEPS = 3
+BATCH = 4          # replica shares 3 + 1 micro-batches of one sequence
+LAYERS = 4
+CPU_YAML = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "hardware", "cpu.yaml")
+
+
+def replicas(dp=2, tp=1, zero=0, shares=(3, 1), groups=("fast", "slow")) -> Strategy:
+    return Strategy(dp=dp, tp=tp, pp=1, micro_batch_size=BATCH // sum(shares), num_microbatches=max(shares),
+                    zero_stage=zero, stages=even_stages(LAYERS, 1), replica_groups=groups[:dp],
+                    replica_microbatches=shares)
+
+
+# Three layers on the first pipeline rank, one on the second (a slow second group).
+UNEVEN = (Stage(0, 0, 0, 3), Stage(1, 1, 3, 1))
+
+
+def staged(dp=1, groups=("fast", "slow"), schedule="1f1b") -> Strategy:
+    return Strategy(dp=dp, tp=1, pp=2, micro_batch_size=BATCH // (2 * dp), num_microbatches=2, schedule=schedule,
+                    stages=UNEVEN, stage_groups=groups)
+
+
+REPLICA_PLANS = {
+    "ddp": replicas(),                           # ZeRO-0: DDP, all-reduce on the last micro-batch
+    "ddp-zero1": replicas(zero=1),               # DDP + ZeroRedundancyOptimizer
+    "fsdp-zero2": replicas(zero=2),              # fully_shard kept gathered until the last micro-batch
+    "replicate-tp2": replicas(tp=2),             # ZeRO-0 over DTensor weights: replicate
+    "fsdp-zero1-tp2": replicas(tp=2, zero=1),    # ZeRO-1 over TP runs as ZeRO-2's FSDP
+    "shares-1-3": replicas(shares=(1, 3)),       # the larger share on the second replica
+}
+STAGE_PLANS = {"pp2-3+1": staged(), "pp2-3+1-gpipe": staged(schedule="gpipe"), "dp2-pp2-3+1": staged(dp=2)}
+
+_references = {}
+
+
+def reference(model):
+    if model not in _references:
+        _references[model] = reference_run(model, steps=STEPS, global_batch=BATCH)
+    return _references[model]
+
+
+def check_parity(model, strat):
+    ref_losses, ref_params = reference(model)
+    results = run_ranks(parallel_run, strat.num_gpus, model, strat, "adamw", STEPS, BATCH)
+    for rank, (losses, _) in enumerate(results):
+        assert losses == pytest.approx(ref_losses, rel=1e-5), f"rank {rank}"
+    gathered = {}
+    for _, params in results:
+        gathered.update(params)
+    expected = set(ref_params) - ({"output.weight"} if "output.weight" not in gathered else set())
+    assert set(gathered) == expected
+    for name in expected:
+        torch.testing.assert_close(gathered[name], ref_params[name], rtol=1e-4, atol=5e-5, msg=name)
+
+
+@pytest.mark.parametrize("plan_name", sorted(REPLICA_PLANS))
+def test_replica_shares_train_as_one_process(plan_name):
+    check_parity("tiny-gpt", REPLICA_PLANS[plan_name])
+
+
+def test_each_replica_takes_its_share_of_the_global_batch():
+    x, y = SyntheticTokens(512).global_batch(0, BATCH, 16)
+    shares = [replica_shard(x, y, replicas(), d) for d in range(2)]
+    assert torch.equal(shares[0][0], x[:3]) and torch.equal(shares[1][1], y[3:])
+    assert [sx.shape[0] for sx, _ in (replica_shard(x, y, replicas(shares=(1, 3)), d) for d in range(2))] == [1, 3]
+    with pytest.raises(ValueError, match=r"shares \[3, 1\] of dp=2 ranks do not split a global batch of 8"):
+        replica_shard(*SyntheticTokens(512).global_batch(0, 8, 16), replicas(), 0)
+
+
+def issued_in_order(rank, world, strat):
+    """The collectives of one step (after two that settle DDP's buckets), in order."""
+    trainer = Trainer(load_model("tiny-gpt"), training(global_batch=BATCH), strat, CONFIG, "cpu")
+    *warm, measured = batches(trainer.spec, 3, BATCH)
+    for x, y in warm:
+        trainer.step(x, y)
+    with CommCounter() as counter:
+        trainer.train_step(*measured)
+    return [(c.kind, c.group_size, c.bytes) for c in counter.issued]
+
+
+@pytest.mark.parametrize("plan_name", ["ddp", "ddp-zero1", "fsdp-zero2"])
+def test_replicas_of_unequal_shares_issue_the_same_collectives(plan_name):
+    # Three micro-batches on one replica, one on the other: gradients are reduced once,
+    # on each replica's last micro-batch, and ZeRO-2 gathers each weight once, on its first.
+    fast, slow = run_ranks(issued_in_order, 2, REPLICA_PLANS[plan_name])
+    assert fast == slow and len(fast) > 1   # the gradients' reduction, besides the norm's all-reduce
+
+
+def test_replica_shares_train_a_llama_as_one_process():
+    check_parity("tiny-llama", REPLICA_PLANS["ddp"])
+
+
+@pytest.mark.parametrize("plan_name", sorted(STAGE_PLANS))
+def test_uneven_stage_groups_train_as_one_process(plan_name):
+    check_parity("tiny-gpt", STAGE_PLANS[plan_name])
+
+
+def test_uneven_stage_groups_train_a_llama_as_one_process():
+    check_parity("tiny-llama", STAGE_PLANS["pp2-3+1"])
+
+
+def test_a_share_the_executor_cannot_run_is_refused_by_name():
+    spec = load_model("tiny-moe")
+    for strat, words in ((replicas(zero=3), "ZeRO-3"),
+                         (Strategy(**{**_fields(replicas()), "ep": 2}), "expert parallelism"),
+                         (Strategy(**{**_fields(replicas()), "pp": 2, "stages": UNEVEN}), "pp 1"),
+                         (Strategy(**{**_fields(replicas()), "replica_microbatches": (3,)}), "2 positive")):
+        with pytest.raises(UnsupportedPlan, match="plan.strategy.replica_") as err:
+            check_supported(spec, strat, 16)
+        assert words in str(err.value)
+
+
+def _fields(strat: Strategy) -> dict:
+    return {k: getattr(strat, k) for k in strat.__dataclass_fields__}
+
+
+# -- plans of a mixed cluster, run by `shardwise run` ---------------------------------
+
+
+def write_yaml(path, data):
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.fixture(scope="module")
+def mixed_cluster(tmp_path_factory):
+    """Two one-rank groups: "fast" on cpu.yaml, "slow" on a copy at half its peak."""
+    root = tmp_path_factory.mktemp("mixed")
+    slow = yaml.safe_load(open(CPU_YAML))
+    slow["name"] = "cpu-slow"
+    slow["peak_flops_per_s"] = {k: v / 2 for k, v in slow["peak_flops_per_s"].items()}
+    slow_hw = write_yaml(root / "cpu-slow.yaml", slow)
+    link = {"bandwidth_bytes_per_s": 2.3e9, "latency_s": 1.2e-4}
+    files = {name: write_yaml(root / f"{name}.yaml", {"name": name, "gpu": gpu, "gpus_per_node": 1,
+                                                       "num_nodes": 1, "intra_node": link})
+             for name, gpu in (("fast", "cpu"), ("slow", str(slow_hw)))}
+    mixed = write_yaml(root / "mixed-cpu.yaml", {
+        "name": "mixed-cpu", "inter_group": link,
+        "groups": [{"name": "fast", "cluster": str(files["fast"]), "num_nodes": 1},
+                   {"name": "slow", "cluster": str(files["slow"]), "num_nodes": 1}]})
+    return load_cluster(mixed)
+
+
+@pytest.fixture(scope="module")
+def cpu_plan():
+    """What `shardwise plan` writes for tiny-gpt on two CPU ranks (dp 2, mbs 1)."""
+    return plan("tiny-gpt", "cpu", BATCH, gpus=2, seq_len=16, precision="fp32", fix={"dp": 2, "tp": 1, "mbs": 1})
+
+
+def mixed_plan(cpu_plan, cluster, strat: Strategy, path):
+    """The CPU plan moved onto the mixed cluster with `strat`'s group fields."""
+    doc = json.loads(json.dumps(cpu_plan))
+    doc["cluster"] = cluster_dict(cluster)
+    doc["strategy"] = strategy_dict(strat)
+    write_plan(doc, path)
+    return path
+
+
+def run_cli(*args):
+    result = CliRunner().invoke(cli, ["run", *map(str, args)])
+    return result.exit_code, result.output
+
+
+@pytest.mark.parametrize("mode", ["replica", "stage"])
+def test_run_reports_each_rank_in_its_declared_group(mode, cpu_plan, mixed_cluster, tmp_path):
+    # Stage groups in the order opposite to the cluster file's: rank 0 (pipeline rank 0)
+    # runs in the slow group, as the plan says.
+    strat = replicas() if mode == "replica" else staged(groups=("slow", "fast"))
+    path = mixed_plan(cpu_plan, mixed_cluster, strat, tmp_path / "plan.json")
+    metrics = tmp_path / "metrics.jsonl"
+    cmd = [sys.executable, "-m", "planner.cli", "run", str(path), "--steps", str(STEPS), "--lr", str(CONFIG.lr),
+           "--metrics-out", str(metrics)]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    summary = lines[-1]["summary"]
+    declared = ["fast", "slow"] if mode == "replica" else ["slow", "fast"]
+    gpu = {"fast": "CPU", "slow": "cpu-slow"}
+    assert summary["ranks"] == [{"rank": r, "group": g, "gpu": gpu[g], "device": "cpu"} for r, g in enumerate(declared)]
+    assert [s["loss"] for s in lines[:-1]] == pytest.approx(reference("tiny-gpt")[0], rel=1e-5)
+    assert "groups: " in done.stdout
+
+
+def test_rank_groups_follow_the_mesh(cpu_plan, mixed_cluster, tmp_path):
+    doc = json.loads(json.dumps(cpu_plan))
+    doc["cluster"] = cluster_dict(mixed_cluster)
+    # Replicas: dp rank (rank // tp) % dp; tp ranks of one replica share its group.
+    doc["strategy"] = strategy_dict(replicas(tp=2))
+    assert [rank_group(doc, r).group for r in range(4)] == ["fast", "fast", "slow", "slow"]
+    # Stages: pipeline rank rank // (dp x tp).
+    doc["strategy"] = strategy_dict(staged(dp=2))
+    assert [rank_group(doc, r).group for r in range(4)] == ["fast", "fast", "slow", "slow"]
+    assert {rank_group(doc, r).gpu for r in range(4)} == {"CPU", "cpu-slow"}
+    assert rank_group(cpu_plan, 1).group == "cpu" and rank_group(cpu_plan, 1).device_type == "cpu"
+    assert is_cpu_hardware("CPU") and is_cpu_hardware("cpu-slow") and not is_cpu_hardware("A100-SXM4-80GB")
+
+
+def test_bad_group_fields_are_refused_by_name(cpu_plan, mixed_cluster, tmp_path):
+    good = json.loads(mixed_plan(cpu_plan, mixed_cluster, replicas(), tmp_path / "good.json").read_text())
+    cases = (
+        ({"replica_microbatches": [3, 2]}, "plan.strategy.replica_microbatches"),   # 5 sequences, not 4
+        ({"replica_microbatches": [4]}, "plan.strategy.replica_microbatches"),
+        ({"replica_groups": ["fast", "medium"]}, "plan.strategy.replica_groups"),
+        ({"zero_stage": 3}, "plan.strategy.replica_groups"),
+        ({"micro_batch_size": 2}, "plan.strategy.replica_microbatches"),
+    )
+    for change, field in cases:
+        bad = json.loads(json.dumps(good))
+        bad["strategy"].update(change)
+        path = tmp_path / "bad.json"
+        path.write_text(json.dumps(bad))
+        code, out = run_cli(path)
+        assert code == 2 and out.startswith(f"error: {field}: "), (change, out)
+        assert len(out.strip().splitlines()) == 1
+
+
+def test_a_plan_mixing_cpu_and_gpu_groups_is_refused(cpu_plan, mixed_cluster, tmp_path):
+    cluster = cluster_dict(mixed_cluster)
+    a100 = cluster_dict(load_cluster("dgx-a100-80gb", nodes=1))
+    cluster["groups"][1] = {**a100, "name": "slow"}
+    doc = json.loads(json.dumps(cpu_plan))
+    doc["cluster"] = cluster
+    doc["strategy"] = strategy_dict(replicas())
+    path = tmp_path / "cpu-gpu.json"
+    write_plan(doc, path)
+    code, out = run_cli(path)
+    assert code == 2 and out.startswith("error: plan.cluster.groups: group fast (CPU) runs on CPU and group slow")
+    assert len(out.strip().splitlines()) == 1
