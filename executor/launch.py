@@ -1,5 +1,5 @@
 """Starting a run: the torchrun command line for a plan, on one machine (standalone
-rendezvous) or across nodes (c10d rendezvous at an endpoint every node can reach);
+rendezvous) or across nodes (static rendezvous at an endpoint every node can reach, nodes numbered by --node-rank);
 each node runs the same command with its own --node-rank. And `run_local`, the
 in-process launcher that tests and benchmarks use (fork, gloo over loopback TCP:
 0.06 s for two ranks against ~3 s for torchrun)."""
@@ -58,10 +58,13 @@ def plan_launch(num_gpus: int, nproc_per_node: int | None, nnodes: int, node_ran
 
 
 def torchrun_command(launch: Launch, worker_args: list[str]) -> list[str]:
+    # Static rendezvous: node K takes ranks K * nproc_per_node onwards, as its
+    # --node-rank says (c10d numbers nodes by host name), so the ranks of a mixed
+    # cluster's plan land on the groups the plan put them on.
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(launch.nproc_per_node)]
     if launch.rdzv_endpoint:
         cmd += ["--nnodes", str(launch.nnodes), "--node-rank", str(launch.node_rank),
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", launch.rdzv_endpoint, "--rdzv-id", launch.rdzv_id]
+                "--rdzv-backend", "static", "--rdzv-endpoint", launch.rdzv_endpoint, "--rdzv-id", launch.rdzv_id]
     else:
         cmd += ["--standalone"]
     return cmd + ["-m", "executor.run"] + worker_args
