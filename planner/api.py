@@ -17,7 +17,7 @@ from costmodel.graph_estimate import TracedProblem, traced_model
 from costmodel.hf import check_spec
 from costmodel.loading import SpecError, as_float, load_cluster, load_model, make_training, model_from_dict
 from costmodel.profile import load_measured_times
-from costmodel.specs import ModelSpec, Problem
+from costmodel.specs import MixedClusterSpec, ModelSpec, Problem
 from costmodel.trace import trace_module
 from planner.graph_search import check_fix_traced, search_traced
 from planner.plan import plan_document
@@ -154,5 +154,8 @@ def traced_problem(module, example_inputs: tuple, cluster: str, global_batch: An
         (p.element_size() for p in module.parameters() if p.is_floating_point()), 4)
     model = traced_model(graph, batch, tokens_per_sample=tokens, value_bytes=value_bytes)
     cluster_spec = load_cluster(cluster, nodes=nodes, gpus=gpus)
+    if isinstance(cluster_spec, MixedClusterSpec):
+        raise SpecError("cluster", f"{cluster_spec.name} is a mixed cluster: a traced module plans on one GPU "
+                                   "type (plan a Shardwise or Hugging Face transformer, or one group's cluster)")
     return TracedProblem(model, cluster_spec, make_training(None, cluster_spec, global_batch, tokens, precision,
                                                            optimizer))

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, fields
 
 from costmodel.estimate import Estimate, estimate
 from costmodel.loading import SpecError, as_int, load_cluster, load_model
+from costmodel.specs import MixedClusterSpec
 from costmodel.specs import Problem
 from costmodel.strategy import Strategy
 from planner.api import make_problem
@@ -139,6 +140,9 @@ def evaluate_config(source: str, config: str, model_name: str, cluster_name: str
     """Price the configuration and the best plan under `rules` (already holding `pins`)."""
     spec = load_model(str(model_name).removeprefix("hf:"), overrides)
     cluster = load_cluster(cluster_name, nodes=nodes, gpus=gpus)
+    if isinstance(cluster, MixedClusterSpec):
+        raise SpecError("--cluster", f"{cluster.name} is a mixed cluster: an engine's configuration does not say "
+                                     "which ranks run on which group; evaluate on one of its groups' clusters")
     hint = None if global_batch is None else as_int(global_batch, "--global-batch")
     imported = read_config(source, config, spec, cluster.num_gpus, hint)
     batch, seq_len, precision = _reconcile(source, imported, global_batch, seq, precision)

@@ -12,6 +12,8 @@ explained here where they are made.
 
 from __future__ import annotations
 
+import itertools
+
 import json
 from dataclasses import dataclass
 
@@ -362,6 +364,7 @@ def export_strategy(target: str, strategy: Strategy, model: ModelSpec, training:
     if target not in _EXPORTERS:
         raise SpecError("--to", f"unknown target {target!r} (known: {', '.join(TARGETS)})")
     exported = _EXPORTERS[target](strategy, model, training)
+    exported = Exported(exported.text, exported.warnings + _group_warnings(target, strategy))
     try:
         back = importers.read_text(target, exported.text, model, strategy.num_gpus)
     except SpecError as err:
@@ -371,6 +374,27 @@ def export_strategy(target: str, strategy: Strategy, model: ModelSpec, training:
         return Exported(exported.text, exported.warnings + (f"{target} will run this configuration with "
                                                             f"{', '.join(changes)} (plan → exported)",))
     return exported
+
+
+def _group_warnings(target: str, strategy: Strategy) -> tuple[str, ...]:
+    """What a mixed-cluster plan holds that no engine's configuration says."""
+    s = strategy
+    if s.stage_groups:
+        spans, first = [], 0
+        for name, run in itertools.groupby(s.stage_groups):
+            count = len(list(run))
+            spans.append(f"{first if count == 1 else f'{first}-{first + count - 1}'} on {name}")
+            first += count
+        placed = "pipeline ranks " + ", ".join(spans)
+        return (f"{target} has no device groups: the plan puts {placed}; start the nodes so that global ranks "
+                f"r x {s.dp * s.tp} onwards are on pipeline rank r's group",)
+    if s.replica_groups:
+        runs = itertools.groupby(zip(s.replica_groups, s.replica_microbatches))
+        shares = ", ".join(f"{len(list(run))} on {name} {m} each" for (name, m), run in runs)
+        return (f"{target} gives every data-parallel replica the same share of the batch; the plan's replicas run "
+                f"micro-batches by their group's speed ({shares}), which no {target} option says: the export "
+                f"takes {s.num_microbatches} for all",)
+    return ()
 
 
 def export_plan(doc: dict, target: str) -> Exported:

@@ -83,6 +83,10 @@ def cluster_of(doc: dict) -> ClusterSpec | MixedClusterSpec:
 def resized(cluster: ClusterSpec, nodes: Any = None, gpus: Any = None) -> ClusterSpec:
     """The cluster at another size, read as load_cluster reads --nodes and --gpus (fewer
     GPUs than a node makes one partial node)."""
+    if isinstance(cluster, MixedClusterSpec) and (nodes is not None or gpus is not None):
+        raise SpecError("--gpus" if gpus is not None else "--nodes",
+                        f"{cluster.name} is a mixed cluster: its size is its groups' num_nodes "
+                        "(give --cluster with a resized cluster file)")
     if nodes is not None and gpus is not None:
         raise SpecError("--gpus", "give --nodes or --gpus, not both")
     if nodes is not None:
@@ -170,7 +174,9 @@ def _nearest_plan(problem: Problem, rules: Rules, top: int, reason: str,
                  f"batches tried plans either", problem, rules)
 
 
-def _sized(cluster: ClusterSpec) -> str:
+def _sized(cluster: ClusterSpec | MixedClusterSpec) -> str:
+    if isinstance(cluster, MixedClusterSpec):
+        return f"{cluster.num_gpus} GPUs ({' + '.join(_sized(g) for g in cluster.groups)})"
     nodes = f"{cluster.num_nodes} node{'s' if cluster.num_nodes != 1 else ''}"
     return f"{cluster.num_gpus} GPUs ({nodes} of {cluster.gpus_per_node} {cluster.gpu.name})"
 

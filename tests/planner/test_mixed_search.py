@@ -140,3 +140,23 @@ def test_cost_objective_on_a_mixed_cluster(tmp_path):
     costs = [cost_energy(p.cluster, c.strategy, c.estimate).cost_per_step_usd for c in result.pareto]
     best = cost_energy(p.cluster, result.best.strategy, result.best.estimate).cost_per_step_usd
     assert best == pytest.approx(min(costs))
+
+
+def test_mixed_plans_elsewhere_in_the_cli(tmp_path):
+    """export says what the engine cannot hold; replan cannot resize a mixed cluster;
+    evaluate refuses one (a configuration does not place ranks on groups)."""
+    runner = CliRunner()
+    plan_file = tmp_path / "plan.json"
+    ok = runner.invoke(main, ["plan", "--model", "llama2-7b", "--cluster", write_fast_slow(tmp_path),
+                              "--global-batch", "64", "--seq", "2048", "--fix", "pp=2", "-o", str(plan_file)])
+    assert ok.exit_code == 0, ok.output
+    exported = runner.invoke(main, ["export", str(plan_file), "--to", "megatron"])
+    assert exported.exit_code == 0 and "megatron has no device groups" in exported.output
+    assert "pipeline ranks 0 on" in exported.output
+    resize = runner.invoke(main, ["replan", str(plan_file), "--gpus", "32"])
+    assert resize.exit_code == 2 and "--gpus" in resize.output and "mixed cluster" in resize.output
+    config = tmp_path / "ds.json"
+    config.write_text('{"train_batch_size": 64, "train_micro_batch_size_per_gpu": 1}')
+    refused = runner.invoke(main, ["evaluate", "--from", "deepspeed", str(config), "--model", "llama2-7b",
+                                   "--cluster", "mixed-h100-a100", "--seq", "2048"])
+    assert refused.exit_code == 2 and "--cluster" in refused.output and "Traceback" not in refused.output
