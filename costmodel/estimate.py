@@ -512,7 +512,8 @@ def estimate_ranks(problem: Problem, strategy: Strategy, rank_costs: list[tuple[
     optimizer_s = max(optimizer_step_s(p, u, strategy, r) for r, (p, u) in enumerate(rank_costs))
     memories = [rank_memory(p, u, strategy, r) for r, (p, u) in enumerate(rank_costs)]
     model_flops = model_flops_per_step(problem.model, problem.training.global_batch, problem.training.seq_len)
-    peak = sum(p.cluster.gpu.peak_for(problem.training.precision) for p, _ in rank_costs) / pp
+    peaks = [p.cluster.gpu.peak_for(problem.training.precision) for p, _ in rank_costs]
+    peak = peaks[0] if len(set(peaks)) == 1 else sum(peaks) / pp   # the mean device's, on a mixed cluster
     return step_estimate(problem, strategy, works, pipelined, dp_exposed, optimizer_s, memories,
                          model_flops, model_flops + recompute_flops(problem, strategy), peak)
 
