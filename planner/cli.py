@@ -46,7 +46,9 @@ def main() -> None:
 
 @main.command()
 @click.option("--model", "model_name", required=True, help="Built-in model (gpt3-175b, llama3-70b, ...) or a YAML/JSON spec or Hugging Face config.json path.")
-@click.option("--cluster", "cluster_name", required=True, help="Built-in cluster (dgx-a100-80gb, dgx-h100, ...) or a YAML path.")
+@click.option("--cluster", "cluster_name", required=True,
+              help="Built-in cluster (dgx-a100-80gb, dgx-h100, ...; mixed: mixed-h100-a100, ...) or a YAML path. "
+                   "A mixed cluster (groups of node types) is sized by its file: no --nodes/--gpus.")
 @click.option("--nodes", type=str, default=None, help="Number of nodes.")
 @click.option("--gpus", type=str, default=None, help="Number of GPUs (instead of --nodes).")
 @click.option("--global-batch", required=True, type=str, help="Global batch in sequences.")
