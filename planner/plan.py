@@ -57,7 +57,10 @@ def candidate_dict(candidate: Candidate, cluster: ClusterSpec | None = None) -> 
     """A candidate's strategy and estimate; given a cluster with a price or power
     figures, also its "cost_energy" (costmodel.energy), which plans of unpriced
     clusters never carry."""
-    out = {"strategy": strategy_dict(candidate.strategy), "estimate": asdict(candidate.estimate),
+    estimate = asdict(candidate.estimate)
+    if not estimate["replica_time_s"]:
+        del estimate["replica_time_s"]   # set for replica groups only; other plans keep their bytes
+    out = {"strategy": strategy_dict(candidate.strategy), "estimate": estimate,
            "partition_gap": candidate.gap}
     figures = cost_energy(cluster, candidate.strategy, candidate.estimate).as_dict() if cluster else {}
     if figures:
@@ -136,7 +139,7 @@ def read_plan(path: str | Path) -> dict:
     if fingerprint(model) != doc["model_fingerprint"]:
         raise SpecError("plan.model_fingerprint", "does not match the model spec in the file")
     strategy_of(doc)
-    names = {f.name for f in fields(Estimate)}
+    names = {f.name for f in fields(Estimate) if f.name != "replica_time_s"}
     missing = sorted(names - set(doc["estimate"]))
     if missing:
         raise SpecError(f"plan.estimate.{missing[0]}", "missing")

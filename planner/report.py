@@ -86,11 +86,11 @@ def explain_tables(doc: dict) -> tuple[list[str], list[tuple[str, list[str], lis
     ]
     if s.get("replica_groups"):
         rows, first = [], 0
-        for (name, m, t), run in itertools.groupby(zip(s["replica_groups"], s["replica_microbatches"],
-                                                       e["replica_time_s"])):
+        times = e.get("replica_time_s") or [None] * len(s["replica_groups"])   # absent in hand-made plans
+        for (name, m, t), run in itertools.groupby(zip(s["replica_groups"], s["replica_microbatches"], times)):
             count = len(list(run))
             label = str(first) if count == 1 else f"{first}-{first + count - 1}"
-            rows.append([label, name, str(m), f"{t:.3f}"])
+            rows.append([label, name, str(m), "-" if t is None else f"{t:.3f}"])
             first += count
         tables.append(("Replicas", ["replicas", "group", "micro-batches each", "seconds per step"], rows))
     return lines, tables
