@@ -144,14 +144,21 @@ def _group_units(problem: Problem, group: ClusterSpec, s: Strategy, cache: dict)
     return cache[key]
 
 
+def _relaxed(problem: Problem, rules: Rules, s: Strategy, cache: dict) -> tuple[UnitCosts, float]:
+    """The placement relaxed to one device: the termwise least unit costs of its groups
+    and the largest usable memory among them. Every bound of `planner.bounds` on it is
+    a bound of the placement (no rank is faster or holds more)."""
+    cluster: MixedClusterSpec = problem.cluster
+    groups = [cluster.group(n) for n in dict.fromkeys(s.stage_groups or s.replica_groups)]
+    units = fastest_units([_group_units(problem, g, s, cache) for g in groups])
+    usable = max(usable_memory_bytes(replace(problem, cluster=g), rules.memory_headroom) for g in groups)
+    return units, usable
+
+
 def _bound_s(problem: Problem, rules: Rules, s: Strategy, modes: tuple[str, ...], cache: dict) -> tuple[float, float]:
     """(lower bound of the step time, of the fullest rank's memory minus the largest
     usable memory of the groups) of a placed strategy; memory > 0 cannot fit."""
-    cluster: MixedClusterSpec = problem.cluster
-    names = dict.fromkeys(s.stage_groups or s.replica_groups)
-    groups = [cluster.group(n) for n in names]
-    units = fastest_units([_group_units(problem, g, s, cache) for g in groups])
-    usable = max(usable_memory_bytes(replace(problem, cluster=g), rules.memory_headroom) for g in groups)
+    units, usable = _relaxed(problem, rules, s, cache)
     b = bounds.quick(problem, units, s, modes, usable)
     return b.time_s, b.memory_bytes - usable
 
@@ -255,8 +262,13 @@ def search_mixed(problem: Problem, rules: Rules, top: int = 3,
         kth = _metric(problem, found[top - 1], objective) if prune else None
         if prune and primary >= kth:
             break
-        solves += 1
         scale = _bound_scale(problem, s, objective)
+        if prune and objective != "memory" and scale > 0:
+            # The tighter bound that balances layers under memory (planner.search does the same).
+            units, usable = _relaxed(problem, rules, s, cache)
+            if bounds.balanced(problem, units, s, modes, usable) * scale >= kth:
+                continue
+        solves += 1
         # A partition slower than kth / scale cannot enter the top (as in planner.search).
         cutoff = kth / scale if prune and objective != "memory" and scale > 0 else None
         if s.replica_groups:
