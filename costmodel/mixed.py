@@ -63,21 +63,27 @@ def plain(strategy: Strategy) -> Strategy:
     return replace(strategy, stage_groups=(), replica_groups=(), replica_microbatches=())
 
 
+def group_units(problem: Problem, group: ClusterSpec, strategy: Strategy,
+                cache: dict | None = None) -> tuple[Problem, UnitCosts]:
+    """`group`'s problem and the strategy's unit costs on it, kept in `cache` by what
+    `unit_costs` depends on (not the schedule, vpp or micro-batch count)."""
+    s = plain(strategy)
+    key = (group.name, s.dp, s.tp, s.pp, s.micro_batch_size, s.ep, s.zero_stage, s.sequence_parallel)
+    if cache is None or key not in cache:
+        p = group_problem(problem, group)
+        pair = (p, unit_costs(p, s))
+        if cache is None:
+            return pair
+        cache[key] = pair
+    return cache[key]
+
+
 def stage_rank_costs(problem: Problem, strategy: Strategy,
                      cache: dict | None = None) -> list[tuple[Problem, UnitCosts]]:
     """(problem, unit costs) of each pipeline rank of a stage-group strategy."""
     cluster: MixedClusterSpec = problem.cluster
     groups = [cluster.group(name) for name in strategy.stage_groups]
-    base = plain(strategy)
-    cache = {} if cache is None else cache
-    pairs = []
-    for g in groups:
-        key = (g.name, base.dp, base.tp, base.pp, base.micro_batch_size, base.ep, base.zero_stage,
-               base.sequence_parallel)
-        if key not in cache:
-            p = group_problem(problem, g)
-            cache[key] = (p, unit_costs(p, base))
-        pairs.append(cache[key])
+    pairs = [group_units(problem, g, strategy, cache) for g in groups]
     p2p_s = max(u.p2p_s for _, u in pairs)
     for r in range(strategy.pp - 1):
         if groups[r].name != groups[r + 1].name:

@@ -31,8 +31,8 @@ from collections.abc import Callable
 from dataclasses import fields, replace
 
 from costmodel.energy import CostEnergy, cost_energy
-from costmodel.estimate import UnitCosts, Work, estimate_ranks, unit_costs
-from costmodel.mixed import estimate_replicas, replica_microbatch_s, replica_shares, stage_rank_costs
+from costmodel.estimate import UnitCosts, Work, estimate_ranks
+from costmodel.mixed import estimate_replicas, group_units, replica_microbatch_s, replica_shares, stage_rank_costs
 from costmodel.specs import ClusterSpec, MixedClusterSpec, Problem
 from costmodel.strategy import Strategy, even_stages
 from planner import bounds
@@ -45,12 +45,11 @@ from planner.search import (
     SearchStats,
     _budget_reason,
     _check_specs,
-    _metric,
     _order_key,
     _over_budget,
     _score,
+    kth_best,
     pareto_front,
-    unit_key,
 )
 from planner.space import Exclusions, _tp_options, divisors, enumerate_space, recompute_modes
 
@@ -136,21 +135,13 @@ def fastest_units(units: list[UnitCosts]) -> UnitCosts:
     return UnitCosts(**{f.name: least([getattr(u, f.name) for u in units]) for f in fields(UnitCosts)})
 
 
-def _group_units(problem: Problem, group: ClusterSpec, s: Strategy, cache: dict) -> UnitCosts:
-    base = replace(s, stage_groups=(), replica_groups=(), replica_microbatches=())
-    key = (group.name, unit_key(base))
-    if key not in cache:
-        cache[key] = unit_costs(replace(problem, cluster=group), base)
-    return cache[key]
-
-
 def _relaxed(problem: Problem, rules: Rules, s: Strategy, cache: dict) -> tuple[UnitCosts, float]:
     """The placement relaxed to one device: the termwise least unit costs of its groups
     and the largest usable memory among them. Every bound of `planner.bounds` on it is
     a bound of the placement (no rank is faster or holds more)."""
     cluster: MixedClusterSpec = problem.cluster
     groups = [cluster.group(n) for n in dict.fromkeys(s.stage_groups or s.replica_groups)]
-    units = fastest_units([_group_units(problem, g, s, cache) for g in groups])
+    units = fastest_units([group_units(problem, g, s, cache)[1] for g in groups])
     usable = max(usable_memory_bytes(replace(problem, cluster=g), rules.memory_headroom) for g in groups)
     return units, usable
 
@@ -225,13 +216,11 @@ def search_mixed(problem: Problem, rules: Rules, top: int = 3,
     modes = recompute_modes(problem, rules)
     budgeted = any(getattr(rules, key) is not None for key in BUDGETS)
     placed: list[Strategy] = []
-    space_size = 0
     last_why = None
     for groups in group_sets(cluster):
         if every_group and len(groups) < len(cluster.groups):
             continue
         space, why = enumerate_space(replace(problem, cluster=stand_in(groups)), rules)
-        space_size += len(space)
         last_why = why
         for s in space:
             placed += [replace(s, stage_groups=names) for names in stage_placements(groups, s)]
@@ -254,12 +243,11 @@ def search_mixed(problem: Problem, rules: Rules, top: int = 3,
     evaluated: list[Candidate] = []
     dropped: list[tuple[tuple[str, ...], CostEnergy, Strategy]] = []
     solves = infeasible = 0
-    rank_cache: dict = {}
     for done, (primary, _, s) in enumerate(scored):
         if progress:
             progress(done, len(scored))
-        prune = len(found) >= top and not pareto
-        kth = _metric(problem, found[top - 1], objective) if prune else None
+        kth = kth_best(problem, found, top, pareto, objective)
+        prune = kth is not None
         if prune and primary >= kth:
             break
         scale = _bound_scale(problem, s, objective)
@@ -274,7 +262,7 @@ def search_mixed(problem: Problem, rules: Rules, top: int = 3,
         if s.replica_groups:
             candidate = solve_replicas(problem, rules, s, modes)
         else:
-            rank_costs = stage_rank_costs(problem, s, rank_cache)
+            rank_costs = stage_rank_costs(problem, s, cache)
             solution = solve_partition(problem, rank_costs[0][1], s, modes, rules.memory_headroom,
                                        rules.max_stage_imbalance,
                                        "memory" if objective == "memory" else "time", cutoff, rank_costs)

@@ -164,6 +164,14 @@ def _budget_reason(rules: Rules, dropped: list[tuple[tuple[str, ...], CostEnergy
             f"({len(dropped)} plans tried)", f"drop one of {', '.join(BUDGETS[k] for k in keys)}")
 
 
+def kth_best(problem: Problem, found: list[Candidate], top: int, pareto: bool, objective: str) -> float | None:
+    """The objective figure of the K-th best plan found so far, once there are K (and
+    the search prunes: not when it gathers the Pareto front); None before."""
+    if len(found) < top or pareto:
+        return None
+    return _metric(problem, found[top - 1], objective)
+
+
 def pareto_front(problem: Problem, candidates: list[Candidate]) -> tuple[Candidate, ...]:
     """The candidates no other candidate beats on all of step time, cost and energy per
     step (at least as good on all three, better on one), by step time."""
@@ -226,8 +234,8 @@ def search(problem: Problem, rules: Rules, top: int = 3,
     for done, (primary, _, strategy) in enumerate(scored):
         if progress:
             progress(done, len(scored))
-        prune = len(found) >= top and not pareto
-        kth = _metric(problem, found[top - 1], objective) if prune else None
+        kth = kth_best(problem, found, top, pareto, objective)
+        prune = kth is not None
         if prune and primary >= kth:
             break
         units = cache[unit_key(strategy)]

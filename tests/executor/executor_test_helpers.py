@@ -73,3 +73,20 @@ def parallel_run(rank, world, model_name, strat, optimizer="adamw", steps=STEPS,
     trainer = Trainer(spec, training(optimizer, global_batch), strat, CONFIG, "cpu")
     losses = [trainer.step(x, y) for x, y in batches(spec, steps, global_batch)]
     return losses, trainer.full_state_dict()
+
+
+def assert_matches_reference(results, ref_losses, ref_params) -> None:
+    """Every rank's losses equal the single-process ones (rel 1e-5), and the weights the
+    ranks hold, gathered, equal the single-process weights (rtol 1e-4, atol 5e-5)."""
+    import pytest
+
+    for rank, (losses, _) in enumerate(results):
+        assert losses == pytest.approx(ref_losses, rel=1e-5), f"rank {rank}"
+    gathered = {}
+    for _, params in results:
+        gathered.update(params)
+    # A tied head is the embedding; every other weight must come back from some rank.
+    expected = set(ref_params) - ({"output.weight"} if "output.weight" not in gathered else set())
+    assert set(gathered) == expected
+    for name in expected:
+        torch.testing.assert_close(gathered[name], ref_params[name], rtol=1e-4, atol=5e-5, msg=name)

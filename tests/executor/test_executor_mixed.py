@@ -25,7 +25,7 @@ from executor.data import SyntheticTokens, replica_shard
 from executor.parallelize import UnsupportedPlan, check_supported
 from executor.run import is_cpu_hardware, rank_group
 from executor.train import Trainer
-from executor_test_helpers import CONFIG, batches, parallel_run, reference_run, run_ranks, training
+from executor_test_helpers import assert_matches_reference, CONFIG, batches, parallel_run, reference_run, run_ranks, training
 from planner.api import plan
 from planner.cli import main as cli
 from planner.plan import cluster_dict, strategy_dict, write_plan
@@ -72,16 +72,7 @@ def reference(model):
 
 def check_parity(model, strat):
     ref_losses, ref_params = reference(model)
-    results = run_ranks(parallel_run, strat.num_gpus, model, strat, "adamw", STEPS, BATCH)
-    for rank, (losses, _) in enumerate(results):
-        assert losses == pytest.approx(ref_losses, rel=1e-5), f"rank {rank}"
-    gathered = {}
-    for _, params in results:
-        gathered.update(params)
-    expected = set(ref_params) - ({"output.weight"} if "output.weight" not in gathered else set())
-    assert set(gathered) == expected
-    for name in expected:
-        torch.testing.assert_close(gathered[name], ref_params[name], rtol=1e-4, atol=5e-5, msg=name)
+    assert_matches_reference(run_ranks(parallel_run, strat.num_gpus, model, strat, "adamw", STEPS, BATCH), ref_losses, ref_params)
 
 
 @pytest.mark.parametrize("plan_name", sorted(REPLICA_PLANS))
@@ -197,18 +188,23 @@ def run_cli(*args):
     return result.exit_code, result.output
 
 
+def run_plan_file(path, tmp_path):
+    """`shardwise run` of a plan file in a fresh process: its result and metrics lines."""
+    metrics = tmp_path / "metrics.jsonl"
+    cmd = [sys.executable, "-m", "planner.cli", "run", str(path), "--steps", str(STEPS), "--lr", str(CONFIG.lr),
+           "--metrics-out", str(metrics)]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done, [json.loads(line) for line in metrics.read_text().splitlines()]
+
+
 @pytest.mark.parametrize("mode", ["replica", "stage"])
 def test_run_reports_each_rank_in_its_declared_group(mode, cpu_plan, mixed_cluster, tmp_path):
     # Stage groups in the order opposite to the cluster file's: rank 0 (pipeline rank 0)
     # runs in the slow group, as the plan says.
     strat = replicas() if mode == "replica" else staged(groups=("slow", "fast"))
     path = mixed_plan(cpu_plan, mixed_cluster, strat, tmp_path / "plan.json")
-    metrics = tmp_path / "metrics.jsonl"
-    cmd = [sys.executable, "-m", "planner.cli", "run", str(path), "--steps", str(STEPS), "--lr", str(CONFIG.lr),
-           "--metrics-out", str(metrics)]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=240)
-    assert done.returncode == 0, done.stderr[-3000:]
-    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    done, lines = run_plan_file(path, tmp_path)
     summary = lines[-1]["summary"]
     declared = ["fast", "slow"] if mode == "replica" else ["slow", "fast"]
     gpu = {"fast": "CPU", "slow": "cpu-slow"}
@@ -279,10 +275,5 @@ def test_a_plan_the_planner_made_for_a_mixed_cluster_runs_as_one_process(fix, mi
         assert sorted(s["stage_groups"]) == ["fast", "slow"]
     path = tmp_path / "plan.json"
     write_plan(doc, path)
-    metrics = tmp_path / "metrics.jsonl"
-    cmd = [sys.executable, "-m", "planner.cli", "run", str(path), "--steps", str(STEPS), "--lr", str(CONFIG.lr),
-           "--metrics-out", str(metrics)]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=240)
-    assert done.returncode == 0, done.stderr[-3000:]
-    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    done, lines = run_plan_file(path, tmp_path)
     assert [s["loss"] for s in lines[:-1]] == pytest.approx(reference("tiny-gpt")[0], rel=1e-5)

@@ -3,10 +3,9 @@ does. Five AdamW steps in fp32 on fixed synthetic data; per-step losses equal th
 single-process run within 1e-5 relative and the gathered weights equal its weights."""
 
 import pytest
-import torch
 
 from costmodel.strategy import Stage
-from executor_test_helpers import parallel_run, reference_run, run_ranks, strategy
+from executor_test_helpers import assert_matches_reference, parallel_run, reference_run, run_ranks, strategy
 
 UNEVEN = (Stage(0, 0, 0, 1), Stage(1, 1, 1, 3))
 
@@ -45,17 +44,7 @@ def reference(model):
 
 def check_parity(model, strat):
     ref_losses, ref_params = reference(model)
-    results = run_ranks(parallel_run, strat.num_gpus, model, strat)
-    for rank, (losses, _) in enumerate(results):
-        assert losses == pytest.approx(ref_losses, rel=1e-5), f"rank {rank}"
-    gathered = {}
-    for _, params in results:
-        gathered.update(params)
-    # A tied head is the embedding; every other weight must come back from some rank.
-    expected = set(ref_params) - ({"output.weight"} if "output.weight" not in gathered else set())
-    assert set(gathered) == expected
-    for name in expected:
-        torch.testing.assert_close(gathered[name], ref_params[name], rtol=1e-4, atol=5e-5, msg=name)
+    assert_matches_reference(run_ranks(parallel_run, strat.num_gpus, model, strat), ref_losses, ref_params)
 
 
 @pytest.mark.parametrize("plan", sorted(PLANS))
