@@ -30,7 +30,6 @@ import time
 from collections.abc import Callable
 from dataclasses import fields, replace
 
-from costmodel.energy import CostEnergy, cost_energy
 from costmodel.estimate import UnitCosts, Work, estimate_ranks
 from costmodel.mixed import estimate_replicas, group_units, replica_microbatch_s, replica_shares, stage_rank_costs
 from costmodel.specs import ClusterSpec, MixedClusterSpec, Problem
@@ -41,12 +40,11 @@ from planner.rules import BUDGETS, Rules
 from planner.search import (
     Candidate,
     Infeasible,
+    Kept,
     SearchResult,
     SearchStats,
-    _budget_reason,
     _check_specs,
     _order_key,
-    _over_budget,
     _score,
     kth_best,
     pareto_front,
@@ -239,9 +237,8 @@ def search_mixed(problem: Problem, rules: Rules, top: int = 3,
         primary = 0.0 if objective == "memory" else time_s * _bound_scale(problem, s, objective)
         scored.append((primary, _key(s), s))
     scored.sort(key=lambda item: item[:2])
-    found: list[Candidate] = []
-    evaluated: list[Candidate] = []
-    dropped: list[tuple[tuple[str, ...], CostEnergy, Strategy]] = []
+    kept = Kept(top, lambda c: (*_score(problem, c, objective), _key(c.strategy)), budgeted or pareto)
+    found = kept.found
     solves = infeasible = 0
     for done, (primary, _, s) in enumerate(scored):
         if progress:
@@ -272,26 +269,15 @@ def search_mixed(problem: Problem, rules: Rules, top: int = 3,
         if candidate is None:
             infeasible += cutoff is None
             continue
-        if budgeted or pareto:
-            figures = cost_energy(cluster, candidate.strategy, candidate.estimate)
-            over = _over_budget(rules, figures)
-            if over:
-                dropped.append((over, figures, candidate.strategy))
-                continue
-            evaluated.append(candidate)
-        found.append(candidate)
-        found.sort(key=lambda c: (*_score(problem, c, objective), _key(c.strategy)))
-        del found[top:]
+        kept.add(problem, rules, candidate)
     if progress:
         progress(len(scored), len(scored))
-    if not found and dropped:
-        reason, relaxation = _budget_reason(rules, dropped)
-        raise Infeasible(reason, dropped[0][2], relaxation)
+    kept.check_budgets(rules)
     if not found:
         raise Infeasible(f"no placement of {len(placed)} strategies on the groups of {cluster.name} fits "
                          f"device memory (memory_headroom {rules.memory_headroom:g}) and the rules")
     stats = SearchStats(candidates=len(placed), pruned_memory=pruned_memory,
                         pruned_bound=len(scored) - solves, ilp_solves=solves,
                         ilp_infeasible=infeasible, gap=found[0].gap, seconds=time.perf_counter() - started)
-    front = pareto_front(problem, evaluated) if pareto else ()
+    front = pareto_front(problem, kept.evaluated) if pareto else ()
     return SearchResult(found[0], tuple(found[1:]), stats, front)

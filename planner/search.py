@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from costmodel.energy import SECONDS_PER_HOUR, CostEnergy, cost_energy, energy_lower_bound_j, require
 from costmodel.estimate import Estimate, UnitCosts, estimate, unit_costs
@@ -164,6 +164,38 @@ def _budget_reason(rules: Rules, dropped: list[tuple[tuple[str, ...], CostEnergy
             f"({len(dropped)} plans tried)", f"drop one of {', '.join(BUDGETS[k] for k in keys)}")
 
 
+@dataclass
+class Kept:
+    """What a search keeps of the candidates it solves: the best `top` by `key`; with
+    `track` (budgets apply, or the Pareto front is asked for) also every candidate
+    within budget and, with the budgets they break, those over it."""
+
+    top: int
+    key: Callable[[Candidate], tuple]
+    track: bool
+    found: list[Candidate] = field(default_factory=list)
+    evaluated: list[Candidate] = field(default_factory=list)
+    dropped: list[tuple[tuple[str, ...], CostEnergy, Strategy]] = field(default_factory=list)
+
+    def add(self, problem: Problem, rules: Rules, candidate: Candidate) -> None:
+        if self.track:
+            figures = cost_energy(problem.cluster, candidate.strategy, candidate.estimate)
+            over = _over_budget(rules, figures)
+            if over:
+                self.dropped.append((over, figures, candidate.strategy))
+                return
+            self.evaluated.append(candidate)
+        self.found.append(candidate)
+        self.found.sort(key=self.key)
+        del self.found[self.top:]
+
+    def check_budgets(self, rules: Rules) -> None:
+        """Infeasible naming the binding budget when every candidate that fit broke one."""
+        if not self.found and self.dropped:
+            reason, relaxation = _budget_reason(rules, self.dropped)
+            raise Infeasible(reason, self.dropped[0][2], relaxation)
+
+
 def kth_best(problem: Problem, found: list[Candidate], top: int, pareto: bool, objective: str) -> float | None:
     """The objective figure of the K-th best plan found so far, once there are K (and
     the search prunes: not when it gathers the Pareto front); None before."""
@@ -227,9 +259,8 @@ def search(problem: Problem, rules: Rules, top: int = 3,
         scored.append((primary, _order_key(strategy), strategy))
     scored.sort(key=lambda item: item[:2])
 
-    found: list[Candidate] = []
-    evaluated: list[Candidate] = []      # every candidate within budget (for the Pareto front)
-    dropped: list[tuple[tuple[str, ...], CostEnergy, Strategy]] = []
+    kept = Kept(top, lambda c: _score(problem, c, objective), budgeted or pareto)
+    found = kept.found
     solves = infeasible = refined = 0
     for done, (primary, _, strategy) in enumerate(scored):
         if progress:
@@ -260,22 +291,11 @@ def search(problem: Problem, rules: Rules, top: int = 3,
             if closest is None:
                 closest = (float("inf"), strategy)
             continue
-        candidate = Candidate(solution.strategy, estimate(problem, solution.strategy, units), solution.gap)
-        if budgeted or pareto:
-            figures = cost_energy(problem.cluster, candidate.strategy, candidate.estimate)
-            over = _over_budget(rules, figures)
-            if over:
-                dropped.append((over, figures, candidate.strategy))
-                continue
-            evaluated.append(candidate)
-        found.append(candidate)
-        found.sort(key=lambda c: _score(problem, c, objective))
-        del found[top:]
+        kept.add(problem, rules, Candidate(solution.strategy, estimate(problem, solution.strategy, units),
+                                           solution.gap))
     if progress:
         progress(len(scored), len(scored))
-    if not found and dropped:
-        reason, relaxation = _budget_reason(rules, dropped)
-        raise Infeasible(reason, dropped[0][2], relaxation)
+    kept.check_budgets(rules)
     if not found:
         raise Infeasible(_memory_reason(problem, rules, closest[1] if closest else space[0], modes),
                          closest[1] if closest else space[0])
@@ -284,7 +304,7 @@ def search(problem: Problem, rules: Rules, top: int = 3,
         ilp_solves=solves, ilp_infeasible=infeasible, gap=found[0].gap,
         seconds=time.perf_counter() - started,
     )
-    front = pareto_front(problem, evaluated) if pareto else ()
+    front = pareto_front(problem, kept.evaluated) if pareto else ()
     return SearchResult(found[0], tuple(found[1:]), stats, front)
 
 
