@@ -90,7 +90,8 @@ def auto_parallelize(model: nn.Module, plan: dict | str | None = None, *, cluste
         example = (torch.zeros(1, seq, dtype=torch.long, device="meta"),)
         # What DecoderTrainer does not run is kept out of the search (the user's pins win).
         pins = dict(fix or {}) if builtin else {"sp": False, "vpp": 1, **(fix or {})}
-        precision = "fp32" if next(model.parameters()).dtype == torch.float32 else "bf16"
+        # A float64 model (debugging numerics) is priced as fp32, the nearest the cost model knows.
+        precision = "fp32" if next(model.parameters()).dtype in (torch.float32, torch.float64) else "bf16"
         if builtin:
             plan = plan_model(model, example, cluster=cluster, gpus=dist.get_world_size(), global_batch=global_batch,
                               precision=precision, rules=rules, fix=pins, top=1)
@@ -162,8 +163,10 @@ class BuiltinTrainer:
         from costmodel.specs import TrainingSpec
 
         training = TrainingSpec(**plan["training"])
-        # The user's optimizer runs the update as it is: no clipping, no schedule.
-        self.trainer = Trainer(model.spec, training, strategy, TrainConfig(grad_clip=float("inf")), device)
+        # The user's optimizer runs the update as it is: no clipping, no schedule; the
+        # weights keep the model's dtype (float64 included).
+        config = TrainConfig(grad_clip=float("inf"), dtype=next(model.parameters()).dtype)
+        self.trainer = Trainer(model.spec, training, strategy, config, device)
         self.load_state_dict(model.state_dict())
         self.trainer.optimizer = optimizer(self.trainer._parameters())
         self.trainer.scheduler = torch.optim.lr_scheduler.LambdaLR(self.trainer.optimizer, lambda _: 1.0)
@@ -276,6 +279,7 @@ class DecoderTrainer:
         self.loss_fn = loss_fn or (lambda logits, labels: lm.loss_function(logits=logits, labels=labels,
                                                                              vocab_size=vocab))
         self.hidden_size, self.vocab_size = lm.get_input_embeddings().weight.shape[1], vocab
+        self.dtype = lm.get_input_embeddings().weight.dtype   # of the hidden states stages exchange
         self.tied = lm.get_output_embeddings().weight is lm.get_input_embeddings().weight
         self.tied_group = tied_ends_group(self.mesh) if self.tied and strategy.pp > 1 else None
         self.renamed: dict[str, str] = {}       # stage parameter name -> the model's
@@ -409,9 +413,10 @@ class DecoderTrainer:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
         s, b, t = self.strategy, self.strategy.micro_batch_size, self.seq_len
-        hidden = torch.empty(b, t, self.hidden_size, device="meta", requires_grad=True)
+        hidden = torch.empty(b, t, self.hidden_size, dtype=self.dtype, device="meta", requires_grad=True)
         example_in = torch.zeros(b, t, dtype=torch.long, device="meta") if self.is_first else hidden
-        example_out = torch.empty(b, t, self.vocab_size, device="meta", requires_grad=True) if self.is_last else hidden
+        example_out = (torch.empty(b, t, self.vocab_size, dtype=self.dtype, device="meta", requires_grad=True)
+                       if self.is_last else hidden)
         stage = PipelineStage(self.module, self.pp_rank, s.pp, self.device, input_args=example_in,
                               output_args=example_out, group=self.mesh["pp"].get_group())
         cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[s.schedule]
@@ -438,7 +443,7 @@ class DecoderTrainer:
             self.schedule.step(*((inputs,) if self.is_first else ()),
                                **(dict(target=labels, losses=losses) if self.is_last else {}))
             return torch.stack([l.detach() for l in losses]).mean() if self.is_last else None
-        total = torch.zeros((), device=self.device)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
         for i, (x, y) in enumerate(zip(inputs.chunk(s.num_microbatches), labels.chunk(s.num_microbatches))):
             last = i == s.num_microbatches - 1
             if isinstance(self.module, DDP) and not last:

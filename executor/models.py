@@ -40,10 +40,14 @@ class RMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
-def rope_tables(seq_len: int, head_dim: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of RoPE (Su et al. 2021, RoFormer eq. 34), [seq_len, head_dim / 2]."""
-    inv = 1.0 / ROPE_THETA ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv)
+def rope_tables(seq_len: int, head_dim: int, device=None,
+                dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of RoPE (Su et al. 2021, RoFormer eq. 34), [seq_len, head_dim / 2].
+    Computed in float32 at least (bf16 angles would be off by whole radians at long
+    positions), in float64 for a float64 model."""
+    dtype = torch.promote_types(dtype, torch.float32)
+    inv = 1.0 / ROPE_THETA ** (torch.arange(0, head_dim, 2, device=device, dtype=dtype) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=dtype), inv)
     return angles.cos(), angles.sin()
 
 
@@ -241,11 +245,12 @@ class Transformer(nn.Module):
         return x
 
 
-def build_model(spec: ModelSpec, seq_len: int | None = None, device: str | torch.device = "meta") -> Transformer:
+def build_model(spec: ModelSpec, seq_len: int | None = None, device: str | torch.device = "meta",
+                dtype: torch.dtype = torch.float32) -> Transformer:
     """The whole model, by default on the meta device (no memory): parallelize, then
-    `materialize`."""
+    `materialize`. `dtype` is the weights' (float64 to debug a numerical difference)."""
     with torch.device(device):
-        return Transformer(spec, seq_len)
+        return Transformer(spec, seq_len).to(dtype)
 
 
 def canonical_name(name: str) -> str:
@@ -293,7 +298,7 @@ def materialize(model: Transformer, device: str | torch.device, seed: int = 0) -
             param.copy_(full[first:last])
         else:
             param.copy_(initial_value(name, param.shape, seed, tied))
-    cos, sin = rope_tables(model.seq_len, model.spec.head_dim, device=device)
+    cos, sin = rope_tables(model.seq_len, model.spec.head_dim, device=device, dtype=model.rope_cos.dtype)
     model.rope_cos.copy_(cos)
     model.rope_sin.copy_(sin)
     return model

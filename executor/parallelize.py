@@ -95,9 +95,10 @@ def check_replica_shares(strategy: Strategy) -> None:
                               f"so replicas running {list(counts)} micro-batches cannot meet; plan with ep 1")
 
 
-def stage_module(spec: ModelSpec, seq_len: int, stage: Stage | None, num_stages: int) -> Transformer:
+def stage_module(spec: ModelSpec, seq_len: int, stage: Stage | None, num_stages: int,
+                 dtype: torch.dtype = torch.float32) -> Transformer:
     """The model on the meta device, keeping only what `stage` holds (all of it when None)."""
-    model = build_model(spec, seq_len)
+    model = build_model(spec, seq_len, dtype=dtype)
     if stage is None:
         return model
     model.untie()   # the ends sit on different ranks
@@ -205,7 +206,7 @@ def apply_expert_parallel(model: Transformer, ep_mesh: DeviceMesh) -> None:
         moe.expert_range = (rank * local, (rank + 1) * local)
         for name in ("w1", "w2", "w3"):
             full = getattr(moe, name)
-            setattr(moe, name, nn.Parameter(torch.empty((local, *full.shape[1:]), device=full.device)))
+            setattr(moe, name, nn.Parameter(full.new_empty((local, *full.shape[1:]))))
         moe.dispatch = dispatch
 
 

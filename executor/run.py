@@ -37,7 +37,6 @@ import re
 import sys
 import time
 import traceback
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -190,6 +189,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--keep-last", type=int, default=3)
     parser.add_argument("--resume", default=None)
     parser.add_argument("--on-nonfinite", choices=("stop", "skip"), default="stop")
+    parser.add_argument("--fp64", action="store_true", help="Weights, activations, gradients and optimizer "
+                                                            "states in float64, no autocast.")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="torch.use_deterministic_algorithms(True): the same run twice gives the same bits.")
     return parser.parse_args(argv)
 
 
@@ -218,6 +221,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {err}", file=sys.stderr)
         leave_exit_code(EXIT_BAD_INPUT, rank)
         return EXIT_BAD_INPUT
+    if args.deterministic:
+        # cuBLAS needs a fixed workspace for repeatable results (CUDA docs, "Results
+        # reproducibility"); set before the first CUDA call.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
     device = device_for_rank(placement.device_type)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                             timeout=datetime.timedelta(seconds=args.timeout_s))
@@ -289,13 +297,14 @@ def resume(trainer: Trainer, job: RunJob, args: argparse.Namespace, rank: int) -
 def train(job: RunJob, args: argparse.Namespace, source, device: torch.device, rank: int,
           placement: RankGroup) -> None:
     training = job.training
-    if device.type == "cpu" and training.precision != "fp32":
-        training = TrainingSpec(**{**job.plan["training"], "precision": "fp32"})   # CPU runs in fp32
+    if (device.type == "cpu" or args.fp64) and training.precision != "fp32":
+        # CPU runs in fp32 (few CPUs have fast bf16 matmuls); fp64 runs without autocast.
+        training = TrainingSpec(**{**job.plan["training"], "precision": "fp32"})
     config = TrainConfig(lr=args.lr, warmup_steps=args.warmup_steps, total_steps=args.steps,
-                         grad_clip=args.grad_clip, seed=args.seed)
+                         grad_clip=args.grad_clip, seed=args.seed,
+                         dtype=torch.float64 if args.fp64 else torch.float32)
+    # The trainer autocasts to the plan's bf16 / fp16 itself (Trainer.autocast).
     trainer = Trainer(job.model, training, job.strategy, config, device)
-    autocast = (torch.autocast("cuda", dtype=torch.bfloat16 if training.precision == "bf16" else torch.float16)
-                if device.type == "cuda" and training.precision != "fp32" else nullcontext())
     # Each rank says where it runs, as it resolved it from the plan: the summary shows
     # that rank r ran in the group the plan declares.
     ranks = [None] * dist.get_world_size()
@@ -320,8 +329,7 @@ def train(job: RunJob, args: argparse.Namespace, source, device: torch.device, r
             torch.cuda.synchronize()
         start = time.perf_counter()
         try:
-            with autocast:
-                loss = trainer.step(inputs, targets)   # ends in an all-reduce: every rank is done
+            loss = trainer.step(inputs, targets)   # ends in an all-reduce: every rank is done
         except RuntimeError as err:
             if not is_collective_failure(err):
                 raise

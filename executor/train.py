@@ -44,7 +44,11 @@ from executor.parallelize import (
 @dataclass(frozen=True)
 class TrainConfig:
     """Optimizer and schedule settings (GPT-3's recipe, Brown et al. 2020 §B: Adam
-    beta2 0.95, weight decay 0.1, clipping at 1.0, warm-up then cosine to 10%)."""
+    beta2 0.95, weight decay 0.1, clipping at 1.0, warm-up then cosine to 10%), and the
+    dtype of weights, gradients and optimizer states: float32, or float64 to tell a
+    numerical difference from a bug (a layout's summation order then moves results by
+    ~1e-16 relative, not ~1e-7). Autocast (the plan's bf16 / fp16) lowers the matmuls
+    of either."""
 
     lr: float = 1e-3
     warmup_steps: int = 2
@@ -55,6 +59,7 @@ class TrainConfig:
     momentum: float = 0.9
     grad_clip: float = 1.0
     seed: int = 0
+    dtype: torch.dtype = torch.float32
 
 
 def lr_factor(config: TrainConfig, step: int) -> float:
@@ -139,7 +144,7 @@ class Trainer:
 
     def _build(self, stage) -> nn.Module:
         s = self.strategy
-        model = stage_module(self.spec, self.training.seq_len, stage, s.num_virtual_stages)
+        model = stage_module(self.spec, self.training.seq_len, stage, s.num_virtual_stages, self.config.dtype)
         if s.tp > 1:
             model.untie()
         apply_recompute(model, stage, s)
@@ -166,6 +171,25 @@ class Trainer:
     def _parameters(self):
         return [p for m in self.modules for p in m.parameters()]
 
+    @property
+    def activation_dtype(self) -> torch.dtype:
+        """The residual stream's dtype, which pipeline stages exchange: the weights'
+        (under autocast the matmuls run lower, but each residual add is in this dtype)."""
+        return self.config.dtype
+
+    def autocast(self):
+        """The plan's mixed precision: matmuls in bf16 / fp16 under torch.autocast,
+        weights, gradients and optimizer states in `config.dtype`."""
+        lower = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.training.precision)
+        if lower is None or self.config.dtype == torch.float64:
+            return nullcontext()
+        # No cache of weight casts: one autocast region spans every micro-batch of a
+        # step, and under FSDP2's accumulation a cast cached in the first micro-batch
+        # gave the later ones wrong gradients (tiny-gpt, ZeRO-2/3 with 2 micro-batches,
+        # bf16: losses 3e-3 off one process's from the second step; tests/executor/
+        # test_executor_parity.py). Each weight is cast once per forward either way.
+        return torch.autocast(self.device.type, dtype=lower, cache_enabled=False)
+
     def _models(self) -> list[nn.Module]:
         """This rank's model parts, without their DDP wrappers."""
         return [m.module if isinstance(m, DDP) else m for m in self.modules]
@@ -183,15 +207,16 @@ class Trainer:
         s, b, t = self.strategy, self.strategy.micro_batch_size, self.training.seq_len
         h, v = self.spec.hidden_size, self.spec.vocab_size
         local_t = t // s.tp if s.sequence_parallel else t
+        dtype = self.activation_dtype
         stages = []
         for module, inner in zip(self.modules, self._models()):
             index = inner.stage.index
             first, last = index == 0, index == s.num_virtual_stages - 1
             # Shapes given up front (pipelining's static metadata): no shape-inference
             # pass. Hidden states carry gradients between stages; token ids do not.
-            hidden = torch.empty(b, local_t, h, device="meta", requires_grad=True)
+            hidden = torch.empty(b, local_t, h, dtype=dtype, device="meta", requires_grad=True)
             example_in = torch.zeros(b, t, dtype=torch.long, device="meta") if first else hidden
-            example_out = torch.empty(b, t, v // s.tp, device="meta", requires_grad=True) if last else hidden
+            example_out = torch.empty(b, t, v // s.tp, dtype=dtype, device="meta", requires_grad=True) if last else hidden
             stages.append(PipelineStage(module, index, s.num_virtual_stages, self.device,
                                         input_args=example_in, output_args=example_out,
                                         group=self.mesh["pp"].get_group()))
@@ -210,7 +235,7 @@ class Trainer:
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         """Forward and backward of this rank's share; the mean loss on the last stage."""
         s = self.strategy
-        with loss_parallel() if s.tp > 1 else nullcontext():
+        with loss_parallel() if s.tp > 1 else nullcontext(), self.autocast():
             if self.schedule is not None:
                 losses = []
                 first = any(m.stage.index == 0 for m in self._models())
@@ -218,7 +243,7 @@ class Trainer:
                                    **(dict(target=targets, losses=losses) if self.is_last else {}))
                 return torch.stack([self._plain(l.detach()) for l in losses]).mean() if self.is_last else None
             model = self.modules[0]
-            total = torch.zeros((), device=self.device)
+            total = torch.zeros((), dtype=torch.float64, device=self.device)
             count = s.replica_share(self.dp_rank)[1]
             # DDP and FSDP average gradients over dp. Dividing each micro-batch's loss
             # by an average replica's micro-batch count (all micro-batches / dp) makes
@@ -231,7 +256,7 @@ class Trainer:
                     self._accumulate(stack, model, last)
                     loss = cross_entropy(model(x), y)
                     (loss / per_replica).backward()
-                total += self._plain(loss.detach())
+                total += self._plain(loss.detach()).double()
             return total / count
 
     def _accumulate(self, stack: ExitStack, model: nn.Module, last: bool) -> None:

@@ -520,9 +520,16 @@ def evaluate(source, model_name, cluster_name, nodes, gpus, global_batch, seq, p
               help="A step with a non-finite loss or gradient: stop the run (exit 4) or skip its update.")
 @click.option("--timeout-s", default="600", show_default=True,
               help="Seconds a collective may wait for a peer before the run fails naming the rank (exit 5).")
+@click.option("--fp64", is_flag=True,
+              help="Train in float64 (weights, activations, gradients, optimizer states; no autocast) from the "
+                   "same initial weights: a layout's other summation order then moves the losses by ~1e-15, "
+                   "so a larger difference from a one-process run is a bug, not rounding.")
+@click.option("--deterministic", is_flag=True,
+              help="torch.use_deterministic_algorithms(True): kernels without a deterministic form fail "
+                   "instead of varying from run to run.")
 def run(plan_file, steps, model_name, data, seed, lr, metrics_out, nproc_per_node, nnodes, node_rank,
         rdzv_endpoint, rdzv_id, checkpoint_dir, checkpoint_every, keep_last, resume, max_restarts, on_nonfinite,
-        timeout_s) -> None:
+        timeout_s, fp64, deterministic) -> None:
     """Train with a plan: torchrun starts one process per GPU (or CPU rank, gloo),
     each builds its share of the model (DTensor TP, pipeline stages, DDP/FSDP) and
     trains; rank 0 prints progress and the measured figures beside the estimate.
@@ -564,6 +571,7 @@ def run(plan_file, steps, model_name, data, seed, lr, metrics_out, nproc_per_nod
             worker += ["--model", model_name]
         if metrics_out:
             worker += ["--metrics-out", metrics_out]
+        worker += ["--fp64"] * fp64 + ["--deterministic"] * deterministic
     except SpecError as err:
         _fail(EXIT_BAD_INPUT, str(err))
     sys.exit(run_torchrun(launch, worker))

@@ -1,9 +1,9 @@
 """Traced layer graphs: the built-in families traced on the meta device equal their
 analytic graphs; DAG models (skip connections, encoder-decoder) trace into graphs whose
-edges follow the data; a 70B model traces in seconds without memory."""
+edges follow the data; a 70B model traces on the meta device without memory (its time
+is bench/trace_time.py's)."""
 
 import resource
-import time
 
 import networkx as nx
 import pytest
@@ -144,15 +144,16 @@ def test_encoder_decoder_links_the_encoder_output_to_every_decoder_layer():
     assert list(nx.topological_sort(graph))[:2] == ["encoder.0", "encoder.1"]
 
 
-def test_a_70b_llama_traces_in_seconds_without_memory():
+def test_a_70b_llama_traces_without_memory():
     spec = load_model("llama3-70b")
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    start = time.perf_counter()
     model = build_model(spec, 1024)
     graph = trace_module(model, (torch.randint(0, spec.vocab_size, (1, 1024), device="meta"),))
-    seconds = time.perf_counter() - start
     grown_bytes = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024
-    assert seconds < 30 and grown_bytes < 2 << 30
+    # 140 GB of bf16 weights never exist: the trace holds shapes, not tensors.
+    assert grown_bytes < 2 << 30
+    # One node per layer and per end: the graph grows with the model's modules, not its size.
+    assert graph.number_of_nodes() == spec.num_hidden_layers + 3
     assert sum(graph.nodes[n]["parameters"] for n in graph) == 70_553_706_496
     assert len(repeats(graph)[graph.nodes["layers.0"]["signature"]]) == 80
 

@@ -20,10 +20,14 @@ SEQ_LEN = 16
 GLOBAL_BATCH = 8
 STEPS = 5
 CONFIG = TrainConfig(lr=3e-3, warmup_steps=2, total_steps=5)
+# Parity runs in float64: a layout sums in another order than one process, and in
+# float64 that moves a result by ~1e-16 relative, so tight tolerances hold on any CPU
+# (see parity_tolerance).
+PARITY = TrainConfig(lr=3e-3, warmup_steps=2, total_steps=5, dtype=torch.float64)
 
 
-def training(optimizer: str = "adamw", global_batch: int = GLOBAL_BATCH) -> TrainingSpec:
-    return TrainingSpec(global_batch=global_batch, seq_len=SEQ_LEN, precision="fp32", optimizer=optimizer,
+def training(optimizer: str = "adamw", global_batch: int = GLOBAL_BATCH, precision: str = "fp32") -> TrainingSpec:
+    return TrainingSpec(global_batch=global_batch, seq_len=SEQ_LEN, precision=precision, optimizer=optimizer,
                         flash_attention=True)
 
 
@@ -43,23 +47,26 @@ def batches(spec, steps=STEPS, global_batch=GLOBAL_BATCH):
     return [source.global_batch(step, global_batch, SEQ_LEN) for step in range(steps)]
 
 
-def reference_run(model_name: str, optimizer: str = "adamw", steps: int = STEPS, global_batch: int = GLOBAL_BATCH):
-    """Losses and final parameters of the unsplit model trained in one process."""
+def reference_run(model_name: str, optimizer: str = "adamw", steps: int = STEPS, global_batch: int = GLOBAL_BATCH,
+                  config: TrainConfig = CONFIG, precision: str = "fp32"):
+    """Losses and final parameters of the unsplit model trained in one process, in
+    `config.dtype`, under bf16 autocast for `precision` "bf16"."""
     spec = load_model(model_name)
     torch.manual_seed(0)
-    model = materialize(build_model(spec, SEQ_LEN), "cpu", CONFIG.seed)
+    model = materialize(build_model(spec, SEQ_LEN, dtype=config.dtype), "cpu", config.seed)
     if optimizer == "sgd":
-        opt = torch.optim.SGD(model.parameters(), lr=CONFIG.lr, momentum=CONFIG.momentum)
+        opt = torch.optim.SGD(model.parameters(), lr=config.lr, momentum=config.momentum)
     else:
         cls = torch.optim.AdamW if optimizer == "adamw" else torch.optim.Adam
-        opt = cls(model.parameters(), lr=CONFIG.lr, betas=CONFIG.betas,
-                  weight_decay=CONFIG.weight_decay if optimizer == "adamw" else 0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(CONFIG, s))
+        opt = cls(model.parameters(), lr=config.lr, betas=config.betas,
+                  weight_decay=config.weight_decay if optimizer == "adamw" else 0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(config, s))
     losses = []
     for inputs, targets in batches(spec, steps, global_batch):
-        loss = cross_entropy(model(inputs), targets)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            loss = cross_entropy(model(inputs), targets)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CONFIG.grad_clip)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
         opt.step()
         sched.step()
         opt.zero_grad()
@@ -67,21 +74,64 @@ def reference_run(model_name: str, optimizer: str = "adamw", steps: int = STEPS,
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def parallel_run(rank, world, model_name, strat, optimizer="adamw", steps=STEPS, global_batch=GLOBAL_BATCH):
+def parallel_run(rank, world, model_name, strat, optimizer="adamw", steps=STEPS, global_batch=GLOBAL_BATCH,
+                 config=CONFIG, precision="fp32"):
     """Rank body: train `strat` and return (losses, full parameters) on every rank."""
     spec = load_model(model_name)
-    trainer = Trainer(spec, training(optimizer, global_batch), strat, CONFIG, "cpu")
+    trainer = Trainer(spec, training(optimizer, global_batch, precision), strat, config, "cpu")
     losses = [trainer.step(x, y) for x, y in batches(spec, steps, global_batch)]
     return losses, trainer.full_state_dict()
 
 
-def assert_matches_reference(results, ref_losses, ref_params) -> None:
-    """Every rank's losses equal the single-process ones (rel 1e-5), and the weights the
-    ranks hold, gathered, equal the single-process weights (rtol 1e-4, atol 5e-5)."""
+# The longest sum in the tiny models: the softmax over the 512-token vocabulary (hidden
+# 64, ffn <= 256 and the 128 tokens of a step are shorter).
+LONGEST_SUM = 512
+ADAM_EPS = 1e-8   # torch.optim.AdamW's default, which the trainer and the reference use
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """Half the machine epsilon: float64 1.1e-16, float32 6.0e-8, bfloat16 3.9e-3."""
+    return torch.finfo(dtype).eps / 2
+
+
+def loss_rtol(dtype: torch.dtype, steps: int = STEPS) -> float:
+    """Relative tolerance of a parallel run's losses against one process's, both in
+    `dtype`. A sum of n terms taken in another order moves by at most n·u relative to
+    the sum of their magnitudes (Higham 2002, Accuracy and Stability of Numerical
+    Algorithms, §4.2, γ_n), and every step's loss inherits the steps before: S·n·u
+    (float64: 2.8e-13; float32: 1.5e-4)."""
+    return steps * LONGEST_SUM * unit_roundoff(dtype)
+
+
+def weight_atol(dtype: torch.dtype, lr: float, steps: int = STEPS) -> float:
+    """Absolute tolerance of the trained weights. Adam's update lr·m/(sqrt(v)+eps) moves
+    by up to lr·δg/eps when a gradient moves by δg (the slope of g/(|g|+eps) is at most
+    1/eps): where the exact gradient is ~0 (a key bias, which the softmax ignores) the
+    summation order alone decides the update. Gradients are clipped to norm 1, so
+    δg <= n·u; over S steps: S·lr·n·u/eps. In float64 that is 8.5e-10; in float32 it is
+    46, more than the weights: float32 weights after Adam cannot be compared across
+    layouts, which is why the parity suites run in float64."""
+    return steps * lr * LONGEST_SUM * unit_roundoff(dtype) / ADAM_EPS
+
+
+def bf16_loss_rtol(steps: int = STEPS, tokens: int = GLOBAL_BATCH * SEQ_LEN) -> float:
+    """Relative tolerance of losses under bf16 autocast, where the error is bf16's
+    rounding of every matmul output (u = 2^-9), not the summation order: a different
+    order flips roundings near a tie by one bf16 ulp. The loss is a mean over the
+    step's tokens, so independent flips average to u/sqrt(tokens) (the probabilistic
+    model of Higham & Mary 2019, SIAM J. Sci. Comput. 41(5)), accumulated over S steps:
+    S·u/sqrt(tokens) = 8.6e-4 for 5 steps of 128 tokens."""
+    return steps * unit_roundoff(torch.bfloat16) / tokens ** 0.5
+
+
+def assert_matches_reference(results, ref_losses, ref_params, config: TrainConfig = PARITY) -> None:
+    """Every rank's losses equal the single-process ones, and the weights the ranks
+    hold, gathered, equal the single-process weights, within the tolerances above for
+    `config.dtype`."""
     import pytest
 
     for rank, (losses, _) in enumerate(results):
-        assert losses == pytest.approx(ref_losses, rel=1e-5), f"rank {rank}"
+        assert losses == pytest.approx(ref_losses, rel=loss_rtol(config.dtype)), f"rank {rank}"
     gathered = {}
     for _, params in results:
         gathered.update(params)
@@ -89,4 +139,6 @@ def assert_matches_reference(results, ref_losses, ref_params) -> None:
     expected = set(ref_params) - ({"output.weight"} if "output.weight" not in gathered else set())
     assert set(gathered) == expected
     for name in expected:
-        torch.testing.assert_close(gathered[name], ref_params[name], rtol=1e-4, atol=5e-5, msg=name)
+        assert gathered[name].dtype == ref_params[name].dtype == config.dtype, name
+        torch.testing.assert_close(gathered[name], ref_params[name], rtol=0, atol=weight_atol(config.dtype, config.lr),
+                                   msg=name)

@@ -25,7 +25,17 @@ from executor.data import SyntheticTokens, replica_shard
 from executor.parallelize import UnsupportedPlan, check_supported
 from executor.run import is_cpu_hardware, rank_group
 from executor.train import Trainer
-from executor_test_helpers import assert_matches_reference, CONFIG, batches, parallel_run, reference_run, run_ranks, training
+from executor_test_helpers import (
+    CONFIG,
+    PARITY,
+    assert_matches_reference,
+    batches,
+    loss_rtol,
+    parallel_run,
+    reference_run,
+    run_ranks,
+    training,
+)
 from planner.api import plan
 from planner.cli import main as cli
 from planner.plan import cluster_dict, strategy_dict, write_plan
@@ -64,15 +74,19 @@ STAGE_PLANS = {"pp2-3+1": staged(), "pp2-3+1-gpipe": staged(schedule="gpipe"), "
 _references = {}
 
 
-def reference(model):
-    if model not in _references:
-        _references[model] = reference_run(model, steps=STEPS, global_batch=BATCH)
-    return _references[model]
+def reference(model, config=PARITY):
+    """One process's losses and weights: float64 for the parity checks, float32 for
+    what `shardwise run` trains."""
+    key = (model, config.dtype)
+    if key not in _references:
+        _references[key] = reference_run(model, steps=STEPS, global_batch=BATCH, config=config)
+    return _references[key]
 
 
 def check_parity(model, strat):
     ref_losses, ref_params = reference(model)
-    assert_matches_reference(run_ranks(parallel_run, strat.num_gpus, model, strat, "adamw", STEPS, BATCH), ref_losses, ref_params)
+    results = run_ranks(parallel_run, strat.num_gpus, model, strat, "adamw", STEPS, BATCH, PARITY)
+    assert_matches_reference(results, ref_losses, ref_params)
 
 
 @pytest.mark.parametrize("plan_name", sorted(REPLICA_PLANS))
@@ -189,10 +203,11 @@ def run_cli(*args):
 
 
 def run_plan_file(path, tmp_path):
-    """`shardwise run` of a plan file in a fresh process: its result and metrics lines."""
+    """`shardwise run --fp64` of a plan file in a fresh process: its result and metrics
+    lines (float64, so the losses compare with the parity tolerance)."""
     metrics = tmp_path / "metrics.jsonl"
-    cmd = [sys.executable, "-m", "planner.cli", "run", str(path), "--steps", str(STEPS), "--lr", str(CONFIG.lr),
-           "--metrics-out", str(metrics)]
+    cmd = [sys.executable, "-m", "planner.cli", "run", str(path), "--steps", str(STEPS), "--lr", str(PARITY.lr),
+           "--metrics-out", str(metrics), "--fp64"]
     done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     return done, [json.loads(line) for line in metrics.read_text().splitlines()]
@@ -209,7 +224,7 @@ def test_run_reports_each_rank_in_its_declared_group(mode, cpu_plan, mixed_clust
     declared = ["fast", "slow"] if mode == "replica" else ["slow", "fast"]
     gpu = {"fast": "CPU", "slow": "cpu-slow"}
     assert summary["ranks"] == [{"rank": r, "group": g, "gpu": gpu[g], "device": "cpu"} for r, g in enumerate(declared)]
-    assert [s["loss"] for s in lines[:-1]] == pytest.approx(reference("tiny-gpt")[0], rel=1e-5)
+    assert [s["loss"] for s in lines[:-1]] == pytest.approx(reference("tiny-gpt")[0], rel=loss_rtol(PARITY.dtype))
     assert "groups: " in done.stdout
 
 
@@ -276,4 +291,4 @@ def test_a_plan_the_planner_made_for_a_mixed_cluster_runs_as_one_process(fix, mi
     path = tmp_path / "plan.json"
     write_plan(doc, path)
     done, lines = run_plan_file(path, tmp_path)
-    assert [s["loss"] for s in lines[:-1]] == pytest.approx(reference("tiny-gpt")[0], rel=1e-5)
+    assert [s["loss"] for s in lines[:-1]] == pytest.approx(reference("tiny-gpt")[0], rel=loss_rtol(PARITY.dtype))

@@ -4,7 +4,6 @@ order, DAGs (a U-Net's skip connections, an encoder-decoder) included."""
 
 import itertools
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -144,6 +143,9 @@ def test_pins_a_traced_module_cannot_take_and_memory_that_binds():
                    rules=str(Path(__file__).parent / "data" / "tiny_memory.yaml"))
 
 
+MAX_PARTITIONS = 8
+
+
 class Residual(nn.Module):
     """A stack of MLP blocks added into a residual stream in the root's own forward."""
 
@@ -158,7 +160,7 @@ class Residual(nn.Module):
         return x
 
 
-def test_a_residual_stream_is_one_tensor_per_cut_and_100_blocks_plan_in_seconds():
+def test_a_residual_stream_is_one_tensor_per_cut_and_100_blocks_plan_with_few_partitions():
     with torch.device("meta"):
         model = Residual()
     inputs = (torch.randn(4, 128, 256, device="meta"),)
@@ -166,11 +168,14 @@ def test_a_residual_stream_is_one_tensor_per_cut_and_100_blocks_plan_in_seconds(
     # Each Sequential inside the stack is one node; the stream crosses each cut once.
     assert traced.num_nodes == 100
     assert set(traced.cut_bytes) == {4 * 4 * 128 * 256}
-    start = time.perf_counter()
     doc = plan_model(model, inputs, cluster="dgx-a100-80gb", nodes=4, global_batch=256, fix={"pp": 4, "zero": 0})
-    assert time.perf_counter() - start < 20
     assert [s["num_layers"] for s in doc["strategy"]["stages"]] and sum(
         s["num_layers"] for s in doc["strategy"]["stages"]) == 100
+    # The bound prunes: the stage partition (the costly part) runs for a handful of the
+    # candidates, not all of them (its time is bench/trace_time.py's).
+    search = doc["search"]
+    assert search["ilp_solves"] + search["pruned_bound"] == search["candidates"]
+    assert search["ilp_solves"] <= MAX_PARTITIONS < search["candidates"]
 
 
 def test_a_module_with_real_weights_traces_on_meta_without_touching_them():
