@@ -104,6 +104,9 @@ def free_port() -> int:
 
 
 def _worker(rank, world, port, queue, fn, args, backend):
+    # One intra-op thread per forked rank, whatever OMP_NUM_THREADS says: GNU OpenMP's
+    # thread pool does not survive fork, and a forked rank running two threads after
+    # its parent had used two hung in its first parallel kernel.
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     try:

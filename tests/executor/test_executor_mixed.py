@@ -208,7 +208,7 @@ def run_plan_file(path, tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     cmd = [sys.executable, "-m", "planner.cli", "run", str(path), "--steps", str(STEPS), "--lr", str(PARITY.lr),
            "--metrics-out", str(metrics), "--fp64"]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=240)
+    done = subprocess.run(cmd, capture_output=True, text=True, env={"OMP_NUM_THREADS": "1", **os.environ}, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     return done, [json.loads(line) for line in metrics.read_text().splitlines()]
 

@@ -62,7 +62,7 @@ def test_torchrun_command_for_nodes():
 
 def test_run_trains_like_one_process(plan_file, tmp_path):
     metrics = tmp_path / "metrics.jsonl"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = {"OMP_NUM_THREADS": "1", **os.environ}
     cmd = [sys.executable, "-m", "planner.cli", "run", str(plan_file), "--steps", str(STEPS), "--lr", str(CONFIG.lr),
            "--metrics-out", str(metrics)]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
