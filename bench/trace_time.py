@@ -6,32 +6,22 @@ runs do (nodes, partitions, memory), never their seconds."""
 
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from costmodel.loading import load_model
 from costmodel.trace import trace_module
 from executor.models import build_model
 from planner import plan_model
 
+# The residual MLP stack the test plans, timed here.
+sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "planner"))
+from test_plan_model import Residual  # noqa: E402
+
 RUNS = 3
-
-
-class Residual(nn.Module):
-    """A stack of MLP blocks added into a residual stream (as tests/planner/test_plan_model.py)."""
-
-    def __init__(self, layers=100, width=256):
-        super().__init__()
-        self.layers = nn.ModuleList([nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
-                                     for _ in range(layers)])
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = x + layer(x)
-        return x
 
 
 def trace_70b() -> dict:

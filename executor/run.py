@@ -357,7 +357,7 @@ def train(job: RunJob, args: argparse.Namespace, source, device: torch.device, r
                                    crash_after_write=crash == f"save:{done}")
             if rank == 0:
                 print(f"checkpoint: step {done} saved to {path}", flush=True)
-    summary = summarize(steps, job.plan["estimate"], device, ranks)
+    summary = {**summarize(steps, job.plan["estimate"], device, ranks), "numerics": trainer.numerics()}
     writer.write({"summary": summary})
     writer.close()
     if rank == 0:

@@ -177,6 +177,14 @@ class Trainer:
         (under autocast the matmuls run lower, but each residual add is in this dtype)."""
         return self.config.dtype
 
+    def numerics(self) -> dict:
+        """What the run computed in, for its summary: the weights' dtype, the autocast
+        dtype ("none" without), and whether algorithms were forced deterministic."""
+        lowered = not isinstance(self.autocast(), nullcontext)
+        return {"dtype": str(self.config.dtype).removeprefix("torch."),
+                "autocast": self.training.precision if lowered else "none",
+                "deterministic": torch.are_deterministic_algorithms_enabled()}
+
     def autocast(self):
         """The plan's mixed precision: matmuls in bf16 / fp16 under torch.autocast,
         weights, gradients and optimizer states in `config.dtype`."""

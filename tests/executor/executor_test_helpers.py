@@ -108,19 +108,20 @@ def weight_atol(dtype: torch.dtype, lr: float, steps: int = STEPS) -> float:
     by up to lr·δg/eps when a gradient moves by δg (the slope of g/(|g|+eps) is at most
     1/eps): where the exact gradient is ~0 (a key bias, which the softmax ignores) the
     summation order alone decides the update. Gradients are clipped to norm 1, so
-    δg <= n·u; over S steps: S·lr·n·u/eps. In float64 that is 8.5e-10; in float32 it is
-    46, more than the weights: float32 weights after Adam cannot be compared across
-    layouts, which is why the parity suites run in float64."""
+    δg <= n·u; over S steps: S·lr·n·u/eps. In float64 that is 8.5e-8, while a bug (a
+    missing reduction, a gradient scaled by dp) moves weights by ~lr = 3e-3 a step; in
+    float32 it is 46, more than the weights: float32 weights after Adam cannot be
+    compared across layouts, which is why the parity suites run in float64."""
     return steps * lr * LONGEST_SUM * unit_roundoff(dtype) / ADAM_EPS
 
 
 def bf16_loss_rtol(steps: int = STEPS, tokens: int = GLOBAL_BATCH * SEQ_LEN) -> float:
     """Relative tolerance of losses under bf16 autocast, where the error is bf16's
-    rounding of every matmul output (u = 2^-9), not the summation order: a different
+    rounding of every matmul output (u = 2^-8), not the summation order: a different
     order flips roundings near a tie by one bf16 ulp. The loss is a mean over the
     step's tokens, so independent flips average to u/sqrt(tokens) (the probabilistic
     model of Higham & Mary 2019, SIAM J. Sci. Comput. 41(5)), accumulated over S steps:
-    S·u/sqrt(tokens) = 8.6e-4 for 5 steps of 128 tokens."""
+    S·u/sqrt(tokens) = 1.7e-3 for 5 steps of 128 tokens (measured: at most 1.2e-4)."""
     return steps * unit_roundoff(torch.bfloat16) / tokens ** 0.5
 
 

@@ -203,14 +203,16 @@ def run_cli(*args):
 
 
 def run_plan_file(path, tmp_path):
-    """`shardwise run --fp64` of a plan file in a fresh process: its result and metrics
-    lines (float64, so the losses compare with the parity tolerance)."""
+    """`shardwise run --fp64 --deterministic` of a plan file in a fresh process: its
+    result and metrics lines (float64, so the losses compare with the parity tolerance)."""
     metrics = tmp_path / "metrics.jsonl"
     cmd = [sys.executable, "-m", "planner.cli", "run", str(path), "--steps", str(STEPS), "--lr", str(PARITY.lr),
-           "--metrics-out", str(metrics), "--fp64"]
+           "--metrics-out", str(metrics), "--fp64", "--deterministic"]
     done = subprocess.run(cmd, capture_output=True, text=True, env={"OMP_NUM_THREADS": "1", **os.environ}, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
-    return done, [json.loads(line) for line in metrics.read_text().splitlines()]
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert lines[-1]["summary"]["numerics"] == {"dtype": "float64", "autocast": "none", "deterministic": True}
+    return done, lines
 
 
 @pytest.mark.parametrize("mode", ["replica", "stage"])

@@ -1,7 +1,7 @@
 """Parity: every parallel layout trains the tiny models as one process does. Five
 AdamW steps on fixed synthetic data in float64, where a layout's other summation order
 cannot move a result past the tolerances executor_test_helpers derives (losses 2.8e-13
-relative, weights 8.5e-10): per-step losses and the gathered weights equal the
+relative, weights 8.5e-8): per-step losses and the gathered weights equal the
 single-process run's. The production paths keep a loss check each: float32 (its
 summation-order bound) and bf16 autocast (its rounding bound)."""
 
@@ -17,6 +17,7 @@ from executor_test_helpers import (
     assert_matches_reference,
     bf16_loss_rtol,
     loss_rtol,
+    weight_atol,
     parallel_run,
     reference_run,
     run_ranks,
@@ -97,3 +98,12 @@ def test_production_precisions_keep_the_losses(plan, precision):
     for rank, (losses, params) in enumerate(results):
         assert losses == pytest.approx(ref_losses, rel=rtol), f"rank {rank}"
         assert all(p.dtype == torch.float32 for p in params.values())
+
+
+def test_the_tolerances_are_the_bounds_their_derivations_state():
+    """The figures the docstrings and the README quote, from the formulas."""
+    assert loss_rtol(torch.float64) == pytest.approx(2.84e-13, rel=1e-2)
+    assert weight_atol(torch.float64, PARITY.lr) == pytest.approx(8.53e-8, rel=1e-2)
+    assert loss_rtol(torch.float32) == pytest.approx(1.53e-4, rel=1e-2)
+    assert weight_atol(torch.float32, CONFIG.lr) == pytest.approx(45.8, rel=1e-2)
+    assert bf16_loss_rtol() == pytest.approx(1.73e-3, rel=1e-2)
