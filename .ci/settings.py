@@ -16,6 +16,7 @@ clusters, auto_parallelize, the launcher) in a fresh pytest process:
 
     python .ci/settings.py                    # every setting: 12 runs, about 45 min on 2 cores
     python .ci/settings.py --slice ci         # the one CI runs: parity, default kernels, 2 threads, deterministic
+    python .ci/settings.py --setting 2:avx2:on   # one setting (repeatable)
     python .ci/settings.py --suite            # the whole suite twice in a row, then in random order
 
 It prints each setting with its pass, fail and skip counts and exits 1 when any failed.
@@ -146,6 +147,13 @@ def run_setting(setting: Setting, tests: list[str], flags: set[str], log) -> Out
     return Outcome(setting, " ".join(tests), passed, failed, skipped, seconds, kernels, note)
 
 
+def parse_setting(text: str, parser: argparse.ArgumentParser) -> Setting:
+    parts = text.split(":")
+    if len(parts) != 3 or not parts[0].isdigit() or parts[2] not in ("on", "off"):
+        parser.error(f"--setting: expected THREADS:CAPABILITY:on|off, got {text!r}")
+    return Setting(int(parts[0]), parts[1], parts[2] == "on")
+
+
 def matrix() -> list[Setting]:
     return [Setting(t, c, d) for d, c, t in itertools.product((False, True), ("default", "avx2", "avx512"), (1, 2))]
 
@@ -181,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="all: every setting on the executor tests; ci: the parity tests under one setting.")
     parser.add_argument("--suite", action="store_true",
                         help="Instead: the whole suite twice in a row, then in random order.")
+    parser.add_argument("--setting", action="append", default=[], metavar="THREADS:CAPABILITY:on|off",
+                        help="Run only this setting, say 1:default:on (repeatable).")
     parser.add_argument("--out", default=None, help="Also write the table to this file.")
     args = parser.parse_args(argv)
     log = lambda text: print(text, flush=True)   # noqa: E731
@@ -189,6 +199,8 @@ def main(argv: list[str] | None = None) -> int:
         outcomes = suite_runs(log)
     else:
         settings = matrix() if args.slice == "all" else [Setting(2, "default", True)]
+        if args.setting:
+            settings = [parse_setting(text, parser) for text in args.setting]
         tests = EXECUTOR_TESTS if args.slice == "all" else PARITY_TESTS
         outcomes = []
         for setting in settings:
