@@ -9,12 +9,14 @@ clusters, auto_parallelize, the launcher) in a fresh pytest process:
   executor.launch.run_local forks run one thread: GNU OpenMP's pool does not survive
   fork);
 - ATEN_CPU_CAPABILITY default, avx2 and avx512: forces torch's CPU kernels to another
-  instruction set, as other CPUs would pick (a capability this CPU lacks is reported
-  and not run: its kernels would stop on an illegal instruction);
+  instruction set, as other CPUs would pick, and with it the GEMM libraries, which
+  ATen's variable does not reach (MKL_ENABLE_INSTRUCTIONS, ONEDNN_MAX_CPU_ISA); a
+  capability this CPU lacks is reported and not run: its kernels would stop on an
+  illegal instruction;
 - torch.use_deterministic_algorithms(True), in every Python process of the run (a
   sitecustomize module on PYTHONPATH), or not.
 
-    python .ci/settings.py                    # every setting: 12 runs, about 45 min on 2 cores
+    python .ci/settings.py                    # every setting: 12 runs, about an hour on 2 cores
     python .ci/settings.py --slice ci         # the one CI runs: parity, default kernels, 2 threads, deterministic
     python .ci/settings.py --setting 2:avx2:on   # one setting (repeatable)
     python .ci/settings.py --suite            # the whole suite twice in a row, then in random order
@@ -41,6 +43,11 @@ PARITY_TESTS = ["tests/executor/test_executor_parity.py"]
 # torch's AVX512 kernels need these (ATen's CPU capability check, cpuinfo's avx512 set).
 CAPABILITY_FLAGS = {"default": set(), "avx2": {"avx2", "fma"},
                     "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq"}}
+# The same instruction set for MKL's and oneDNN's kernels (their own variables; each
+# takes a ceiling, so a CPU without it keeps its best below).
+LIBRARY_ISA = {"default": {"MKL_ENABLE_INSTRUCTIONS": "SSE4_2", "ONEDNN_MAX_CPU_ISA": "SSE41"},
+               "avx2": {"MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+               "avx512": {"MKL_ENABLE_INSTRUCTIONS": "AVX512", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE"}}
 TIMEOUT_S = 1800   # one setting's pytest run; the executor tests take about 4 minutes
 SITECUSTOMIZE = """import torch
 torch.use_deterministic_algorithms(True)
@@ -86,9 +93,11 @@ def missing_flags(capability: str, flags: set[str]) -> set[str]:
 
 def environment(setting: Setting, scratch: Path) -> dict[str, str]:
     env = dict(os.environ, OMP_NUM_THREADS=str(setting.threads))
-    env.pop("ATEN_CPU_CAPABILITY", None)
+    for name in ("ATEN_CPU_CAPABILITY", *LIBRARY_ISA["default"]):
+        env.pop(name, None)
     if setting.capability != "native":
         env["ATEN_CPU_CAPABILITY"] = setting.capability
+        env.update(LIBRARY_ISA.get(setting.capability, {}))
     if setting.deterministic:
         (scratch / "sitecustomize.py").write_text(SITECUSTOMIZE)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(scratch), env.get("PYTHONPATH")]))
