@@ -297,13 +297,14 @@ def resume(trainer: Trainer, job: RunJob, args: argparse.Namespace, rank: int) -
 def train(job: RunJob, args: argparse.Namespace, source, device: torch.device, rank: int,
           placement: RankGroup) -> None:
     training = job.training
-    if (device.type == "cpu" or args.fp64) and training.precision != "fp32":
-        # CPU runs in fp32 (few CPUs have fast bf16 matmuls); fp64 runs without autocast.
+    if device.type == "cpu" and training.precision != "fp32":
+        # CPU runs in fp32: few CPUs have fast bf16 matmuls.
         training = TrainingSpec(**{**job.plan["training"], "precision": "fp32"})
     config = TrainConfig(lr=args.lr, warmup_steps=args.warmup_steps, total_steps=args.steps,
                          grad_clip=args.grad_clip, seed=args.seed,
                          dtype=torch.float64 if args.fp64 else torch.float32)
-    # The trainer autocasts to the plan's bf16 / fp16 itself (Trainer.autocast).
+    # The trainer autocasts to the plan's bf16 / fp16 itself, and not at all in float64
+    # (Trainer.autocast).
     trainer = Trainer(job.model, training, job.strategy, config, device)
     # Each rank says where it runs, as it resolved it from the plan: the summary shows
     # that rank r ran in the group the plan declares.

@@ -171,25 +171,25 @@ class Trainer:
     def _parameters(self):
         return [p for m in self.modules for p in m.parameters()]
 
-    @property
-    def activation_dtype(self) -> torch.dtype:
-        """The residual stream's dtype, which pipeline stages exchange: the weights'
-        (under autocast the matmuls run lower, but each residual add is in this dtype)."""
-        return self.config.dtype
+    def _autocast_dtype(self) -> torch.dtype | None:
+        """The plan's bf16 / fp16 for the matmuls; None in fp32, and in float64 (a
+        debugging run computes everything in float64)."""
+        if self.config.dtype == torch.float64:
+            return None
+        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.training.precision)
 
     def numerics(self) -> dict:
         """What the run computed in, for its summary: the weights' dtype, the autocast
         dtype ("none" without), and whether algorithms were forced deterministic."""
-        lowered = not isinstance(self.autocast(), nullcontext)
         return {"dtype": str(self.config.dtype).removeprefix("torch."),
-                "autocast": self.training.precision if lowered else "none",
+                "autocast": self.training.precision if self._autocast_dtype() else "none",
                 "deterministic": torch.are_deterministic_algorithms_enabled()}
 
     def autocast(self):
         """The plan's mixed precision: matmuls in bf16 / fp16 under torch.autocast,
         weights, gradients and optimizer states in `config.dtype`."""
-        lower = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.training.precision)
-        if lower is None or self.config.dtype == torch.float64:
+        lower = self._autocast_dtype()
+        if lower is None:
             return nullcontext()
         # No cache of weight casts: one autocast region spans every micro-batch of a
         # step, and under FSDP2's accumulation a cast cached in the first micro-batch
@@ -215,7 +215,9 @@ class Trainer:
         s, b, t = self.strategy, self.strategy.micro_batch_size, self.training.seq_len
         h, v = self.spec.hidden_size, self.spec.vocab_size
         local_t = t // s.tp if s.sequence_parallel else t
-        dtype = self.activation_dtype
+        # Stages exchange the residual stream, in the weights' dtype (under autocast the
+        # matmuls run lower, but each residual add is in this dtype).
+        dtype = self.config.dtype
         stages = []
         for module, inner in zip(self.modules, self._models()):
             index = inner.stage.index

@@ -522,7 +522,7 @@ def evaluate(source, model_name, cluster_name, nodes, gpus, global_batch, seq, p
               help="Seconds a collective may wait for a peer before the run fails naming the rank (exit 5).")
 @click.option("--fp64", is_flag=True,
               help="Train in float64 (weights, activations, gradients, optimizer states; no autocast) from the "
-                   "same initial weights: a layout's other summation order then moves the losses by ~1e-15, "
+                   "same initial weights: a layout's other summation order then moves the losses by ~1e-16, "
                    "so a larger difference from a one-process run is a bug, not rounding.")
 @click.option("--deterministic", is_flag=True,
               help="torch.use_deterministic_algorithms(True): kernels without a deterministic form fail "
