@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from costmodel.loading import load_model
+from costmodel.specs.loading import load_model
 from costmodel.specs import TrainingSpec
 from costmodel.strategy import Strategy, even_stages
 from executor import checkpoint

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from costmodel.loading import load_model
+from costmodel.specs.loading import load_model
 from costmodel.specs import TrainingSpec
 from costmodel.strategy import Strategy, even_stages
 from executor.data import SyntheticTokens, dp_shard

@@ -43,10 +43,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from costmodel import memory  # noqa: E402
+from costmodel.terms import memory  # noqa: E402
 from costmodel.estimate import estimate  # noqa: E402
-from costmodel.loading import load_cluster, load_model, make_training  # noqa: E402
-from costmodel.specs import Problem  # noqa: E402
+from costmodel.specs.loading import load_cluster, load_model, make_training  # noqa: E402
+from costmodel.problem import Problem  # noqa: E402
 from costmodel.strategy import Strategy, even_stages  # noqa: E402
 from executor.models import build_model, materialize  # noqa: E402
 from executor.parallelize import apply_fsdp, apply_tensor_parallel  # noqa: E402
@@ -129,7 +129,7 @@ def predicted(case: Case, seq_len: int, layers: int | None = None) -> dict[str, 
 
 # ------------------------------------------------------------------ the tracked step
 def _hf_module(case: Case, layers: int | None):
-    from costmodel.hf import build_hf_model
+    from costmodel.specs.hf import build_hf_model
     data = json.loads(Path(case.model).read_text())
     if layers:
         data["num_hidden_layers"] = layers
@@ -208,7 +208,7 @@ def tracked(case: Case, seq_len: int, layers: int | None = None) -> dict:
     if case.hf:
         import transformers
 
-        from costmodel.hf import _meta_masks
+        from costmodel.specs.hf import _meta_masks
         hf_masks = _meta_masks(transformers)
     # Built and sharded on meta outside fake mode; allocated as fake CPU tensors inside.
     model, forward = _build(case, seq_len, layers, mesh)
@@ -266,7 +266,7 @@ def compare(case: Case, seq_len: int, layers: int | None = None) -> dict:
 
 def sum_parameters(problem: Problem, strategy: Strategy) -> float:
     """Parameters one rank holds before ZeRO sharding (after tp)."""
-    from costmodel.graph import embedding_parameters, head_parameters, layer_parameters
+    from costmodel.terms.counts import embedding_parameters, head_parameters, layer_parameters
     model = problem.model
     dense, experts = layer_parameters(model)
     head = head_parameters(model) + (model.vocab_size * model.hidden_size if model.tie_word_embeddings and strategy.tp > 1 else 0)

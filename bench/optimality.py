@@ -6,9 +6,10 @@ enumeration of every layer split in tests/planner. Writes bench/results/optimali
 import json
 from pathlib import Path
 
-from costmodel.estimate import estimate, unit_costs
-from costmodel.loading import load_cluster, load_model, make_training
-from costmodel.specs import Problem
+from costmodel.estimate import estimate
+from costmodel.estimate.uniform import unit_costs
+from costmodel.specs.loading import load_cluster, load_model, make_training
+from costmodel.problem import Problem
 from planner.partition import solve_partition
 from planner.rules import load_rules
 from planner.search import search

@@ -24,10 +24,10 @@ from pathlib import Path
 
 import torch
 
-from costmodel.loading import load_cluster, load_model, make_training, parse_overrides
-from costmodel.estimate import unit_costs
-from costmodel.profile import load_measured_times
-from costmodel.specs import Problem
+from costmodel.specs.loading import load_cluster, load_model, make_training, parse_overrides
+from costmodel.estimate.uniform import unit_costs
+from costmodel.measured import load_measured_times
+from costmodel.problem import Problem
 from costmodel.strategy import Strategy
 from executor.profile import measure_layer
 

@@ -7,8 +7,8 @@ import statistics
 import time
 from pathlib import Path
 
-from costmodel.loading import load_cluster, load_model, make_training
-from costmodel.specs import Problem
+from costmodel.specs.loading import load_cluster, load_model, make_training
+from costmodel.problem import Problem
 from planner.rules import load_rules
 from planner.search import search
 from planner.space import describe

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from costmodel.loading import load_model
+from costmodel.specs.loading import load_model
 from costmodel.trace import trace_module
 from executor.models import build_model
 from planner import plan_model

@@ -1,21 +1,6 @@
-"""Shardwise cost model: specs, the layer graph, and the compute / communication /
-memory / pipeline terms that `estimate()` combines into step time and peak memory.
+"""Shardwise cost model: specs, the terms (compute, communication, memory, pipeline) and
+`costmodel.estimate.estimate`, which combines them into step time and peak memory.
 
-The bottom layer of Shardwise: pure Python, no solver, no torch.distributed.
+The bottom layer of Shardwise: pure Python, no solver, no torch.distributed; it imports
+nothing of the planner or the executor.
 """
-
-from costmodel.estimate import Estimate, estimate
-from costmodel.specs import ClusterSpec, GPUSpec, LinkSpec, ModelSpec, TrainingSpec
-from costmodel.strategy import Stage, Strategy
-
-__all__ = [
-    "ClusterSpec",
-    "Estimate",
-    "GPUSpec",
-    "LinkSpec",
-    "ModelSpec",
-    "Stage",
-    "Strategy",
-    "TrainingSpec",
-    "estimate",
-]

@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 import statistics
 
-from costmodel.compute import MEMORY_BOUND_EFFICIENCY
-from costmodel.profile import PROFILE_SCHEMA_VERSION  # noqa: F401  (the profile format's version, kept importable here)
+from costmodel.terms.compute import MEMORY_BOUND_EFFICIENCY
+from costmodel.measured import PROFILE_SCHEMA_VERSION  # noqa: F401  (the profile format's version, kept importable here)
 
 
 def fit_gemm_curve(points: list[dict]) -> dict:

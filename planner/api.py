@@ -12,12 +12,20 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from costmodel.graph import total_parameters
-from costmodel.graph_estimate import TracedProblem, traced_model
-from costmodel.hf import check_spec
-from costmodel.loading import SpecError, as_float, load_cluster, load_model, make_training, model_from_dict
-from costmodel.profile import load_measured_times
-from costmodel.specs import MixedClusterSpec, ModelSpec, Problem
+from costmodel.terms.counts import total_parameters
+from costmodel.problem import TracedProblem, traced_model
+from costmodel.specs.hf import check_spec
+from costmodel.specs.loading import (
+    SpecError,
+    as_float,
+    load_cluster,
+    load_model,
+    make_training,
+    model_from_dict,
+)
+from costmodel.measured import load_measured_times
+from costmodel.specs import MixedClusterSpec, ModelSpec
+from costmodel.problem import Problem
 from costmodel.trace import trace_module
 from planner.graph_search import check_fix_traced, search_traced
 from planner.plan import plan_document

@@ -23,10 +23,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from costmodel import memory
-from costmodel.estimate import UnitCosts, p2p_sends
-from costmodel.pipeline import pipeline_coefficients
-from costmodel.specs import Problem
+from costmodel.terms import memory
+from costmodel.estimate.uniform import UnitCosts
+from costmodel.estimate.uniform import p2p_sends
+from costmodel.terms.pipeline import pipeline_coefficients
+from costmodel.problem import Problem
 from costmodel.strategy import Strategy
 
 BISECTION_STEPS = 16

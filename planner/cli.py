@@ -16,7 +16,7 @@ import sys
 
 import click
 
-from costmodel.loading import SpecError, as_float, as_int, parse_overrides
+from costmodel.specs.loading import SpecError, as_float, as_int, parse_overrides
 from planner.api import make_problem, make_rules
 from planner.plan import dumps, plan_document, read_plan, write_plan
 from planner.progress import progress_bar
@@ -621,8 +621,8 @@ def profile(device, nproc, precision, model_name, overrides, seq, micro_batch_si
     import yaml
 
     from costmodel.calibrate import cluster_spec
-    from costmodel.loading import load_model
-    from costmodel.profile import READABLE_SCHEMA_VERSIONS
+    from costmodel.specs.loading import load_model
+    from costmodel.measured import READABLE_SCHEMA_VERSIONS
     from executor.profile import check_tp
     from executor.profile import extend as extend_profile
     from executor.profile import profile as measure

@@ -9,9 +9,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 
 from costmodel.estimate import Estimate, estimate
-from costmodel.loading import SpecError, as_int, load_cluster, load_model
+from costmodel.specs.loading import SpecError, as_int, load_cluster, load_model
 from costmodel.specs import MixedClusterSpec
-from costmodel.specs import Problem
+from costmodel.problem import Problem
 from costmodel.strategy import Strategy
 from planner.api import make_problem
 from planner.importers import Imported, read_config

@@ -17,7 +17,7 @@ import itertools
 import json
 from dataclasses import dataclass
 
-from costmodel.loading import SpecError
+from costmodel.specs.loading import SpecError
 from costmodel.specs import ModelSpec, TrainingSpec
 from costmodel.strategy import Strategy
 from planner import importers

@@ -19,8 +19,8 @@ from __future__ import annotations
 import time
 
 from costmodel.estimate import Estimate
-from costmodel.graph_estimate import (
-    TracedProblem,
+from costmodel.problem import TracedProblem
+from costmodel.estimate.traced import (
     TracedUnits,
     estimate_traced,
     optimizer_step_s,
@@ -28,8 +28,8 @@ from costmodel.graph_estimate import (
     stage_work,
     traced_units,
 )
-from costmodel.loading import SpecError
-from costmodel.pipeline import pipeline_coefficients
+from costmodel.specs.loading import SpecError
+from costmodel.terms.pipeline import pipeline_coefficients
 from costmodel.strategy import Stage, Strategy
 from planner.partition import usable_memory_bytes
 from planner.rules import Rules

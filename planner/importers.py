@@ -30,7 +30,7 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-from costmodel.loading import SpecError
+from costmodel.specs.loading import SpecError
 from costmodel.specs import ModelSpec
 from costmodel.strategy import Stage, Strategy, summarize_recompute
 

@@ -30,9 +30,18 @@ import time
 from collections.abc import Callable
 from dataclasses import fields, replace
 
-from costmodel.estimate import UnitCosts, Work, estimate_ranks
-from costmodel.mixed import estimate_replicas, group_units, replica_microbatch_s, replica_shares, stage_rank_costs
-from costmodel.specs import ClusterSpec, MixedClusterSpec, Problem
+from costmodel.estimate.uniform import UnitCosts
+from costmodel.estimate.breakdown import Work
+from costmodel.estimate.uniform import estimate_ranks
+from costmodel.estimate.mixed import (
+    estimate_replicas,
+    group_units,
+    replica_microbatch_s,
+    replica_shares,
+    stage_rank_costs,
+)
+from costmodel.specs import ClusterSpec, MixedClusterSpec
+from costmodel.problem import Problem
 from costmodel.strategy import Strategy, even_stages
 from planner import bounds
 from planner.partition import solve_partition, usable_memory_bytes

@@ -25,15 +25,10 @@ from dataclasses import dataclass, replace
 
 from ortools.sat.python import cp_model
 
-from costmodel.estimate import (
-    UnitCosts,
-    dp_sync_s,
-    optimizer_step_s,
-    rank_memory,
-    rank_work,
-)
-from costmodel.pipeline import pipeline_coefficients
-from costmodel.specs import Problem
+from costmodel.estimate.uniform import UnitCosts
+from costmodel.estimate.uniform import dp_sync_s, optimizer_step_s, rank_memory, rank_work
+from costmodel.terms.pipeline import pipeline_coefficients
+from costmodel.problem import Problem
 from costmodel.strategy import Stage, Strategy
 
 # Integer scales: time in units of 1/TIME_RESOLUTION of one plain layer's micro-batch

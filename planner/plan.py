@@ -13,10 +13,10 @@ from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
-from costmodel.energy import cost_energy
+from costmodel.estimate.energy import cost_energy
 from costmodel.estimate import Estimate
-from costmodel.graph_estimate import NodeCost, TracedModel
-from costmodel.loading import SpecError, read_json_object
+from costmodel.problem import NodeCost, TracedModel
+from costmodel.specs.loading import SpecError, read_json_object
 from costmodel.specs import ClusterSpec, MixedClusterSpec, ModelSpec
 from costmodel.strategy import Stage, Strategy
 from planner.search import Candidate, SearchResult

@@ -13,12 +13,20 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from costmodel.loading import (
-    SpecError, as_float, as_int, builtin_names, configs_dir, gpu_from_dict, link_from_dict, load_cluster,
+from costmodel.specs.loading import (
+    SpecError,
+    as_float,
+    as_int,
+    builtin_names,
+    configs_dir,
+    gpu_from_dict,
+    link_from_dict,
+    load_cluster,
     make_training,
 )
-from costmodel.profile import LayerPoint, MeasuredTimes
-from costmodel.specs import ClusterSpec, LinkSpec, MixedClusterSpec, Problem
+from costmodel.measured import LayerPoint, MeasuredTimes
+from costmodel.specs import ClusterSpec, LinkSpec, MixedClusterSpec
+from costmodel.problem import Problem
 from costmodel.strategy import Strategy
 from planner.plan import is_traced, model_of, plan_document, strategy_of
 from planner.rules import Rules, load_rules, parse_fix

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from costmodel.loading import SpecError, as_bool, as_float, as_int, parse_overrides, read_document
+from costmodel.specs.loading import SpecError, as_bool, as_float, as_int, parse_overrides, read_document
 from costmodel.strategy import RECOMPUTE_MODES, SCHEDULES
 
 INT_KNOBS = ("dp", "tp", "pp", "vpp", "ep", "mbs", "zero")

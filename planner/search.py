@@ -12,9 +12,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from costmodel.energy import SECONDS_PER_HOUR, CostEnergy, cost_energy, energy_lower_bound_j, require
-from costmodel.estimate import Estimate, UnitCosts, estimate, unit_costs
-from costmodel.specs import MixedClusterSpec, Problem
+from costmodel.estimate.energy import SECONDS_PER_HOUR, CostEnergy, cost_energy, energy_lower_bound_j, require
+from costmodel.estimate import Estimate, estimate
+from costmodel.estimate.uniform import UnitCosts
+from costmodel.estimate.uniform import unit_costs
+from costmodel.specs import MixedClusterSpec
+from costmodel.problem import Problem
 from costmodel.strategy import Strategy, even_stages
 from planner import bounds
 from planner.partition import solve_partition, usable_memory_bytes

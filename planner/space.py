@@ -13,8 +13,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from costmodel.loading import SpecError
-from costmodel.specs import Problem
+from costmodel.specs.loading import SpecError
+from costmodel.problem import Problem
 from costmodel.strategy import RECOMPUTE_MODES, Strategy
 from planner.rules import Rules, format_value
 

@@ -17,8 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from costmodel.energy import cost_energy
-from costmodel.loading import SpecError, as_float, as_int
+from costmodel.estimate.energy import cost_energy
+from costmodel.specs.loading import SpecError, as_float, as_int
 from planner.api import make_problem, make_rules
 from planner.plan import _round, plan_document
 from planner.rules import parse_fix

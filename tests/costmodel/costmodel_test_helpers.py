@@ -11,9 +11,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from costmodel.estimate import estimate, unit_costs
-from costmodel.loading import load_cluster, load_model, make_training
-from costmodel.specs import Problem
+from costmodel.estimate import estimate
+from costmodel.estimate.uniform import unit_costs
+from costmodel.specs.loading import load_cluster, load_model, make_training
+from costmodel.problem import Problem
 from costmodel.strategy import Strategy, even_stages
 
 REPO = Path(__file__).resolve().parents[2]

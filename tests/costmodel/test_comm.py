@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from costmodel.comm import Placement, collective_time_s, placement
-from costmodel.loading import SpecError, load_cluster
+from costmodel.terms.comm import Placement, collective_time_s, placement
+from costmodel.specs.loading import SpecError, load_cluster
 from costmodel.specs import LinkSpec
 from costmodel_test_helpers import IB_BW, IB_LAT, NVLINK_BW, NVLINK_LAT, ring_all_reduce, ring_gather
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from costmodel import compute
-from costmodel.compute import (
+from costmodel.terms import compute
+from costmodel.terms.compute import (
     LayerCompute,
     activation_bytes_per_value,
     embedding_compute_s,
@@ -16,7 +16,7 @@ from costmodel.compute import (
     layer_compute,
     memory_bound_time_s,
 )
-from costmodel.loading import load_cluster, load_model, make_training
+from costmodel.specs.loading import load_cluster, load_model, make_training
 from costmodel_test_helpers import A100_HBM, A100_PEAK_BF16, gemm_seconds, hbm_seconds
 
 PEAK = A100_PEAK_BF16
@@ -187,7 +187,7 @@ def test_embedding_compute(dgx):
 
 
 def test_device_gemm_curve_overrides_the_a100_fit():
-    from costmodel.loading import load_cluster
+    from costmodel.specs.loading import load_cluster
     cpu = load_cluster("cpu").gpu   # configs/hardware/cpu.yaml: max 1.0, half dimension 5
     assert gemm_efficiency(16, 16, 16, cpu) == pytest.approx((16 / 21) ** 3, rel=1e-12)
     assert gemm_efficiency(16, 16, 16) == pytest.approx(0.84 * (16 / 144) ** 3, rel=1e-12)

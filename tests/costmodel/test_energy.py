@@ -6,10 +6,11 @@ from dataclasses import replace
 import pytest
 import yaml
 
-from costmodel.energy import cost_energy, rank_busy_s
-from costmodel.estimate import Estimate, MemoryBreakdown, TimeBreakdown, estimate
-from costmodel.loading import SpecError, configs_dir, load_cluster, load_model, make_training
-from costmodel.specs import Problem
+from costmodel.estimate.energy import cost_energy, rank_busy_s
+from costmodel.estimate import Estimate, estimate
+from costmodel.estimate.breakdown import MemoryBreakdown, TimeBreakdown
+from costmodel.specs.loading import SpecError, configs_dir, load_cluster, load_model, make_training
+from costmodel.problem import Problem
 from costmodel.strategy import Strategy, even_stages
 
 

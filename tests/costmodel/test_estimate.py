@@ -9,23 +9,23 @@ import dataclasses
 
 import pytest
 
-from costmodel.compute import layer_compute
-from costmodel.estimate import (
-    OPTIMIZER_BYTES_PER_PARAMETER,
-    Work,
+from costmodel.terms.compute import layer_compute
+from costmodel.terms.compute import OPTIMIZER_BYTES_PER_PARAMETER
+from costmodel.estimate.uniform import (
     dp_sync_s,
-    estimate,
-    groups,
     optimizer_step_s,
     p2p_sends,
     rank_memory,
     recompute_flops,
     unit_costs,
 )
-from costmodel.graph import layer_parameters, model_flops_per_step, total_parameters
-from costmodel.loading import load_cluster, load_model, make_training
-from costmodel.memory import layer_activation_bytes
-from costmodel.specs import Problem
+from costmodel.terms.comm import groups
+from costmodel.estimate.breakdown import Work
+from costmodel.estimate import estimate
+from costmodel.terms.counts import layer_parameters, model_flops_per_step, total_parameters
+from costmodel.specs.loading import load_cluster, load_model, make_training
+from costmodel.terms.memory import layer_activation_bytes
+from costmodel.problem import Problem
 from costmodel.strategy import Strategy, even_stages
 from costmodel_test_helpers import (
     A100_HBM,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import networkx as nx
 import pytest
 
-from costmodel.graph import (
+from costmodel.terms.counts import (
     attention_parameters,
     build_graph,
     embedding_parameters,
@@ -20,7 +20,7 @@ from costmodel.graph import (
     norm_parameters,
     total_parameters,
 )
-from costmodel.loading import load_model
+from costmodel.specs.loading import load_model
 from costmodel_test_helpers import HF_DIR
 
 

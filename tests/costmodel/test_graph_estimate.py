@@ -6,19 +6,13 @@ import pytest
 import torch
 from torch import nn
 
-from costmodel import compute, memory
-from costmodel.comm import collective_time_s
-from costmodel.estimate import OPTIMIZER_BYTES_PER_PARAMETER, groups
-from costmodel.graph_estimate import (
-    NodeCost,
-    TracedModel,
-    TracedProblem,
-    estimate_traced,
-    stage_memory,
-    stage_work,
-    traced_units,
-)
-from costmodel.loading import load_cluster
+from costmodel.terms import compute, memory
+from costmodel.terms.comm import collective_time_s
+from costmodel.terms.compute import OPTIMIZER_BYTES_PER_PARAMETER
+from costmodel.terms.comm import groups
+from costmodel.problem import NodeCost, TracedModel, TracedProblem
+from costmodel.estimate.traced import estimate_traced, stage_memory, stage_work, traced_units
+from costmodel.specs.loading import load_cluster
 from costmodel.specs import TrainingSpec
 from costmodel.strategy import Stage, Strategy
 from costmodel.trace import trace_module

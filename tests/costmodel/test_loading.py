@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from costmodel.loading import (
+from costmodel.specs.loading import (
     SpecError,
     as_bool,
     as_float,

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from costmodel import memory
-from costmodel.loading import load_cluster, load_model, make_training
-from costmodel.memory import (
+from costmodel.terms import memory
+from costmodel.specs.loading import load_cluster, load_model, make_training
+from costmodel.terms.memory import (
     in_flight_microbatches,
     layer_activation_bytes,
     logits_bytes,

@@ -7,12 +7,13 @@ from dataclasses import replace
 
 import pytest
 
-from costmodel.comm import Placement, collective_time_s
-from costmodel.energy import cost_energy
-from costmodel.estimate import estimate, rank_work, unit_costs
-from costmodel.loading import SpecError, load_cluster, load_model, make_training
-from costmodel.mixed import replica_shares
-from costmodel.specs import MixedClusterSpec, Problem
+from costmodel.estimate.energy import cost_energy
+from costmodel.estimate import estimate
+from costmodel.estimate.uniform import rank_work, unit_costs
+from costmodel.specs.loading import SpecError, load_cluster, load_model, make_training
+from costmodel.estimate.mixed import replica_shares
+from costmodel.specs import MixedClusterSpec
+from costmodel.problem import Problem
 from costmodel.strategy import Strategy, even_stages
 
 from costmodel_test_helpers import IB_BW, IB_LAT

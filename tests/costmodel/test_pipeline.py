@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from costmodel.pipeline import pipeline_coefficients, pipeline_time_s
+from costmodel.terms.pipeline import pipeline_coefficients, pipeline_time_s
 
 UNEVEN = [1.0, 2.0, 3.0, 4.0]  # sum 10, max 4
 

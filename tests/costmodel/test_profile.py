@@ -7,11 +7,18 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from costmodel import compute
-from costmodel.estimate import unit_costs
-from costmodel.loading import SpecError, load_cluster, load_model, make_training
-from costmodel.profile import LayerPoint, MeasuredTimes, interpolate, measured_times, model_dims, read_profile
-from costmodel.specs import Problem
+from costmodel.terms import compute
+from costmodel.estimate.uniform import unit_costs
+from costmodel.specs.loading import SpecError, load_cluster, load_model, make_training
+from costmodel.measured import (
+    LayerPoint,
+    MeasuredTimes,
+    interpolate,
+    measured_times,
+    model_dims,
+    read_profile,
+)
+from costmodel.problem import Problem
 from costmodel.strategy import Strategy
 from planner.api import make_problem
 from planner.cli import main as cli

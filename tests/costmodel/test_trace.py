@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from costmodel.graph import build_graph
-from costmodel.loading import load_model
+from costmodel.terms.counts import build_graph
+from costmodel.specs.loading import load_model
 from costmodel.trace import repeats, split_role, trace_module
 from executor.models import build_model
 
@@ -163,8 +163,8 @@ def test_saved_bytes_of_a_7b_layer_equal_the_cost_models_fp32_activations(name):
     """What autograd saves in one of the executor's layers (traced under fake CPU
     tensors, whose SDPA keeps no score matrix) is what costmodel.memory charges a layer
     in fp32 (its eager-module counts, calibrated against MemTracker)."""
-    from costmodel.loading import make_training, load_cluster
-    from costmodel.memory import layer_activation_bytes
+    from costmodel.specs.loading import make_training, load_cluster
+    from costmodel.terms.memory import layer_activation_bytes
 
     spec = load_model(name)
     seq = 1024

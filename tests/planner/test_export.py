@@ -17,7 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 from costmodel.estimate import estimate
-from costmodel.loading import SpecError, load_model
+from costmodel.specs.loading import SpecError, load_model
 from costmodel.strategy import Strategy, even_stages, summarize_recompute
 from planner.api import make_problem, plan
 from planner.cli import main

@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from costmodel.estimate import estimate
-from costmodel.loading import load_cluster
+from costmodel.specs.loading import load_cluster
 from planner.api import make_problem
 from planner.cli import main
 from planner.mixed_search import search_mixed
@@ -124,7 +124,7 @@ def test_cli_plans_a_builtin_mixed_cluster_and_refuses_resizing():
     if s.stage_groups:
         memory = list(zip(s.stage_groups, doc["estimate"]["rank_memory_bytes"]))
     else:
-        from costmodel.mixed import estimate_replicas
+        from costmodel.estimate.mixed import estimate_replicas
         memory = estimate_replicas(make_problem("llama2-13b", "mixed-h200-a100-40gb", 256, seq_len=4096), s)[1]
     assert {name for name, _ in memory} == {"h200", "a100-40gb"}
     for name, used in memory:
@@ -138,7 +138,7 @@ def test_cost_objective_on_a_mixed_cluster(tmp_path):
     p = make_problem("llama2-7b", write_fast_slow(tmp_path), 64, seq_len=2048)
     rules = replace(load_rules(None).with_fix({"tp": 4, "mbs": 1, "zero": 1}), objective="cost")
     result = search(p, rules, top=1, pareto=True)
-    from costmodel.energy import cost_energy
+    from costmodel.estimate.energy import cost_energy
     costs = [cost_energy(p.cluster, c.strategy, c.estimate).cost_per_step_usd for c in result.pareto]
     best = cost_energy(p.cluster, result.best.strategy, result.best.estimate).cost_per_step_usd
     assert best == pytest.approx(min(costs))

@@ -9,10 +9,11 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from costmodel.energy import cost_energy
-from costmodel.estimate import estimate, unit_costs
-from costmodel.loading import SpecError, configs_dir, load_cluster, load_model, make_training
-from costmodel.specs import Problem
+from costmodel.estimate.energy import cost_energy
+from costmodel.estimate import estimate
+from costmodel.estimate.uniform import unit_costs
+from costmodel.specs.loading import SpecError, configs_dir, load_cluster, load_model, make_training
+from costmodel.problem import Problem
 from planner.cli import main
 from planner.partition import solve_partition
 from planner.plan import plan_document

@@ -10,8 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from costmodel.graph_estimate import estimate_traced, traced_model
-from costmodel.loading import SpecError, load_model
+from costmodel.estimate.traced import estimate_traced
+from costmodel.problem import traced_model
+from costmodel.specs.loading import SpecError, load_model
 from costmodel.trace import trace_module
 from executor.models import build_model
 from planner import plan_model
@@ -20,7 +21,7 @@ from planner.graph_search import partition
 from planner.plan import dumps, read_plan, strategy_of, write_plan
 from planner.rules import Rules
 from planner.search import Infeasible
-from costmodel.graph_estimate import stage_memory, stage_work, traced_units
+from costmodel.estimate.traced import stage_memory, stage_work, traced_units
 from costmodel.strategy import Stage, Strategy
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "costmodel"))
@@ -37,7 +38,7 @@ def test_a_builtin_model_plans_exactly_as_the_cli():
 
 def test_a_hugging_face_model_plans_as_its_config():
     pytest.importorskip("transformers")
-    from costmodel.hf import build_hf_model
+    from costmodel.specs.hf import build_hf_model
     from costmodel_test_helpers import HF_DIR
 
     folder = HF_DIR / "tinyllama-folder"

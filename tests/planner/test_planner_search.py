@@ -7,9 +7,10 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from costmodel.estimate import estimate, rank_memory, unit_costs
-from costmodel.loading import SpecError, load_cluster, load_model, make_training
-from costmodel.specs import Problem
+from costmodel.estimate import estimate
+from costmodel.estimate.uniform import rank_memory, unit_costs
+from costmodel.specs.loading import SpecError, load_cluster, load_model, make_training
+from costmodel.problem import Problem
 from costmodel.strategy import Strategy
 from planner.api import plan
 from planner.cli import main

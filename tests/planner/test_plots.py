@@ -13,7 +13,7 @@ import torch
 from click.testing import CliRunner
 from matplotlib.image import imread
 
-from costmodel.pipeline import pipeline_time_s
+from costmodel.terms.pipeline import pipeline_time_s
 from planner.api import plan, plan_model
 from planner.cli import main
 from planner.plan import write_plan

@@ -12,7 +12,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from costmodel.loading import SpecError
+from costmodel.specs.loading import SpecError
 from planner.api import plan, plan_model
 from planner.cli import main
 from planner.plan import dumps, write_plan

@@ -14,7 +14,7 @@ from click.testing import CliRunner
 from matplotlib.image import imread
 from rich.console import Console
 
-from costmodel.loading import SpecError
+from costmodel.specs.loading import SpecError
 from planner.api import plan
 from planner.cli import main
 from planner.plan import dumps, strategy_of

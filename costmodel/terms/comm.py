@@ -12,7 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from costmodel.problem import Problem
 from costmodel.specs import ClusterSpec, LinkSpec
+from costmodel.strategy import Strategy
+from costmodel.terms import compute
 
 
 @dataclass(frozen=True)
@@ -74,3 +77,39 @@ def collective_time_s(kind: str, total_bytes: float, group: Placement, cluster: 
     inter_part = _ring_time_s(kind, total_bytes / k, group.nodes, inter)
     intra_part = _ring_time_s("all_reduce" if kind == "all_reduce" else kind, total_bytes, k, intra)
     return inter_part + intra_part
+
+
+def sharded_collective_s(kind: str, total_bytes: float, group: Placement, cluster) -> float:
+    """A ZeRO-3 all-gather or reduce-scatter of one unit, with the copies around it:
+    FSDP2 copies the shard into the all-gather buffer and the gathered buffer out into
+    the weights, and the gradients into the reduce-scatter buffer and the shard out
+    (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py: foreach_all_gather,
+    foreach_all_gather_copy_out, foreach_reduce_scatter_copy_in), each a read and a
+    write of the full buffer and of the shard, memory-bound. On GPUs they hide behind
+    the layer's compute with the collective; on CPU ranks (bench/executor_correlation.py)
+    they take as long as the collective. ZeRO-1/2 engines keep gradients and weights in
+    flat buffers the collectives use in place, so they are charged none."""
+    if group.size <= 1 or total_bytes <= 0:
+        return 0.0
+    copies = compute.memory_bound_time_s(2 * total_bytes * (1 + 1 / group.size), cluster)
+    return collective_time_s(kind, total_bytes, group, cluster) + copies
+
+
+
+def groups(problem: Problem, strategy: Strategy) -> dict[str, Placement]:
+    """Where each kind of process group sits (rank order tp, dp, pp; ep inside dp)."""
+    g = problem.cluster.gpus_per_node
+    tp, dp = strategy.tp, strategy.dp
+    return {
+        "tp": placement(tp, 1, g),
+        "dp": placement(dp, tp, g),
+        "ep": placement(strategy.ep, tp, g),
+        "expert_dp": placement(dp // strategy.ep, tp * strategy.ep, g),
+        # The whole pipeline: once it spans nodes, some stage boundary crosses the
+        # network, and in the 1F1B steady state the slowest boundary paces every send.
+        "pp": placement(strategy.pp, tp * dp, g),
+        # First and last stage (the tied-embedding gradient all-reduce): on one node
+        # only when the whole pipeline is.
+        "pp_ends": (Placement(1, 1, 1) if strategy.pp == 1
+                    else Placement(2, 2, 1) if strategy.pp * tp * dp <= g else Placement(2, 1, 2)),
+    }

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from costmodel.compute import activation_bytes_per_value
+from costmodel.terms.compute import activation_bytes_per_value
 from costmodel.specs import ModelSpec, TrainingSpec
 
 # CUDA context, cuBLAS/NCCL workspaces and allocator fragmentation: ~1 GiB is what

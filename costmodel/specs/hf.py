@@ -13,7 +13,7 @@ import networkx as nx
 import torch
 from torch import nn
 
-from costmodel.loading import SpecError
+from costmodel.specs.loading import SpecError
 from costmodel.trace import trace_module
 
 
@@ -69,7 +69,7 @@ def build_hf_model(source: str | Path) -> nn.Module:
 def check_spec(source: str | Path, spec) -> None:
     """Refuse a config whose model transformers builds differently from the spec the
     cost model reads out of it (a family the gpt / llama / mixtral specs do not cover)."""
-    from costmodel.graph import total_parameters
+    from costmodel.terms.counts import total_parameters
 
     built = sum(p.numel() for p in build_hf_model(source).parameters())
     if built != total_parameters(spec):

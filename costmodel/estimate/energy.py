@@ -27,9 +27,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from costmodel.estimate import Estimate
-from costmodel.loading import SpecError
-from costmodel.mixed import device_groups
+from costmodel.estimate.breakdown import Estimate
+from costmodel.specs.loading import SpecError
+from costmodel.estimate.mixed import device_groups
 from costmodel.specs import ClusterSpec, MixedClusterSpec
 from costmodel.strategy import Strategy
 

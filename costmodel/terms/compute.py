@@ -143,3 +143,12 @@ def embedding_compute_s(model: ModelSpec, cluster: ClusterSpec, training: Traini
     tokens = micro_batch_size * training.seq_len
     reads = 2 if model.is_gpt else 1
     return memory_bound_time_s((reads + 1) * activation_bytes_per_value(training) * tokens * model.hidden_size, cluster)
+
+
+# HBM bytes the optimizer step moves per local parameter: Adam reads fp32 master
+# weights, momentum, variance and the gradient and writes the three states and the
+# 16-bit copy (4*3 + 2 + 4*3 + 2 = 28); SGD with momentum 4*2 + 2 + 4*2 + 2 = 20. The
+# global gradient-norm, clipping and gradient zeroing passes add 4 + 2*4 + 4 = 16
+# (fp32 main gradients, Megatron-LM's optimizer; calibrated with the non-layer time
+# of the 22B rows of Korthikanti et al. 2022 Table 5).
+OPTIMIZER_BYTES_PER_PARAMETER = {"adam": 28 + 16, "adamw": 28 + 16, "sgd": 20 + 16}

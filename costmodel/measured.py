@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from costmodel import compute
-from costmodel.loading import SpecError, read_json_object
+from costmodel.terms import compute
+from costmodel.specs.loading import SpecError, read_json_object
 from costmodel.specs import PRECISIONS, ClusterSpec, ModelSpec, TrainingSpec
 
 PROFILE_SCHEMA_VERSION = 2   # 2 added the layer kinds ("layers") and all_to_all

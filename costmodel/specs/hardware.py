@@ -1,61 +1,10 @@
-"""Frozen specs: the model, the GPU, the links, the cluster and the training run.
-
-Field names of `ModelSpec` are the Hugging Face config keys, so a spec reads the same
-in YAML, in a `config.json` and in code. Loading and validation live in
-`costmodel.loading`; these classes only hold values and derive simple quantities.
+"""The hardware a plan runs on: a GPU, the links between GPUs, a cluster of one GPU type
+and a mixed cluster of several.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:   # costmodel.profile imports these specs
-    from costmodel.profile import MeasuredTimes
-
-FAMILIES = ("gpt", "llama", "mixtral")
-PRECISIONS = ("bf16", "fp16", "fp32")
-OPTIMIZERS = ("adam", "adamw", "sgd")
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """A decoder-only transformer.
-
-    model_type "gpt": LayerNorm, GELU MLP, learned positions, biases, dropout.
-    model_type "llama": RMSNorm, SwiGLU MLP, grouped-query attention, RoPE, no biases.
-    model_type "mixtral": llama layers whose MLP is a top-k mixture of experts.
-    """
-
-    name: str
-    model_type: str
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    intermediate_size: int
-    vocab_size: int
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    num_local_experts: int = 1
-    num_experts_per_tok: int = 1
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-    @property
-    def is_gpt(self) -> bool:
-        return self.model_type == "gpt"
-
-    @property
-    def is_moe(self) -> bool:
-        return self.num_local_experts > 1
-
-    @property
-    def kv_size(self) -> int:
-        """Width of the K (or V) projection output."""
-        return self.num_key_value_heads * self.head_dim
 
 
 @dataclass(frozen=True)
@@ -145,30 +94,3 @@ class MixedClusterSpec:
             if g.name == name:
                 return g
         raise KeyError(name)
-
-
-@dataclass(frozen=True)
-class TrainingSpec:
-    """global_batch in sequences; precision "bf16"/"fp16" means mixed precision with
-    fp32 master weights and optimizer states, "fp32" means everything in fp32."""
-
-    global_batch: int
-    seq_len: int
-    precision: str = "bf16"
-    optimizer: str = "adamw"
-    flash_attention: bool = True
-
-    @property
-    def tokens_per_step(self) -> int:
-        return self.global_batch * self.seq_len
-
-
-@dataclass(frozen=True)
-class Problem:
-    """Everything a strategy is judged against."""
-
-    model: ModelSpec
-    cluster: ClusterSpec | MixedClusterSpec
-    training: TrainingSpec
-    # Measured layer times (`shardwise plan --profile`); None prices every layer analytically.
-    profile: MeasuredTimes | None = None

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from costmodel import compute, memory
-from costmodel.estimate import cross_entropy_bytes, p2p_sends, rank_parameters, unit_costs
-from costmodel.specs import Problem
+from costmodel.terms import compute, memory
+from costmodel.estimate.uniform import cross_entropy_bytes, p2p_sends, rank_parameters, unit_costs
+from costmodel.problem import Problem
 from costmodel.strategy import Strategy
 
 # The global gradient norm for clipping: one fp64 scalar summed over every rank.

@@ -5,57 +5,22 @@ solver, so the solver optimises exactly the figures reported here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
-from costmodel import compute, memory
-from costmodel.comm import Placement, collective_time_s, placement
-from costmodel.graph import (
+from costmodel.terms import compute, memory
+from costmodel.terms.comm import collective_time_s, groups, sharded_collective_s
+from costmodel.terms.counts import (
     embedding_parameters,
     head_parameters,
     layer_forward_flops,
     layer_parameters,
     model_flops_per_step,
 )
-from costmodel.pipeline import pipeline_time_s
-from costmodel.profile import profiled_layer
-from costmodel.specs import MixedClusterSpec, Problem
+from costmodel.terms.pipeline import pipeline_time_s
+from costmodel.measured import profiled_layer
+from costmodel.estimate.breakdown import Estimate, MemoryBreakdown, Work, step_estimate
+from costmodel.problem import Problem
 from costmodel.strategy import RECOMPUTE_MODES, Stage, Strategy
-
-# HBM bytes the optimizer step moves per local parameter: Adam reads fp32 master
-# weights, momentum, variance and the gradient and writes the three states and the
-# 16-bit copy (4*3 + 2 + 4*3 + 2 = 28); SGD with momentum 4*2 + 2 + 4*2 + 2 = 20. The
-# global gradient-norm, clipping and gradient zeroing passes add 4 + 2*4 + 4 = 16
-# (fp32 main gradients, Megatron-LM's optimizer; calibrated with the non-layer time
-# of the 22B rows of Korthikanti et al. 2022 Table 5).
-OPTIMIZER_BYTES_PER_PARAMETER = {"adam": 28 + 16, "adamw": 28 + 16, "sgd": 20 + 16}
-
-
-@dataclass(frozen=True)
-class Work:
-    """Seconds one rank spends on one micro-batch (or a step), by kind."""
-
-    compute_s: float = 0.0
-    recompute_s: float = 0.0
-    tp_comm_s: float = 0.0
-    ep_comm_s: float = 0.0
-    dp_comm_s: float = 0.0
-    pp_comm_s: float = 0.0
-
-    @property
-    def total_s(self) -> float:
-        return (self.compute_s + self.recompute_s + self.tp_comm_s + self.ep_comm_s
-                + self.dp_comm_s + self.pp_comm_s)
-
-    # Spelled out rather than looped over dataclasses.fields: the planner adds Work
-    # values millions of times.
-    def __add__(self, other: Work) -> Work:
-        return Work(self.compute_s + other.compute_s, self.recompute_s + other.recompute_s,
-                    self.tp_comm_s + other.tp_comm_s, self.ep_comm_s + other.ep_comm_s,
-                    self.dp_comm_s + other.dp_comm_s, self.pp_comm_s + other.pp_comm_s)
-
-    def scaled(self, factor: float) -> Work:
-        return Work(self.compute_s * factor, self.recompute_s * factor, self.tp_comm_s * factor,
-                    self.ep_comm_s * factor, self.dp_comm_s * factor, self.pp_comm_s * factor)
 
 
 @dataclass(frozen=True)
@@ -76,87 +41,6 @@ class UnitCosts:
     p2p_s: float                           # one activation (or gradient) send between stages
     p2p_bytes: float
     tied_sync_s: float = 0.0               # all-reduce of the tied embedding's gradient, first and last stage
-
-
-@dataclass(frozen=True)
-class TimeBreakdown:
-    compute_s: float
-    recompute_s: float
-    tp_comm_s: float
-    ep_comm_s: float
-    pp_comm_s: float
-    dp_comm_s: float
-    bubble_s: float
-    optimizer_s: float
-
-
-@dataclass(frozen=True)
-class MemoryBreakdown:
-    weights_bytes: float
-    gradients_bytes: float
-    optimizer_bytes: float
-    activations_bytes: float
-    comm_buffer_bytes: float
-    runtime_reserve_bytes: float
-    temporary_bytes: float = 0.0    # made in backward and freed in it (ZeRO-3's unsharded gradients)
-
-    @property
-    def total_bytes(self) -> float:
-        return sum(getattr(self, f.name) for f in fields(self))
-
-
-@dataclass(frozen=True)
-class Estimate:
-    step_time_s: float
-    tokens_per_s: float
-    tflops_per_gpu: float
-    mfu: float
-    hfu: float
-    peak_memory_bytes: float
-    peak_memory_rank: int            # pipeline rank holding the peak
-    bottleneck_rank: int             # pipeline rank with the longest micro-batch
-    time: TimeBreakdown
-    memory: MemoryBreakdown          # of the peak rank
-    rank_time_s: tuple[float, ...]   # per pipeline rank, one micro-batch
-    rank_memory_bytes: tuple[float, ...]
-    # Mixed clusters with replica groups (costmodel.mixed): per data-parallel replica,
-    # its micro-batches' seconds in one step; empty otherwise.
-    replica_time_s: tuple[float, ...] = ()
-
-
-def sharded_collective_s(kind: str, total_bytes: float, group: Placement, cluster) -> float:
-    """A ZeRO-3 all-gather or reduce-scatter of one unit, with the copies around it:
-    FSDP2 copies the shard into the all-gather buffer and the gathered buffer out into
-    the weights, and the gradients into the reduce-scatter buffer and the shard out
-    (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py: foreach_all_gather,
-    foreach_all_gather_copy_out, foreach_reduce_scatter_copy_in), each a read and a
-    write of the full buffer and of the shard, memory-bound. On GPUs they hide behind
-    the layer's compute with the collective; on CPU ranks (bench/executor_correlation.py)
-    they take as long as the collective. ZeRO-1/2 engines keep gradients and weights in
-    flat buffers the collectives use in place, so they are charged none."""
-    if group.size <= 1 or total_bytes <= 0:
-        return 0.0
-    copies = compute.memory_bound_time_s(2 * total_bytes * (1 + 1 / group.size), cluster)
-    return collective_time_s(kind, total_bytes, group, cluster) + copies
-
-
-def groups(problem: Problem, strategy: Strategy) -> dict[str, Placement]:
-    """Where each kind of process group sits (rank order tp, dp, pp; ep inside dp)."""
-    g = problem.cluster.gpus_per_node
-    tp, dp = strategy.tp, strategy.dp
-    return {
-        "tp": placement(tp, 1, g),
-        "dp": placement(dp, tp, g),
-        "ep": placement(strategy.ep, tp, g),
-        "expert_dp": placement(dp // strategy.ep, tp * strategy.ep, g),
-        # The whole pipeline: once it spans nodes, some stage boundary crosses the
-        # network, and in the 1F1B steady state the slowest boundary paces every send.
-        "pp": placement(strategy.pp, tp * dp, g),
-        # First and last stage (the tied-embedding gradient all-reduce): on one node
-        # only when the whole pipeline is.
-        "pp_ends": (Placement(1, 1, 1) if strategy.pp == 1
-                    else Placement(2, 2, 1) if strategy.pp * tp * dp <= g else Placement(2, 1, 2)),
-    }
 
 
 def unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
@@ -464,7 +348,7 @@ def optimizer_step_s(problem: Problem, units: UnitCosts, strategy: Strategy, pp_
     dense, experts = rank_parameters(units, strategy, pp_rank)
     if strategy.zero_stage >= 1:
         dense, experts = dense / strategy.dp, experts / (strategy.dp // strategy.ep)
-    per_parameter = OPTIMIZER_BYTES_PER_PARAMETER[problem.training.optimizer]
+    per_parameter = compute.OPTIMIZER_BYTES_PER_PARAMETER[problem.training.optimizer]
     return compute.memory_bound_time_s((dense + experts) * per_parameter, problem.cluster)
 
 
@@ -483,14 +367,8 @@ def recompute_flops(problem: Problem, strategy: Strategy) -> float:
     return sequences * (full * per_layer + selective * scores)
 
 
-def estimate(problem: Problem, strategy: Strategy, units: UnitCosts | None = None) -> Estimate:
-    """Predicted step of `strategy` (which must carry its stages) on `problem`."""
-    if not strategy.stages:
-        raise ValueError("strategy has no stages; use costmodel.strategy.even_stages")
-    if isinstance(problem.cluster, MixedClusterSpec):
-        # Imported here: costmodel.mixed prices each group with this module's terms.
-        from costmodel.mixed import estimate_mixed
-        return estimate_mixed(problem, strategy)
+def estimate_uniform(problem: Problem, strategy: Strategy, units: UnitCosts | None = None) -> Estimate:
+    """Predicted step of `strategy` on a transformer on one kind of GPU."""
     units = units or unit_costs(problem, strategy)
     return estimate_ranks(problem, strategy, [(problem, units)] * strategy.pp)
 
@@ -518,39 +396,3 @@ def estimate_ranks(problem: Problem, strategy: Strategy, rank_costs: list[tuple[
                          model_flops, model_flops + recompute_flops(problem, strategy), peak)
 
 
-def step_estimate(problem, strategy: Strategy, works: list[Work], pipelined_s: float, dp_exposed_s: float,
-                  optimizer_s: float, memories: list[MemoryBreakdown], model_flops: float,
-                  hardware_flops: float, peak_flops_per_gpu: float | None = None) -> Estimate:
-    """The Estimate of a step from its parts: each pipeline rank's micro-batch work and
-    memory, the pipelined time, the exposed gradient sync and the optimizer step. The
-    time breakdown is the slowest rank's, over all micro-batches, the rest of the
-    pipelined time its bubble. `peak_flops_per_gpu`: the mean peak of the devices (MFU's
-    denominator), by default the cluster's GPU's. Shared by costmodel.graph_estimate."""
-    pp, m = strategy.pp, strategy.num_microbatches
-    rank_times = [w.total_s for w in works]
-    bottleneck = max(range(pp), key=lambda r: (rank_times[r], -r))
-    step = pipelined_s + dp_exposed_s + optimizer_s
-    busy = works[bottleneck].scaled(m)
-    time = TimeBreakdown(
-        compute_s=busy.compute_s, recompute_s=busy.recompute_s, tp_comm_s=busy.tp_comm_s,
-        ep_comm_s=busy.ep_comm_s, pp_comm_s=busy.pp_comm_s, dp_comm_s=busy.dp_comm_s + dp_exposed_s,
-        bubble_s=pipelined_s - busy.total_s, optimizer_s=optimizer_s,
-    )
-    totals = [mem.total_bytes for mem in memories]
-    peak_rank = max(range(pp), key=lambda r: (totals[r], -r))
-    gpus = strategy.num_gpus
-    peak = peak_flops_per_gpu or problem.cluster.gpu.peak_for(problem.training.precision)
-    return Estimate(
-        step_time_s=step,
-        tokens_per_s=problem.training.tokens_per_step / step,
-        tflops_per_gpu=model_flops / step / gpus / 1e12,
-        mfu=model_flops / step / gpus / peak,
-        hfu=hardware_flops / step / gpus / peak,
-        peak_memory_bytes=totals[peak_rank],
-        peak_memory_rank=peak_rank,
-        bottleneck_rank=bottleneck,
-        time=time,
-        memory=memories[peak_rank],
-        rank_time_s=tuple(rank_times),
-        rank_memory_bytes=tuple(totals),
-    )

@@ -20,24 +20,24 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from costmodel import memory
-from costmodel.comm import Placement, collective_time_s
-from costmodel.estimate import (
-    Estimate,
-    MemoryBreakdown,
-    UnitCosts,
+from costmodel.terms import memory
+from costmodel.terms.comm import Placement, collective_time_s
+from costmodel.estimate.breakdown import Estimate
+from costmodel.estimate.uniform import UnitCosts
+from costmodel.estimate.breakdown import MemoryBreakdown, step_estimate
+from costmodel.estimate.uniform import (
     dp_sync_s,
     estimate_ranks,
     optimizer_step_s,
     rank_memory,
     rank_work,
     recompute_flops,
-    step_estimate,
     unit_costs,
 )
-from costmodel.graph import model_flops_per_step
-from costmodel.pipeline import pipeline_time_s
-from costmodel.specs import ClusterSpec, LinkSpec, MixedClusterSpec, Problem
+from costmodel.terms.counts import model_flops_per_step
+from costmodel.terms.pipeline import pipeline_time_s
+from costmodel.specs import ClusterSpec, LinkSpec, MixedClusterSpec
+from costmodel.problem import Problem
 from costmodel.strategy import Strategy
 
 # Two ranks on two nodes: a transfer that leaves its node.
