@@ -19,7 +19,7 @@ from costmodel.strategy import Strategy, even_stages
 from executor.data import SyntheticTokens
 from executor.launch import run_local
 from executor.train import TrainConfig, Trainer
-from planner.space import describe
+from planner.search.space import describe
 
 MODEL = {"hidden_size": "512", "num_hidden_layers": "4", "intermediate_size": "2048",
          "max_position_embeddings": "128", "num_attention_heads": "8", "num_key_value_heads": "8"}

@@ -14,10 +14,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from planner.api import make_problem
-from planner.mixed_search import search_mixed
+from planner.search.mixed import search_mixed
 from planner.rules import load_rules
 from planner.search import search
-from planner.space import describe
+from planner.search.space import describe
 
 CASES = [   # cluster, model, global batch, sequence, precision (V100 has no bf16)
     ("mixed-a100-v100", "llama2-13b", 512, 4096, "fp16"),

@@ -8,7 +8,8 @@ to keep behaviour (a refactor) can be checked byte for byte against the run befo
 Each request is a `shardwise` command line (run in-process through click, in one
 working folder so written files and the paths in messages agree between runs) or a
 `plan_model` call on a traced torch module. What is recorded per request: the exit
-code, stdout, stderr and every file it wrote. The requests cover the built-in models
+code, stdout, stderr and every file it wrote; the comparison masks the search's wall
+time, the one figure that differs between two runs of the same code. The requests cover the built-in models
 x clusters x rule sets x `--fix` knobs, precisions, objectives and budgets, Hugging
 Face configs, mixed clusters, infeasible and bad input, replan, sweep, every export
 target, evaluate, explain and traced modules.
@@ -21,6 +22,7 @@ import hashlib
 import importlib
 import json
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -220,9 +222,22 @@ def run_all(out: Path) -> int:
     return 0
 
 
+# The one figure that differs between two runs of the same code: the search's wall time.
+_SECONDS = re.compile(r"(gap [0-9.]+%, )[0-9.]+ s")
+
+
+def _digests(folder: Path) -> dict[str, str]:
+    """Each request's digest, its search wall time masked."""
+    out = {}
+    for path in sorted(folder.glob("*.json")):
+        if path.name != "digests.json":
+            text = _SECONDS.sub(r"\1<seconds> s", path.read_text())
+            out[path.stem] = hashlib.sha256(text.encode()).hexdigest()[:16]
+    return out
+
+
 def compare(before: Path, after: Path) -> int:
-    a = json.loads((before / "digests.json").read_text())
-    b = json.loads((after / "digests.json").read_text())
+    a, b = _digests(before), _digests(after)
     differ = sorted(name for name in a if a[name] != b.get(name))
     missing = sorted(set(a) ^ set(b))
     for name in differ:

@@ -11,7 +11,7 @@ from costmodel.specs.loading import load_cluster, load_model, make_training
 from costmodel.problem import Problem
 from planner.rules import load_rules
 from planner.search import search
-from planner.space import describe
+from planner.search.space import describe
 
 CASES = [("gpt3-175b", "dgx-a100-80gb", 16, 1536, 2048, 2.0),
          ("llama3-70b", "dgx-h100", 8, 1024, 8192, 2.0),

@@ -27,11 +27,9 @@ from costmodel.measured import load_measured_times
 from costmodel.specs import MixedClusterSpec, ModelSpec
 from costmodel.problem import Problem
 from costmodel.trace import trace_module
-from planner.graph_search import check_fix_traced, search_traced
-from planner.plan import plan_document
+from planner.plan_file import plan_document
 from planner.rules import BUDGETS, Rules, load_rules, parse_fix, parse_objective
-from planner.search import search
-from planner.space import check_fix
+from planner.search import check_fix, search
 
 
 def make_problem(model: str, cluster: str, global_batch: Any, *, nodes: Any = None, gpus: Any = None,
@@ -111,8 +109,8 @@ def plan_model(module, example_inputs: tuple, *, cluster: str, global_batch: Any
                          rules=rules, fix=pins, top=top)
     problem = traced_problem(module, example_inputs, cluster, global_batch, nodes=nodes, gpus=gpus,
                              precision=precision, optimizer=optimizer, loss_fn=loss_fn, example_kwargs=example_kwargs)
-    check_fix_traced(problem, pins)
-    return plan_document(problem, rule_set.name, search_traced(problem, rule_set, top=top))
+    check_fix(problem, pins)
+    return plan_document(problem, rule_set.name, search(problem, rule_set, top=top))
 
 
 def plan_spec(spec: ModelSpec, cluster: str, global_batch: Any, seq_len: Any = None, *, nodes: Any = None,

@@ -12,15 +12,15 @@ with `breakdown.step_estimate`. `energy` turns an estimate into cost and energy 
 
 from __future__ import annotations
 
-from costmodel.estimate.breakdown import Estimate
-from costmodel.estimate.mixed import estimate_mixed
-from costmodel.estimate.traced import TracedUnits, estimate_traced
+from costmodel.estimate.breakdown import Estimate, MemoryBreakdown
+from costmodel.estimate.mixed import estimate_mixed, mixed_rank_memories
+from costmodel.estimate.traced import TracedUnits, estimate_traced, stage_memory, traced_units
 from costmodel.estimate.uniform import UnitCosts, estimate_uniform
 from costmodel.problem import Problem, TracedProblem
 from costmodel.specs import MixedClusterSpec
 from costmodel.strategy import Strategy
 
-__all__ = ["Estimate", "estimate"]
+__all__ = ["Estimate", "estimate", "rank_memories"]
 
 
 def estimate(problem: Problem | TracedProblem, strategy: Strategy, units: UnitCosts | TracedUnits | None = None) -> Estimate:
@@ -33,3 +33,12 @@ def estimate(problem: Problem | TracedProblem, strategy: Strategy, units: UnitCo
     if isinstance(problem.cluster, MixedClusterSpec):
         return estimate_mixed(problem, strategy)
     return estimate_uniform(problem, strategy, units)
+
+
+def rank_memories(problem: Problem | TracedProblem, strategy: Strategy) -> list[MemoryBreakdown]:
+    """Each pipeline rank's memory at its peak, by kind (an Estimate keeps only the peak
+    rank's breakdown); for replica groups on a mixed cluster, the fullest group's."""
+    if isinstance(problem, TracedProblem):
+        units = traced_units(problem, strategy)
+        return [stage_memory(problem, units, strategy, s) for s in sorted(strategy.stages, key=lambda s: s.pp_rank)]
+    return mixed_rank_memories(problem, strategy)

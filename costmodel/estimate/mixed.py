@@ -186,7 +186,7 @@ def estimate_mixed(problem: Problem, strategy: Strategy) -> Estimate:
     raise ValueError("a strategy on a mixed cluster needs stage_groups or replica_groups")
 
 
-def rank_memories(problem: Problem, strategy: Strategy) -> list[MemoryBreakdown]:
+def mixed_rank_memories(problem: Problem, strategy: Strategy) -> list[MemoryBreakdown]:
     """Each pipeline rank's memory at its peak, by kind, on any cluster (for replica
     groups, the fullest group's)."""
     if not isinstance(problem.cluster, MixedClusterSpec):

@@ -21,7 +21,7 @@ from costmodel.measured import (
 from costmodel.problem import Problem
 from costmodel.strategy import Strategy
 from planner.api import make_problem
-from planner.cli import main as cli
+from planner.console.cli import main as cli
 
 POINTS = (LayerPoint(2, 1, 3.0, 5.0), LayerPoint(4, 1, 5.0, 9.0), LayerPoint(2, 4, 1.5, 2.5), LayerPoint(4, 4, 2.5, 4.5))
 

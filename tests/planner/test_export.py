@@ -20,10 +20,12 @@ from costmodel.estimate import estimate
 from costmodel.specs.loading import SpecError, load_model
 from costmodel.strategy import Strategy, even_stages, summarize_recompute
 from planner.api import make_problem, plan
-from planner.cli import main
-from planner.export import TARGETS, export_plan, export_strategy
-from planner.importers import Recompute, build_stages, read_text, torchtitan_split
-from planner.plan import model_of, strategy_of, write_plan
+from planner.console.cli import main
+from planner.interop.export import TARGETS, export_plan, export_strategy
+from planner.interop.common import Recompute, build_stages
+from planner.interop.importers import read_text
+from planner.interop.torchtitan import torchtitan_split
+from planner.plan_file import model_of, strategy_of, write_plan
 from planner.rules import load_rules
 from planner.search import search
 

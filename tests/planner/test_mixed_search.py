@@ -12,9 +12,9 @@ from click.testing import CliRunner
 from costmodel.estimate import estimate
 from costmodel.specs.loading import load_cluster
 from planner.api import make_problem
-from planner.cli import main
-from planner.mixed_search import search_mixed
-from planner.plan import dumps, plan_document, read_plan, strategy_of, write_plan
+from planner.console.cli import main
+from planner.search.mixed import search_mixed
+from planner.plan_file import dumps, plan_document, read_plan, strategy_of, write_plan
 from planner.rules import load_rules
 from planner.search import search
 
@@ -95,7 +95,7 @@ def test_mixed_plan_file_round_trips_and_is_deterministic(tmp_path):
     doc = read_plan(out)
     s = strategy_of(doc)
     assert s.is_mixed and doc["cluster"]["groups"][1]["gpu"]["name"] == "A100-half"
-    from planner.replan import cluster_of
+    from planner.plan_file import cluster_of
     again = estimate(replace(p, cluster=cluster_of(doc)), s)
     assert again.step_time_s == pytest.approx(doc["estimate"]["step_time_s"], rel=1e-5)
 

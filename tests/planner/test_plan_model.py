@@ -10,15 +10,15 @@ import pytest
 import torch
 from torch import nn
 
-from costmodel.estimate.traced import estimate_traced
+from costmodel.estimate import estimate
 from costmodel.problem import traced_model
 from costmodel.specs.loading import SpecError, load_model
 from costmodel.trace import trace_module
 from executor.models import build_model
 from planner import plan_model
 from planner.api import plan, traced_problem
-from planner.graph_search import partition
-from planner.plan import dumps, read_plan, strategy_of, write_plan
+from planner.search.traced import partition
+from planner.plan_file import dumps, read_plan, strategy_of, write_plan
 from planner.rules import Rules
 from planner.search import Infeasible
 from costmodel.estimate.traced import stage_memory, stage_work, traced_units
@@ -115,7 +115,7 @@ def test_dag_models_plan_into_stages_every_edge_runs_forward_through():
         assert set(rank_of) == set(graph.nodes)
         assert all(rank_of[u] <= rank_of[v] for u, v in graph.edges)
         problem = traced_problem(module, inputs, "cpu", 8, gpus=2, precision="fp32")
-        assert doc["estimate"]["step_time_s"] == pytest.approx(estimate_traced(problem, strategy).step_time_s, rel=1e-5)
+        assert doc["estimate"]["step_time_s"] == pytest.approx(estimate(problem, strategy).step_time_s, rel=1e-5)
 
 
 def test_the_encoder_decoder_boundary_sends_the_memory_and_the_target():

@@ -13,12 +13,12 @@ from costmodel.specs.loading import SpecError, load_cluster, load_model, make_tr
 from costmodel.problem import Problem
 from costmodel.strategy import Strategy
 from planner.api import plan
-from planner.cli import main
-from planner.partition import layout, solve_partition, usable_memory_bytes
-from planner.plan import read_plan, strategy_of, write_plan
+from planner.console.cli import main
+from planner.search.partition import layout, solve_partition, usable_memory_bytes
+from planner.plan_file import read_plan, strategy_of, write_plan
 from planner.rules import load_rules, parse_fix, rules_from_dict
 from planner.search import search
-from planner.space import enumerate_space
+from planner.search.space import enumerate_space
 
 
 def problem(model="gpt3-1.3b", cluster="dgx-a100-40gb", gpus=8, batch=32, seq=2048):

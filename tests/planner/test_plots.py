@@ -15,11 +15,19 @@ from matplotlib.image import imread
 
 from costmodel.terms.pipeline import pipeline_time_s
 from planner.api import plan, plan_model
-from planner.cli import main
-from planner.plan import write_plan
-from planner.plots import (COLOURS, FIGURE_DPI, FIGURE_SIZE_IN, figure_png_bytes, hex_rgb, plan_timeline,
-                           rank_memory_breakdowns, timeline)
-from planner.report import explain_html
+from planner.console.cli import main
+from planner.plan_file import write_plan
+from planner.console.plots import (
+    COLOURS,
+    FIGURE_DPI,
+    FIGURE_SIZE_IN,
+    figure_png_bytes,
+    hex_rgb,
+    plan_timeline,
+    rank_memory_breakdowns,
+    timeline,
+)
+from planner.console.report import explain_html
 
 WIDTH_PX, HEIGHT_PX = (round(side * FIGURE_DPI) for side in FIGURE_SIZE_IN)
 # A legend patch is about 20 x 7 pixels: categories drawn in the panels cover far more.

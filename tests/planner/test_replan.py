@@ -14,9 +14,9 @@ from click.testing import CliRunner
 
 from costmodel.specs.loading import SpecError
 from planner.api import plan, plan_model
-from planner.cli import main
-from planner.plan import dumps, write_plan
-from planner.replan import nearest_batches, replan
+from planner.console.cli import main
+from planner.plan_file import dumps, write_plan
+from planner.workflows.replan import nearest_batches, replan
 from planner.rules import Rules
 
 

@@ -16,12 +16,18 @@ from rich.console import Console
 
 from costmodel.specs.loading import SpecError
 from planner.api import plan
-from planner.cli import main
-from planner.plan import dumps, strategy_of
-from planner.plots import FIGURE_DPI, SECONDS_PER_DAY, SWEEP_COLOURS, SWEEP_FIGURE_SIZE_IN, sweep_figure
-from planner.progress import progress_bar
-from planner.space import describe
-from planner.sweep import IMPOSSIBLE, INFEASIBLE, OK, parse_sizes, sweep
+from planner.console.cli import main
+from planner.plan_file import dumps, strategy_of
+from planner.console.plots import (
+    FIGURE_DPI,
+    SECONDS_PER_DAY,
+    SWEEP_COLOURS,
+    SWEEP_FIGURE_SIZE_IN,
+    sweep_figure,
+)
+from planner.console.progress import progress_bar
+from planner.search.space import describe
+from planner.workflows.sweep import IMPOSSIBLE, INFEASIBLE, OK, parse_sizes, sweep
 
 JOB = dict(global_batch=64, seq_len=2048)       # llama2-7b, small enough to plan in a fraction of a second
 SIZES = (8, 16, 32)

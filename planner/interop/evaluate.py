@@ -14,11 +14,13 @@ from costmodel.specs import MixedClusterSpec
 from costmodel.problem import Problem
 from costmodel.strategy import Strategy
 from planner.api import make_problem
-from planner.importers import Imported, read_config
-from planner.partition import usable_memory_bytes
-from planner.plan import _round, strategy_dict
-from planner.rules import Rules, format_value
+from planner.interop.common import Imported
+from planner.interop.importers import read_config
+from planner.search.partition import usable_memory_bytes
+from planner.plan_file import _round, strategy_dict
+from planner.rules import Rules
 from planner.search import Candidate, Infeasible, search
+from planner.interop.common import strategy_changes
 
 GIB = 1 << 30
 
@@ -32,26 +34,6 @@ ENGINE_FIELDS = {
     "deepspeed": {"global_batch": "train_batch_size", "seq": "--seq", "precision": "bf16.enabled/fp16.enabled",
                   "tp": "tensor_parallel.autotp_size", "sp": "--sp", "ep": "--ep"},
 }
-# Knobs compared between two strategies: label, attribute.
-_KNOBS = (("dp", "dp"), ("tp", "tp"), ("pp", "pp"), ("vpp", "vpp"), ("ep", "ep"), ("mbs", "micro_batch_size"),
-          ("micro-batches", "num_microbatches"), ("schedule", "schedule"), ("zero", "zero_stage"),
-          ("recompute", "recompute"), ("sp", "sequence_parallel"))
-
-
-def strategy_changes(old: Strategy, new: Strategy) -> list[str]:
-    """What differs, as "tp 8→4": the knobs, then the stage partition and the
-    recomputed layers per stage when the knobs agree on them."""
-    out = [f"{label} {format_value(getattr(old, name))}→{format_value(getattr(new, name))}"
-           for label, name in _KNOBS if getattr(old, name) != getattr(new, name)]
-    sizes = ([s.num_layers for s in old.stages], [s.num_layers for s in new.stages])
-    if sizes[0] != sizes[1] and (old.pp, old.vpp) == (new.pp, new.vpp):   # else implied by pp, vpp
-        out.append(f"layers per stage {','.join(map(str, sizes[0]))}→{','.join(map(str, sizes[1]))}")
-    elif sizes[0] == sizes[1] and old.stages != new.stages and old.recompute == new.recompute:
-        counts = [f"{sum(s.full_recompute_layers for s in x.stages)}/{sum(s.selective_recompute_layers for s in x.stages)}"
-                  for x in (old, new)]
-        out.append(f"recomputed layers (full/selective) {counts[0]}→{counts[1]}"
-                   if counts[0] != counts[1] else "recomputed layers placed differently")
-    return out
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,9 @@ from dataclasses import dataclass
 
 from costmodel.terms.compute import BACKWARD_FACTOR
 from costmodel.terms.pipeline import pipeline_time_s
+from costmodel.estimate import rank_memories
+from costmodel.estimate.mixed import rank_capacity_bytes
+from planner.plan_file import cluster_of, problem_of, strategy_of
 
 GIB = 1 << 30
 FIGURE_SIZE_IN = (12.0, 13.0)
@@ -168,34 +171,12 @@ def rank_memory_breakdowns(doc: dict) -> list[dict[str, float]]:
     the peak rank's breakdown and every rank's total only, so the breakdowns are
     recomputed with the cost model from the plan's model, cluster, training and
     strategy (the same functions estimate() used)."""
-    from costmodel.problem import Problem
-    from costmodel.specs import TrainingSpec
-    from planner.plan import is_traced, model_of, strategy_of
-    from planner.replan import cluster_of, profile_of
-
-    strategy, training = strategy_of(doc), TrainingSpec(**doc["training"])
-    if is_traced(doc):
-        from costmodel.problem import TracedProblem
-        from costmodel.estimate.traced import stage_memory, traced_units
-
-        problem = TracedProblem(model_of(doc), cluster_of(doc), training)
-        units = traced_units(problem, strategy)
-        stages = sorted(strategy.stages, key=lambda st: st.pp_rank)
-        breakdowns = [stage_memory(problem, units, strategy, st) for st in stages]
-    else:
-        from costmodel.estimate.mixed import rank_memories
-
-        problem = Problem(model_of(doc), cluster_of(doc), training, profile_of(doc))
-        breakdowns = rank_memories(problem, strategy)
+    breakdowns = rank_memories(problem_of(doc), strategy_of(doc))
     return [{_MEMORY_KEYS[k]: getattr(b, k) for k in _MEMORY_KEYS} for b in breakdowns]
 
 
 def rank_capacities(doc: dict) -> list[float]:
     """Device memory of each pipeline rank (its group's GPU on a mixed cluster)."""
-    from costmodel.estimate.mixed import rank_capacity_bytes
-    from planner.plan import strategy_of
-    from planner.replan import cluster_of
-
     return [float(c) for c in rank_capacity_bytes(cluster_of(doc), strategy_of(doc))]
 
 

@@ -20,6 +20,11 @@ from costmodel.specs.loading import SpecError, read_json_object
 from costmodel.specs import ClusterSpec, MixedClusterSpec, ModelSpec
 from costmodel.strategy import Stage, Strategy
 from planner.search import Candidate, SearchResult
+from costmodel.measured import LayerPoint, MeasuredTimes
+from costmodel.problem import Problem, TracedProblem
+from costmodel.specs import LinkSpec
+from costmodel.specs.loading import as_float, as_int, gpu_from_dict, link_from_dict
+from costmodel.specs import TrainingSpec
 
 SCHEMA_VERSION = 1
 FLOAT_DIGITS = 6   # significant digits kept: far below the cost model's accuracy
@@ -128,8 +133,14 @@ _STRATEGY_INTS = ("dp", "tp", "pp", "micro_batch_size", "num_microbatches", "vpp
 
 
 def read_plan(path: str | Path) -> dict:
-    """Load and validate a plan file; raises SpecError naming the bad field."""
-    doc = read_json_object(path, "plan")
+    """Load a plan file and check it (`check_plan`); raises SpecError naming the bad field."""
+    return check_plan(read_json_object(path, "plan"))
+
+
+def check_plan(doc: dict) -> dict:
+    """The one validation of a plan document, made by every reader (run, explain, replan,
+    export, evaluate, auto_parallelize): what one refuses, all refuse, with the same
+    message. Raises SpecError naming the bad field; returns the document."""
     if doc.get("schema_version") != SCHEMA_VERSION:
         raise SpecError("plan.schema_version", f"expected {SCHEMA_VERSION}, got {doc.get('schema_version')!r}")
     for key in ("model", "model_fingerprint", "cluster", "training", "strategy", "estimate"):
@@ -138,12 +149,39 @@ def read_plan(path: str | Path) -> dict:
     model = model_of(doc)
     if fingerprint(model) != doc["model_fingerprint"]:
         raise SpecError("plan.model_fingerprint", "does not match the model spec in the file")
-    strategy_of(doc)
+    training = training_of(doc)
+    cluster_of(doc)
+    profile_of(doc)
+    strategy = strategy_of(doc)
+    if strategy.replica_microbatches:
+        batch, why = (strategy.micro_batch_size * sum(strategy.replica_microbatches),
+                      "micro_batch_size x sum(replica_microbatches)")
+    else:
+        batch, why = (strategy.dp * strategy.micro_batch_size * strategy.num_microbatches,
+                      "dp x micro_batch_size x num_microbatches")
+    if batch != training.global_batch:
+        raise SpecError("plan.strategy", f"{why} does not equal the global batch")
     names = {f.name for f in fields(Estimate) if f.name != "replica_time_s"}
     missing = sorted(names - set(doc["estimate"]))
     if missing:
         raise SpecError(f"plan.estimate.{missing[0]}", "missing")
     return doc
+
+
+def training_of(doc: dict) -> TrainingSpec:
+    """The training run a plan document holds."""
+    try:
+        return TrainingSpec(**doc["training"])
+    except TypeError as err:
+        raise SpecError("plan.training", str(err)) from None
+
+
+def problem_of(doc: dict) -> Problem | TracedProblem:
+    """The problem a plan document was made for: its model, cluster, training run and
+    measured layer times."""
+    if is_traced(doc):
+        return TracedProblem(model_of(doc), cluster_of(doc), training_of(doc))
+    return Problem(model_of(doc), cluster_of(doc), training_of(doc), profile_of(doc))
 
 
 def is_traced(doc: dict) -> bool:
@@ -211,3 +249,54 @@ def strategy_of(doc: dict) -> Strategy:
     elif sum(s.num_layers for s in stages) != doc["model"]["num_hidden_layers"]:
         raise SpecError("plan.strategy.stages", "layers of the stages do not add up to num_hidden_layers")
     return strategy
+
+
+def _plan_link(data: dict, field: str) -> LinkSpec:
+    link = dict(data)
+    # asdict writes a collective's figures as a pair; cluster files name them.
+    link["collectives"] = {kind: {"bandwidth_bytes_per_s": bw, "latency_s": lat}
+                           for kind, (bw, lat) in link.get("collectives", {}).items()}
+    return link_from_dict(link, field)
+
+
+
+def cluster_of(doc: dict) -> ClusterSpec | MixedClusterSpec:
+    """The cluster a plan document holds, validated as a cluster file is."""
+    data = doc["cluster"]
+    if not isinstance(data, dict):
+        raise SpecError("plan.cluster", "expected a mapping")
+    if "groups" in data:
+        try:
+            return MixedClusterSpec(name=str(data["name"]),
+                                    groups=tuple(cluster_of({"cluster": g}) for g in data["groups"]),
+                                    inter_group=_plan_link(data["inter_group"], "plan.cluster.inter_group"))
+        except (KeyError, TypeError) as err:
+            raise SpecError("plan.cluster", f"malformed: {err!r}") from None
+    try:
+        gpu = {k: v for k, v in data["gpu"].items() if v is not None}   # None: the fitted A100 constants
+        links = {side: _plan_link(data[side], f"plan.cluster.{side}") for side in ("intra_node", "inter_node")}
+        return ClusterSpec(name=str(data["name"]), gpu=gpu_from_dict(gpu, "plan.cluster.gpu"),
+                           gpus_per_node=as_int(data["gpus_per_node"], "plan.cluster.gpus_per_node"),
+                           num_nodes=as_int(data["num_nodes"], "plan.cluster.num_nodes"),
+                           comm_overlap=as_float(data.get("comm_overlap", 1.0), "plan.cluster.comm_overlap",
+                                                 exclusive=False),
+                           gpu_hour_price_usd=(as_float(data["gpu_hour_price_usd"], "plan.cluster.gpu_hour_price_usd")
+                                               if data.get("gpu_hour_price_usd") is not None else None),
+                           **links)
+    except SpecError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise SpecError("plan.cluster", f"malformed: {err!r}") from None
+
+
+
+def profile_of(doc: dict) -> MeasuredTimes | None:
+    """The measured layer times a plan was priced with, or None."""
+    data = doc.get("profile")
+    if data is None:
+        return None
+    try:
+        points = {kind: tuple(LayerPoint(**p) for p in pts) for kind, pts in data["points"].items()}
+        return MeasuredTimes(**{**data, "source": "plan.profile", "points": points})
+    except (KeyError, TypeError, AttributeError) as err:
+        raise SpecError("plan.profile", f"malformed: {err!r}") from None

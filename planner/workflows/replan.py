@@ -15,23 +15,21 @@ from typing import Any
 
 from costmodel.specs.loading import (
     SpecError,
-    as_float,
     as_int,
     builtin_names,
     configs_dir,
-    gpu_from_dict,
-    link_from_dict,
     load_cluster,
     make_training,
 )
-from costmodel.measured import LayerPoint, MeasuredTimes
-from costmodel.specs import ClusterSpec, LinkSpec, MixedClusterSpec
+from costmodel.specs import ClusterSpec, MixedClusterSpec
 from costmodel.problem import Problem
 from costmodel.strategy import Strategy
-from planner.plan import is_traced, model_of, plan_document, strategy_of
+from planner.plan_file import is_traced, model_of, plan_document, strategy_of
 from planner.rules import Rules, load_rules, parse_fix
 from planner.search import Infeasible, SearchResult, search
-from planner.space import check_fix, divisors, enumerate_space
+from planner.search import check_fix
+from planner.search.space import divisors, enumerate_space
+from planner.plan_file import cluster_of, profile_of
 
 # Other global batches tried, nearest first, before giving up: each costs one search.
 MAX_BATCH_TRIES = 16
@@ -49,43 +47,6 @@ class NoPlan(Infeasible):
         super().__init__(reason)
         self.problem = problem
         self.rules = rules
-
-
-def _plan_link(data: dict, field: str) -> LinkSpec:
-    link = dict(data)
-    # asdict writes a collective's figures as a pair; cluster files name them.
-    link["collectives"] = {kind: {"bandwidth_bytes_per_s": bw, "latency_s": lat}
-                           for kind, (bw, lat) in link.get("collectives", {}).items()}
-    return link_from_dict(link, field)
-
-
-def cluster_of(doc: dict) -> ClusterSpec | MixedClusterSpec:
-    """The cluster a plan document holds, validated as a cluster file is."""
-    data = doc["cluster"]
-    if not isinstance(data, dict):
-        raise SpecError("plan.cluster", "expected a mapping")
-    if "groups" in data:
-        try:
-            return MixedClusterSpec(name=str(data["name"]),
-                                    groups=tuple(cluster_of({"cluster": g}) for g in data["groups"]),
-                                    inter_group=_plan_link(data["inter_group"], "plan.cluster.inter_group"))
-        except (KeyError, TypeError) as err:
-            raise SpecError("plan.cluster", f"malformed: {err!r}") from None
-    try:
-        gpu = {k: v for k, v in data["gpu"].items() if v is not None}   # None: the fitted A100 constants
-        links = {side: _plan_link(data[side], f"plan.cluster.{side}") for side in ("intra_node", "inter_node")}
-        return ClusterSpec(name=str(data["name"]), gpu=gpu_from_dict(gpu, "plan.cluster.gpu"),
-                           gpus_per_node=as_int(data["gpus_per_node"], "plan.cluster.gpus_per_node"),
-                           num_nodes=as_int(data["num_nodes"], "plan.cluster.num_nodes"),
-                           comm_overlap=as_float(data.get("comm_overlap", 1.0), "plan.cluster.comm_overlap",
-                                                 exclusive=False),
-                           gpu_hour_price_usd=(as_float(data["gpu_hour_price_usd"], "plan.cluster.gpu_hour_price_usd")
-                                               if data.get("gpu_hour_price_usd") is not None else None),
-                           **links)
-    except SpecError:
-        raise
-    except (KeyError, TypeError, ValueError, AttributeError) as err:
-        raise SpecError("plan.cluster", f"malformed: {err!r}") from None
 
 
 def resized(cluster: ClusterSpec, nodes: Any = None, gpus: Any = None) -> ClusterSpec:
@@ -108,18 +69,6 @@ def resized(cluster: ClusterSpec, nodes: Any = None, gpus: Any = None) -> Cluste
     if count % per_node:
         raise SpecError("--gpus", f"{count} is not a whole number of {per_node}-GPU nodes")
     return replace(cluster, num_nodes=count // per_node)
-
-
-def profile_of(doc: dict) -> MeasuredTimes | None:
-    """The measured layer times a plan was priced with, or None."""
-    data = doc.get("profile")
-    if data is None:
-        return None
-    try:
-        points = {kind: tuple(LayerPoint(**p) for p in pts) for kind, pts in data["points"].items()}
-        return MeasuredTimes(**{**data, "source": "plan.profile", "points": points})
-    except (KeyError, TypeError, AttributeError) as err:
-        raise SpecError("plan.profile", f"malformed: {err!r}") from None
 
 
 def _rules_of(doc: dict, rules: str | None, notes: list[str]) -> Rules:

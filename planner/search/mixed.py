@@ -43,22 +43,22 @@ from costmodel.estimate.mixed import (
 from costmodel.specs import ClusterSpec, MixedClusterSpec
 from costmodel.problem import Problem
 from costmodel.strategy import Strategy, even_stages
-from planner import bounds
-from planner.partition import solve_partition, usable_memory_bytes
+from planner.search import bounds
+from planner.search.partition import solve_partition, usable_memory_bytes
 from planner.rules import BUDGETS, Rules
-from planner.search import (
+from planner.search.result import (
     Candidate,
     Infeasible,
     Kept,
     SearchResult,
     SearchStats,
-    _check_specs,
-    _order_key,
-    _score,
+    check_specs,
+    order_key,
+    score,
     kth_best,
     pareto_front,
 )
-from planner.space import Exclusions, _tp_options, divisors, enumerate_space, recompute_modes
+from planner.search.space import Exclusions, _tp_options, divisors, enumerate_space, recompute_modes
 
 
 def stand_in(groups: tuple[ClusterSpec, ...]) -> ClusterSpec:
@@ -162,7 +162,7 @@ def _bound_s(problem: Problem, rules: Rules, s: Strategy, modes: tuple[str, ...]
 
 
 def _bound_scale(problem: Problem, s: Strategy, objective: str) -> float:
-    """k with k * (a step-time bound) a bound of the objective (planner.search._time_bound_scale):
+    """k with k * (a step-time bound) a bound of the objective (planner.search.time_bound_scale):
     the placement's price per second exactly, or its devices' least idle power."""
     cluster: MixedClusterSpec = problem.cluster
     if objective == "cost":
@@ -209,7 +209,7 @@ def solve_replicas(problem: Problem, rules: Rules, strategy: Strategy, modes: tu
 
 
 def _key(strategy: Strategy) -> tuple:
-    return (_order_key(strategy), strategy.stage_groups, strategy.replica_groups)
+    return (order_key(strategy), strategy.stage_groups, strategy.replica_groups)
 
 
 def search_mixed(problem: Problem, rules: Rules, top: int = 3,
@@ -218,7 +218,7 @@ def search_mixed(problem: Problem, rules: Rules, top: int = 3,
     """The best plans on a mixed cluster (module docstring); as `planner.search.search`.
     `every_group`: only plans that use all the groups."""
     started = time.perf_counter()
-    _check_specs(problem, rules, pareto)
+    check_specs(problem, rules, pareto)
     cluster: MixedClusterSpec = problem.cluster
     modes = recompute_modes(problem, rules)
     budgeted = any(getattr(rules, key) is not None for key in BUDGETS)
@@ -246,7 +246,7 @@ def search_mixed(problem: Problem, rules: Rules, top: int = 3,
         primary = 0.0 if objective == "memory" else time_s * _bound_scale(problem, s, objective)
         scored.append((primary, _key(s), s))
     scored.sort(key=lambda item: item[:2])
-    kept = Kept(top, lambda c: (*_score(problem, c, objective), _key(c.strategy)), budgeted or pareto)
+    kept = Kept(top, lambda c: (*score(problem, c, objective), _key(c.strategy)), budgeted or pareto)
     found = kept.found
     solves = infeasible = 0
     for done, (primary, _, s) in enumerate(scored):

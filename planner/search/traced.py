@@ -20,9 +20,9 @@ import time
 
 from costmodel.estimate import Estimate
 from costmodel.problem import TracedProblem
+from costmodel.estimate import estimate
 from costmodel.estimate.traced import (
     TracedUnits,
-    estimate_traced,
     optimizer_step_s,
     stage_memory,
     stage_work,
@@ -31,10 +31,10 @@ from costmodel.estimate.traced import (
 from costmodel.specs.loading import SpecError
 from costmodel.terms.pipeline import pipeline_coefficients
 from costmodel.strategy import Stage, Strategy
-from planner.partition import usable_memory_bytes
+from planner.search.partition import usable_memory_bytes
 from planner.rules import Rules
-from planner.search import Candidate, Infeasible, SearchResult, SearchStats
-from planner.space import Exclusions, admits, describe, divisors
+from planner.search.result import Candidate, Infeasible, SearchResult, SearchStats
+from planner.search.space import Exclusions, admits, describe, divisors
 
 UNSUPPORTED = {"tp": 1, "vpp": 1, "ep": 1, "sp": False}
 
@@ -187,11 +187,11 @@ def search_traced(problem: TracedProblem, rules: Rules, top: int = 3) -> SearchR
             infeasible += 1
             continue
         chosen = strategy.with_stages(stages)
-        estimate: Estimate = estimate_traced(problem, chosen, units)
-        primary = (estimate.step_time_s, estimate.peak_memory_bytes)
+        e: Estimate = estimate(problem, chosen, units)
+        primary = (e.step_time_s, e.peak_memory_bytes)
         if rules.objective == "memory":
             primary = primary[::-1]
-        found.append(((*primary, label), Candidate(chosen, estimate, 0.0)))
+        found.append(((*primary, label), Candidate(chosen, e, 0.0)))
         found.sort(key=lambda item: item[0])
         del found[top:]
     if not found:

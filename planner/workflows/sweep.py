@@ -20,10 +20,10 @@ from typing import Any
 from costmodel.estimate.energy import cost_energy
 from costmodel.specs.loading import SpecError, as_float, as_int
 from planner.api import make_problem, make_rules
-from planner.plan import _round, plan_document
+from planner.plan_file import _round, plan_document
 from planner.rules import parse_fix
 from planner.search import Infeasible, search
-from planner.space import describe
+from planner.search.space import describe
 
 OK, INFEASIBLE, IMPOSSIBLE = "ok", "infeasible", "impossible"
 

@@ -1,9 +1,9 @@
 """The search space: every mesh shape (dp x tp x pp, ep inside dp), micro-batch size,
 schedule (with virtual stages for interleaving), ZeRO stage and sequence-parallel
 setting that the cluster, the batch and the rules admit. Strategies come out without
-stages; `planner.partition` places the layers and chooses recomputation.
+stages; `planner.search.partition` places the layers and chooses recomputation.
 
-`check_fix` turns a `--fix` that cannot work on this model, cluster or batch into a
+`check_fix_spec` turns a `--fix` that cannot work on this model, cluster or batch into a
 `SpecError` (bad input); exclusions by rules are recorded so an empty space can say
 which rule emptied it.
 """
@@ -57,7 +57,7 @@ def recompute_modes(problem: Problem, rules: Rules) -> tuple[str, ...]:
     return modes
 
 
-def check_fix(problem: Problem, fix: dict) -> None:
+def check_fix_spec(problem: Problem, fix: dict) -> None:
     """Reject pins that contradict the model, the cluster or the batch (exit code 2)."""
     model, n, batch = problem.model, problem.cluster.num_gpus, problem.training.global_batch
     layers = model.num_hidden_layers

@@ -18,9 +18,9 @@ import click
 
 from costmodel.specs.loading import SpecError, as_float, as_int, parse_overrides
 from planner.api import make_problem, make_rules
-from planner.plan import dumps, plan_document, read_plan, write_plan
-from planner.progress import progress_bar
-from planner.report import print_explain, print_plan
+from planner.plan_file import dumps, plan_document, read_plan, write_plan
+from planner.console.progress import progress_bar
+from planner.console.report import print_explain, print_plan
 from planner.rules import load_rules, parse_fix
 from planner.search import Infeasible, search, suggest_relaxation
 
@@ -121,7 +121,7 @@ def _print_cost_energy(doc: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from planner.report import _label
+    from planner.console.report import _label
 
     figures = doc.get("cost_energy", {})
     if figures:
@@ -185,8 +185,8 @@ def sweep(model_name, cluster_name, sizes, global_batch, seq, precision, optimiz
     import json
     import os
 
-    from planner.sweep import IMPOSSIBLE, OK, parse_sizes
-    from planner.sweep import sweep as sweep_rows
+    from planner.workflows.sweep import IMPOSSIBLE, OK, parse_sizes
+    from planner.workflows.sweep import sweep as sweep_rows
 
     try:
         gpus = parse_sizes(sizes)
@@ -214,7 +214,7 @@ def sweep(model_name, cluster_name, sizes, global_batch, seq, precision, optimiz
     text = json.dumps(document, sort_keys=True, indent=2) + "\n"
     written = []
     if plot_file and planned:
-        from planner.plots import sweep_png_bytes
+        from planner.console.plots import sweep_png_bytes
 
         t = planned[0].plan["training"]
         title = f"{document['model']} on {document['cluster']}, global batch {t['global_batch']} x {t['seq_len']} tokens"
@@ -253,7 +253,7 @@ def _print_sweep(rows, tokens: float | None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from planner.report import GIB
+    from planner.console.report import GIB
 
     def table(title: str, columns: list[str]) -> Table:
         out = Table(title=title, box=box.SIMPLE_HEAD)
@@ -319,8 +319,8 @@ def explain(plan_file, plot_file, html_file) -> None:
 
     from rich.console import Console
 
-    from planner.plots import figure_png_bytes
-    from planner.report import explain_html
+    from planner.console.plots import figure_png_bytes
+    from planner.console.report import explain_html
 
     with Console(stderr=True).status("drawing the timeline, memory and time breakdown"):
         png = figure_png_bytes(doc)
@@ -363,8 +363,8 @@ def replan(plan_file, gpus, nodes, cluster_name, rules_name, fix, top, fmt, outp
     """
     import time
 
-    from planner.replan import NoPlan
-    from planner.replan import replan as replan_doc
+    from planner.workflows.replan import NoPlan
+    from planner.workflows.replan import replan as replan_doc
 
     started = time.perf_counter()
     try:
@@ -408,7 +408,7 @@ def export(plan_file, target, output) -> None:
     shardwise export plan.json --to megatron          # arguments for pretrain_gpt.py
     shardwise export plan.json --to deepspeed -o ds_config.json
     """
-    from planner.export import export_plan
+    from planner.interop.export import export_plan
 
     try:
         exported = export_plan(read_plan(plan_file), target)
@@ -463,7 +463,13 @@ def evaluate(source, model_name, cluster_name, nodes, gpus, global_batch, seq, p
         --model llama3-70b --cluster dgx-h100 --nodes 8 --global-batch 1024 --seq 8192
     shardwise evaluate --from deepspeed ds_config.json --model llama2-7b --cluster dgx-a100-80gb --gpus 8 --seq 4096
     """
-    from planner.evaluate import evaluate_config, evaluation_document, memory_line, reason_lines, summary_line
+    from planner.interop.evaluate import (
+        evaluate_config,
+        evaluation_document,
+        memory_line,
+        reason_lines,
+        summary_line,
+    )
 
     source, config = source
     try:

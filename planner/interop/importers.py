@@ -1,0 +1,77 @@
+"""What a training engine's configuration means, as a Shardwise Strategy: torchtitan's
+command-line overrides (its Python-config releases, 0.3) or job TOML (0.2), Megatron-LM's
+command-line arguments, and a DeepSpeed config JSON. Each reader returns the strategy
+with its stages, the batch, sequence and precision the config states, and warnings for
+what it had to assume; a config that is malformed or contradicts itself, the model or the
+cluster raises SpecError naming the engine's own field (exit code 2).
+
+This module also owns the engines' own stage partitions (`torchtitan_split`,
+`megatron_split`, `megatron_layout_sizes`), which `planner.export` inverts. Files are read
+with tomllib and json only. Every option name below cites the engine source file it comes
+from: torchtitan 0.3.0 `torchtitan/config/configs.py` (ParallelismConfig, TrainingConfig)
+and `torchtitan/trainer.py`, torchtitan 0.2.2 `torchtitan/config/job_config.py`,
+DeepSpeed 0.19.8 `deepspeed/runtime/config.py`, `runtime/zero/config.py`,
+`runtime/tensor_parallel/config.py`, `runtime/pipe/engine.py`,
+`runtime/activation_checkpointing/config.py`; Megatron-LM's `megatron/training/arguments.py`
+is not on PyPI, so its names are those of megatron-core 0.16.1's config fields
+(`ModelParallelConfig`, `TransformerConfig`, `DistributedDataParallelConfig`, which
+Megatron-LM fills from its arguments of the same names with dashes) and, where an
+argument is spelled differently from its field, Megatron-LM's arguments.py as we know it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from costmodel.specs.loading import SpecError
+from costmodel.specs import ModelSpec
+from planner.interop.common import Imported, read_file
+from planner.interop.deepspeed import read_deepspeed
+from planner.interop.megatron import read_megatron
+from planner.interop.torchtitan import read_torchtitan
+
+SOURCES = ("torchtitan", "megatron", "deepspeed")
+
+
+# ---------------------------------------------------------------------------
+# The engines' stage partitions
+
+
+# ---------------------------------------------------------------------------
+# torchtitan
+
+
+# ---------------------------------------------------------------------------
+# Megatron-LM
+
+
+# ---------------------------------------------------------------------------
+# DeepSpeed
+
+
+def read_text(target: str, text: str, model: ModelSpec, num_gpus: int) -> Imported:
+    """Read a configuration's text; `target` is one of planner.export.TARGETS."""
+    if target in ("torchtitan", "torchtitan-toml"):
+        return read_torchtitan(text, model, num_gpus, toml=target == "torchtitan-toml")
+    if target == "megatron":
+        return read_megatron(text, model, num_gpus)
+    if target == "deepspeed":
+        return read_deepspeed(text, model, num_gpus)
+    raise SpecError("--from", f"unknown engine {target!r} (known: {', '.join(SOURCES)})")
+
+
+def read_config(source_kind: str, source: str, model: ModelSpec, num_gpus: int,
+                global_batch: int | None = None) -> Imported:
+    """Read what a user runs: `source` is torchtitan overrides or a job TOML path,
+    Megatron-LM arguments (or a file holding them), or a DeepSpeed JSON path.
+    `global_batch` fills in what torchtitan overrides leave out."""
+    if source_kind == "torchtitan":
+        if source.endswith(".toml"):
+            return read_torchtitan(read_file(source, "TOML"), model, num_gpus, toml=True)
+        return read_torchtitan(source, model, num_gpus, global_batch=global_batch)
+    if source_kind == "megatron":
+        is_file = not source.lstrip().startswith("-") and Path(source).is_file()
+        return read_megatron(read_file(source, "text") if is_file else source, model, num_gpus)
+    if source_kind == "deepspeed":
+        return read_deepspeed(read_file(source, "JSON"), model, num_gpus)
+    raise SpecError("--from", f"unknown engine {source_kind!r} (known: {', '.join(SOURCES)})")

@@ -1,0 +1,346 @@
+"""Megatron-LM: its command-line arguments, read as a strategy (`read_megatron`) and written
+from one (`export_megatron`), with Megatron's own stage partition (`megatron_split`,
+`megatron_layout_sizes`). Megatron-LM's `megatron/training/arguments.py` is not on PyPI, so
+its names are those of megatron-core 0.16.1's config fields (`ModelParallelConfig`,
+`TransformerConfig`, `DistributedDataParallelConfig`, which Megatron-LM fills from its
+arguments of the same names with dashes) and, where an argument is spelled differently
+from its field, Megatron-LM's arguments.py as we know it.
+"""
+
+from __future__ import annotations
+import argparse
+import re
+from costmodel.specs.loading import SpecError
+from costmodel.specs import ModelSpec
+from costmodel.strategy import Strategy
+from costmodel.specs import TrainingSpec
+from planner.interop.common import Exported, Imported, Recompute, build_stages, check_model, divide, engine_strategy, per_stage, recompute_form
+from planner.interop.common import override_tokens
+
+
+def megatron_split(num_layers: int, pp: int, vpp: int, first: int | None = None, last: int | None = None,
+                   account_embedding: bool = False, account_loss: bool = False) -> list[int] | None:
+    """Layers per virtual stage (index = chunk * pp + pp rank) as Megatron places them:
+    evenly, or with `first`/`last` layers on the first/last pipeline rank and the rest
+    even (`TransformerConfig.num_layers_in_first/last_pipeline_stage`,
+    megatron/core/transformer/transformer_layer.py get_transformer_layer_offset), or with
+    the embedding and loss counted as layers (`account_for_embedding/loss_in_pipeline_split`).
+    None where Megatron refuses it (the layers do not divide)."""
+    if first is not None or last is not None:
+        middle_ranks = pp - (first is not None) - (last is not None)
+        middle = num_layers - (first or 0) - (last or 0)
+        if middle < 0 or (middle_ranks and middle % (middle_ranks * vpp)) or (not middle_ranks and middle):
+            return None
+        per_rank = {r: middle // (middle_ranks * vpp) if middle_ranks else 0 for r in range(pp)}
+        for rank, count in ((0, first), (pp - 1, last)):
+            if count is not None:
+                if count % vpp:
+                    return None
+                per_rank[rank] = count // vpp
+        return [per_rank[i % pp] for i in range(pp * vpp)]
+    total = num_layers + account_embedding + account_loss
+    if total % (pp * vpp):
+        return None
+    sizes = [total // (pp * vpp)] * (pp * vpp)
+    sizes[0] -= account_embedding
+    sizes[-1] -= account_loss
+    return sizes if min(sizes) >= 0 else None
+
+
+
+def megatron_layout_sizes(layout: str) -> list[int]:
+    """Decoder layers per virtual stage of a `--pipeline-model-parallel-layout` string,
+    unrolled as megatron/core/transformer/pipeline_parallel_layer_layout.py
+    parse_str_to_list does ("Et*3|(tt|)*2,t|tL")."""
+    text = layout.replace(",", "")
+    for pattern in (r"\(([^)]+)\)\*(\d+)", r"(.)\*(\d+)"):
+        text = re.sub(pattern, lambda m: m.group(1) * int(m.group(2)), text)
+    if set(text) - set("EtmL|"):
+        raise SpecError("--pipeline-model-parallel-layout", f"unknown layer character in {layout!r} (known: E, t, m, L)")
+    if "m" in text:
+        raise SpecError("--pipeline-model-parallel-layout", "multi-token prediction layers (m) are not modelled")
+    return [stage.count("t") for stage in text.split("|")]
+
+
+
+# Megatron-LM argument names (megatron/training/arguments.py); each maps to the
+# megatron-core 0.16.1 config field named in the comment.
+MEGATRON_INT_ARGS = (
+    "--tensor-model-parallel-size",           # ModelParallelConfig.tensor_model_parallel_size
+    "--pipeline-model-parallel-size",         # ModelParallelConfig.pipeline_model_parallel_size
+    "--num-layers-per-virtual-pipeline-stage",  # arguments.py; sets virtual_pipeline_model_parallel_size
+    "--num-virtual-stages-per-pipeline-rank",  # arguments.py; the same, stated per rank
+    "--decoder-first-pipeline-num-layers",    # TransformerConfig.num_layers_in_first_pipeline_stage
+    "--decoder-last-pipeline-num-layers",     # TransformerConfig.num_layers_in_last_pipeline_stage
+    "--micro-batch-size", "--global-batch-size",   # arguments.py (training batch)
+    "--recompute-num-layers",                 # TransformerConfig.recompute_num_layers
+    "--context-parallel-size",                # ModelParallelConfig.context_parallel_size
+    "--expert-model-parallel-size",           # ModelParallelConfig.expert_model_parallel_size
+    "--expert-tensor-parallel-size",          # ModelParallelConfig.expert_tensor_parallel_size
+    "--num-layers", "--hidden-size", "--ffn-hidden-size", "--num-attention-heads",   # TransformerConfig
+    "--num-query-groups",                     # TransformerConfig.num_query_groups
+    "--seq-length", "--max-position-embeddings",   # arguments.py
+    "--num-experts", "--moe-router-topk",     # TransformerConfig.num_moe_experts, moe_router_topk
+)
+
+
+
+MEGATRON_CHOICE_ARGS = {
+    "--recompute-granularity": ("full", "selective"),     # TransformerConfig.recompute_granularity
+    "--recompute-method": ("uniform", "block"),           # TransformerConfig.recompute_method
+    # DistributedDataParallelConfig.data_parallel_sharding_strategy (Megatron FSDP)
+    "--data-parallel-sharding-strategy": ("no_shard", "optim", "optim_grads", "optim_grads_params"),
+}
+
+
+
+MEGATRON_STR_ARGS = ("--pipeline-model-parallel-layout",)   # TransformerConfig.pipeline_model_parallel_layout
+
+
+
+MEGATRON_FLAGS = (
+    "--sequence-parallel",                    # ModelParallelConfig.sequence_parallel
+    "--use-distributed-optimizer",            # DistributedDataParallelConfig.use_distributed_optimizer
+    "--use-megatron-fsdp",                    # DistributedDataParallelConfig.use_megatron_fsdp
+    "--use-torch-fsdp2",                      # arguments.py: PyTorch FSDP2 in place of DDP
+    "--group-query-attention",                # arguments.py; enables num_query_groups
+    "--account-for-embedding-in-pipeline-split",   # TransformerConfig.account_for_embedding_in_pipeline_split
+    "--account-for-loss-in-pipeline-split",   # TransformerConfig.account_for_loss_in_pipeline_split
+    "--bf16", "--fp16",                       # ModelParallelConfig.bf16 / fp16
+    "--untie-embeddings-and-output-weights", "--swiglu", "--disable-bias-linear",   # model shape, arguments.py
+)
+
+
+
+MEGATRON_NARGS_ARGS = ("--recompute-modules",)   # TransformerConfig.recompute_modules
+
+
+
+MEGATRON_STR_MODEL_ARGS = ("--normalization", "--position-embedding-type")   # arguments.py
+
+
+
+class _ArgError(Exception):
+    pass
+
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises instead of printing and exiting."""
+
+    def error(self, message: str):
+        raise _ArgError(message)
+
+
+
+def megatron_parser() -> argparse.ArgumentParser:
+    """An argparse definition with Megatron-LM's names for what Shardwise reads."""
+    parser = _Parser(prog="megatron", add_help=False, allow_abbrev=False)
+    for name in MEGATRON_INT_ARGS:
+        parser.add_argument(name, type=int)
+    for name, choices in MEGATRON_CHOICE_ARGS.items():
+        parser.add_argument(name, choices=choices)
+    for name in MEGATRON_STR_ARGS + MEGATRON_STR_MODEL_ARGS:
+        parser.add_argument(name)
+    for name in MEGATRON_FLAGS:
+        parser.add_argument(name, action="store_true")
+    for name in MEGATRON_NARGS_ARGS:
+        parser.add_argument(name, nargs="*")
+    return parser
+
+
+
+def read_megatron(text: str, model: ModelSpec, num_gpus: int) -> Imported:
+    """Megatron-LM command-line arguments (a whole pasted command line is fine: words
+    that are not arguments Shardwise reads are ignored with a warning)."""
+    words = override_tokens(text)
+    try:
+        args, rest = megatron_parser().parse_known_args(words)
+    except _ArgError as err:
+        match = re.search(r"argument (--[a-z0-9-]+)", str(err))
+        raise SpecError(match.group(1) if match else "megatron", str(err)) from None
+    warnings = []
+    unknown = [w for w in rest if w.startswith("--")]
+    if unknown:
+        warnings.append(f"ignored (not an argument Shardwise reads): {' '.join(unknown)}")
+    kv = model.num_key_value_heads if model.num_key_value_heads != model.num_attention_heads else None
+    check_model([("--num-layers", args.num_layers, model.num_hidden_layers),
+                  ("--hidden-size", args.hidden_size, model.hidden_size),
+                  ("--ffn-hidden-size", args.ffn_hidden_size, model.intermediate_size),
+                  ("--num-attention-heads", args.num_attention_heads, model.num_attention_heads),
+                  ("--num-query-groups", args.num_query_groups if args.group_query_attention else None,
+                   model.num_key_value_heads),
+                  ("--num-experts", args.num_experts, model.num_local_experts if model.is_moe else None),
+                  ("--moe-router-topk", args.moe_router_topk, model.num_experts_per_tok if model.is_moe else None)],
+                 model)
+    if kv is not None and not args.group_query_attention and args.num_attention_heads is not None:
+        raise SpecError("--group-query-attention", f"missing: {model.name} has {kv} KV heads")
+    tp = args.tensor_model_parallel_size or 1
+    pp = args.pipeline_model_parallel_size or 1
+    cp = args.context_parallel_size or 1
+    ep = args.expert_model_parallel_size or 1
+    if cp > 1:
+        raise SpecError("--context-parallel-size", f"{cp}: Shardwise does not model context parallelism")
+    if args.expert_tensor_parallel_size not in (None, tp):
+        warnings.append(f"--expert-tensor-parallel-size {args.expert_tensor_parallel_size}: priced with the "
+                        f"experts split over tp {tp} as Megatron's default")
+    dp = divide(num_gpus, tp * pp * cp, "--tensor-model-parallel-size",
+                 f"tp {tp} x pp {pp} must divide the cluster's {num_gpus} GPUs")
+    mbs = args.micro_batch_size or 1
+    global_batch = args.global_batch_size or mbs * dp   # arguments.py: defaults to micro x dp
+    microbatches = divide(global_batch, mbs * dp, "--global-batch-size", f"micro-batch {mbs} x dp {dp}")
+
+    layers = model.num_hidden_layers
+    vpp = 1
+    if args.num_layers_per_virtual_pipeline_stage:
+        per_chunk = args.num_layers_per_virtual_pipeline_stage
+        if layers % (pp * per_chunk):
+            raise SpecError("--num-layers-per-virtual-pipeline-stage",
+                            f"{per_chunk} layers per virtual stage do not divide {layers} layers over pp {pp}")
+        vpp = layers // (pp * per_chunk)
+    elif args.num_virtual_stages_per_pipeline_rank:
+        vpp = args.num_virtual_stages_per_pipeline_rank
+    if args.pipeline_model_parallel_layout:
+        sizes = megatron_layout_sizes(args.pipeline_model_parallel_layout)
+        if len(sizes) % pp or sum(sizes) != layers:
+            raise SpecError("--pipeline-model-parallel-layout", f"{len(sizes)} stages of {sum(sizes)} layers for "
+                            f"pp {pp} and {layers} layers")
+        vpp = len(sizes) // pp
+    else:
+        sizes = megatron_split(layers, pp, vpp, args.decoder_first_pipeline_num_layers,
+                               args.decoder_last_pipeline_num_layers, args.account_for_embedding_in_pipeline_split,
+                               args.account_for_loss_in_pipeline_split)
+        if sizes is None:
+            field_name = ("--decoder-first-pipeline-num-layers" if args.decoder_first_pipeline_num_layers is not None
+                          or args.decoder_last_pipeline_num_layers is not None else "--pipeline-model-parallel-size")
+            raise SpecError(field_name, f"Megatron cannot split {layers} layers evenly over pp {pp} x vpp {vpp}")
+    # Megatron-core pipeline_parallel/schedules.py: forward_backward_pipelining_without_interleaving
+    # (1F1B) or _with_interleaving (virtual stages); no GPipe.
+    schedule = "interleaved" if vpp > 1 else "1f1b"
+
+    if args.use_torch_fsdp2:
+        zero = 3
+    elif args.use_megatron_fsdp:
+        strategy_name = args.data_parallel_sharding_strategy or "no_shard"
+        zero = ("no_shard", "optim", "optim_grads", "optim_grads_params").index(strategy_name)
+    else:
+        zero = 1 if args.use_distributed_optimizer else 0
+    if dp == 1:
+        zero = 0
+
+    recompute = Recompute()
+    if args.recompute_granularity == "selective":
+        recompute = Recompute("selective")
+        if args.recompute_modules not in (None, ["core_attn"]):
+            warnings.append(f"--recompute-modules {' '.join(args.recompute_modules)}: priced as the attention core only")
+    elif args.recompute_granularity == "full":
+        if args.recompute_method is None or args.recompute_num_layers is None:
+            # TransformerConfig.__post_init__ refuses full recompute without both.
+            raise SpecError("--recompute-method", "full recompute needs --recompute-method and --recompute-num-layers")
+        if args.recompute_method == "uniform":
+            recompute = Recompute("full")
+            if args.recompute_num_layers > 1:
+                warnings.append(f"--recompute-method uniform --recompute-num-layers {args.recompute_num_layers} "
+                                "checkpoints groups of layers; priced as every layer recomputed on its own")
+        else:
+            recompute = Recompute("full", args.recompute_num_layers)
+    if args.bf16 and args.fp16:
+        raise SpecError("--bf16", "both --bf16 and --fp16 given")
+    precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "fp32"
+    if precision == "fp32":
+        # Megatron-LM's default (megatron/training/arguments.py: --bf16 and --fp16 are
+        # store_true); a pasted excerpt often leaves them out.
+        warnings.append("neither --bf16 nor --fp16: Megatron-LM trains in fp32, priced as fp32")
+    strategy = engine_strategy(dp, tp, pp, mbs, microbatches, vpp, ep, schedule, zero, tp > 1 and args.sequence_parallel,
+                         build_stages(sizes, pp, recompute))
+    return Imported(strategy, global_batch, args.seq_length, precision, tuple(warnings))
+
+
+def _megatron_partition(strategy: Strategy, layers: int) -> list[str]:
+    """The shortest arguments that make Megatron place the plan's stages: even, first/last
+    pipeline rank uneven, embedding/loss counted as layers, else the explicit layout."""
+    s = strategy
+    sizes = [st.num_layers for st in s.stages]
+    if s.pp == 1:
+        return []
+    vpp_args = ["--num-virtual-stages-per-pipeline-rank", str(s.vpp)] if s.vpp > 1 else []
+    if megatron_split(layers, s.pp, s.vpp) == sizes:
+        return ["--num-layers-per-virtual-pipeline-stage", str(sizes[0])] if s.vpp > 1 else []
+    first = sum(n for i, n in enumerate(sizes) if i % s.pp == 0)
+    last = sum(n for i, n in enumerate(sizes) if i % s.pp == s.pp - 1)
+    for f, l in ((first, None), (None, last), (first, last)):
+        if megatron_split(layers, s.pp, s.vpp, f, l) == sizes:
+            out = [] if f is None else ["--decoder-first-pipeline-num-layers", str(f)]
+            return out + ([] if l is None else ["--decoder-last-pipeline-num-layers", str(l)]) + vpp_args
+    for embedding, loss in ((True, False), (False, True), (True, True)):
+        if megatron_split(layers, s.pp, s.vpp, None, None, embedding, loss) == sizes:
+            return (["--account-for-embedding-in-pipeline-split"] * embedding
+                    + ["--account-for-loss-in-pipeline-split"] * loss + vpp_args)
+    # TransformerConfig.pipeline_model_parallel_layout: stages split by '|', virtual stage
+    # i = chunk * pp + pp rank, E the embedding, t a decoder layer, L the loss.
+    stages = []
+    for i, n in enumerate(sizes):
+        body = "t" if n == 1 else f"t*{n}" if n else ""
+        stages.append(("E" if i == 0 else "") + body + ("L" if i == len(sizes) - 1 else ""))
+    return ["--pipeline-model-parallel-layout", '"' + "|".join(stages) + '"']
+
+
+
+def export_megatron(strategy: Strategy, model: ModelSpec, training: TrainingSpec) -> Exported:
+    """Megatron-LM arguments for `pretrain_gpt.py` (names: the MEGATRON_* constants above)."""
+    s, warnings = strategy, []
+    args = ["--tensor-model-parallel-size", str(s.tp), "--pipeline-model-parallel-size", str(s.pp)]
+    if s.schedule == "gpipe" and s.pp > 1:
+        warnings.append("Megatron-LM has no GPipe schedule (megatron/core/pipeline_parallel/schedules.py: "
+                        "1F1B without or with interleaving); exported as 1F1B")
+    args += _megatron_partition(s, model.num_hidden_layers)
+    args += ["--micro-batch-size", str(s.micro_batch_size), "--global-batch-size", str(training.global_batch)]
+    if s.sequence_parallel:
+        args.append("--sequence-parallel")
+    form = recompute_form(s)
+    if form is None:
+        if any(st.selective_recompute_layers for st in s.stages) and any(st.full_recompute_layers for st in s.stages):
+            warnings.append("Megatron-LM has one --recompute-granularity for all layers; the plan mixes selective "
+                            f"and full recompute ({per_stage(s)}): exported as full")
+            form = Recompute("full")
+        else:
+            most = max(st.full_recompute_layers for st in s.stages)
+            warnings.append("Megatron-LM recomputes the same number of layers in each virtual stage "
+                            "(--recompute-method block --recompute-num-layers); the plan's differ by stage "
+                            f"({per_stage(s)}): exported as the most, {most} per stage")
+            form = Recompute("full", most)
+    if form.mode == "selective":
+        args += ["--recompute-granularity", "selective"]
+    elif form.mode == "full":
+        args += ["--recompute-granularity", "full"]
+        args += (["--recompute-method", "uniform", "--recompute-num-layers", "1"] if form.full_layers is None
+                 else ["--recompute-method", "block", "--recompute-num-layers", str(form.full_layers)])
+    # ZeRO-1 is the distributed optimizer; ZeRO-2/3 shard gradients and weights only under
+    # Megatron FSDP (DistributedDataParallelConfig.data_parallel_sharding_strategy).
+    if s.zero_stage == 1:
+        args.append("--use-distributed-optimizer")
+    elif s.zero_stage >= 2:
+        args += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy",
+                 "optim_grads" if s.zero_stage == 2 else "optim_grads_params"]
+    args += ["--context-parallel-size", "1", "--expert-model-parallel-size", str(s.ep)]
+    args += ["--num-layers", str(model.num_hidden_layers), "--hidden-size", str(model.hidden_size),
+             "--ffn-hidden-size", str(model.intermediate_size), "--num-attention-heads", str(model.num_attention_heads)]
+    if model.num_key_value_heads != model.num_attention_heads:
+        args += ["--group-query-attention", "--num-query-groups", str(model.num_key_value_heads)]
+    if model.is_moe:
+        args += ["--num-experts", str(model.num_local_experts), "--moe-router-topk", str(model.num_experts_per_tok)]
+    if not model.is_gpt:
+        args += ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--disable-bias-linear"]
+    if not model.tie_word_embeddings:
+        args.append("--untie-embeddings-and-output-weights")
+    args += ["--seq-length", str(training.seq_len), "--max-position-embeddings", str(model.max_position_embeddings)]
+    if training.precision in ("bf16", "fp16"):
+        args.append(f"--{training.precision}")
+    lines, line = [], []
+    for word in args:   # one argument (with its value) per line
+        if word.startswith("--") and line:
+            lines.append(" ".join(line))
+            line = []
+        line.append(word)
+    lines.append(" ".join(line))
+    return Exported(" \\\n".join(lines) + "\n", tuple(warnings))

@@ -1,0 +1,496 @@
+"""torchtitan: its command-line overrides (the Python-config releases, 0.3) and job TOML
+(0.2), read as a strategy (`read_torchtitan`) and written from one (`export_torchtitan`,
+`export_torchtitan_toml`), with torchtitan's own stage partition (`torchtitan_split`).
+Option names cite torchtitan 0.3.0 `torchtitan/config/configs.py` (ParallelismConfig,
+TrainingConfig) and `torchtitan/trainer.py`, and 0.2.2 `torchtitan/config/job_config.py`.
+"""
+
+from __future__ import annotations
+import json
+import math
+import re
+import tomllib
+from costmodel.specs.loading import SpecError
+from costmodel.specs import ModelSpec
+from costmodel.strategy import Stage, Strategy
+from costmodel.specs import TrainingSpec
+from planner.interop.common import Exported, Imported, Recompute, all_or_nothing, build_stages, divide, engine_strategy
+from planner.interop.common import override_tokens
+
+
+def torchtitan_split(num_layers: int, num_stages: int, first_less: int, last_less: int) -> list[int] | None:
+    """Layers per virtual stage as torchtitan places them: the embedding counts as
+    `first_less` layers and the output as `last_less`, the effective layers are spread
+    evenly with earlier stages taking the remainder (torchtitan 0.3.0
+    `distributed/pipeline_parallel.py`, _generate_llm_fqn_per_model_part). None where
+    torchtitan refuses the split."""
+    if num_stages == 1:
+        return [num_layers]
+    effective = num_layers + first_less + last_less
+    base, extra = divmod(effective, num_stages)
+    if base == 0 or first_less > base or last_less > base:
+        return None
+    sizes, placed = [], 0
+    for i in range(num_stages):
+        want = base + (1 if i < extra else 0) - (first_less if i == 0 else last_less if i == num_stages - 1 else 0)
+        take = max(0, min(want, num_layers - placed))
+        sizes.append(take)
+        placed += take
+    return sizes if placed == num_layers else None
+
+
+def torchtitan_num_stages(num_layers: int, pp: int, schedule_name: str, layers_per_stage: int | None,
+                          first_less: int, last_less: int) -> int:
+    """Virtual stages torchtitan makes (torchtitan 0.3.0 `distributed/pipeline_parallel.py`,
+    _get_pipeline_metadata): ceil((layers + first_less + last_less) / layers_per_stage),
+    or without it one per rank for single-stage schedules and two for looped ones."""
+    if layers_per_stage is None:
+        return pp * (1 if schedule_name in SINGLE_STAGE_SCHEDULES else 2)
+    return math.ceil((num_layers + first_less + last_less) / layers_per_stage)
+
+
+# torchtitan 0.3.0 torchtitan/config/configs.py: the fields of ParallelismConfig and
+# TrainingConfig (its CLI surface `--parallelism.<field>` / `--training.<field>`, parsed by
+# tyro, which accepts the field names with underscores or dashes).
+TORCHTITAN_PARALLELISM_FIELDS = (
+    "data_parallel_replicate_degree", "data_parallel_shard_degree", "fsdp_reshard_after_forward",
+    "enable_fsdp_symm_mem", "tensor_parallel_degree", "enable_sequence_parallel", "spmd_backend",
+    "pipeline_parallel_degree", "module_fqns_per_model_part", "pipeline_parallel_first_stage_less_layers",
+    "pipeline_parallel_last_stage_less_layers", "pipeline_parallel_layers_per_stage", "pipeline_parallel_schedule",
+    "pipeline_parallel_schedule_csv", "pipeline_parallel_microbatch_size", "context_parallel_degree",
+    "context_parallel_load_balancer", "context_parallel_ptrr_mask_key", "expert_parallel_degree",
+)
+
+
+TORCHTITAN_TRAINING_FIELDS = (
+    "local_batch_size", "global_batch_size", "seq_len", "max_norm", "steps", "enable_cpu_offload",
+    "disable_cuda_graphs", "dtype", "mixed_precision_param", "mixed_precision_reduce", "gc_freq", "gc_debug",
+)
+
+
+# torchtitan 0.2.2 torchtitan/config/job_config.py: fields of Parallelism and Training the
+# older job TOML may hold beyond those (0.3.0 dropped them).
+TORCHTITAN_TOML_EXTRA_FIELDS = {
+    "parallelism": ("disable_loss_parallel", "enable_async_tensor_parallel", "pipeline_parallel_expert_parallel_overlap",
+                    "context_parallel_rotate_method", "expert_tensor_parallel_degree", "expert_parallel_comm_backend"),
+    "training": ("dataset", "dataset_path", "dataloader"),
+}
+
+
+# Schedule names of torch.distributed.pipelining.schedules.get_schedule_class (the
+# names torchtitan's pipeline_parallel_schedule takes), Shardwise's name for each.
+TORCHTITAN_SCHEDULES = {"GPipe": "gpipe", "1F1B": "1f1b", "Interleaved1F1B": "interleaved"}
+
+
+SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
+
+
+# torchtitan 0.3.0 distributed/activation_checkpoint.py ActivationCheckpointingConfig: a
+# tyro subcommand per policy; the Trainer.Config default is SelectiveAC (trainer.py).
+TORCHTITAN_AC_SUBCOMMANDS = {"selective": "selective", "full": "full", "none": "none", "memory-budget": None}
+
+
+TORCHTITAN_DEFAULTS = {
+    "data_parallel_replicate_degree": 1, "data_parallel_shard_degree": -1, "fsdp_reshard_after_forward": "default",
+    "tensor_parallel_degree": 1, "enable_sequence_parallel": True, "pipeline_parallel_degree": 1,
+    "pipeline_parallel_first_stage_less_layers": 1, "pipeline_parallel_last_stage_less_layers": 1,
+    "pipeline_parallel_layers_per_stage": None, "pipeline_parallel_schedule": "1F1B",
+    "pipeline_parallel_microbatch_size": 1, "context_parallel_degree": 1, "expert_parallel_degree": 1,
+    "module_fqns_per_model_part": None,
+    "local_batch_size": 8, "global_batch_size": -1, "seq_len": 2048, "dtype": "float32",
+    "mixed_precision_param": "bfloat16",
+}
+
+
+def parse_torchtitan_overrides(text: str) -> tuple[dict[str, dict], str | None, list[str]]:
+    """`--parallelism.tensor_parallel_degree 4 ... activation-checkpoint:full` ->
+    ({"parallelism": {...}, "training": {...}}, AC subcommand or None, warnings)."""
+    sections: dict[str, dict] = {"parallelism": {}, "training": {}}
+    known = {"parallelism": TORCHTITAN_PARALLELISM_FIELDS, "training": TORCHTITAN_TRAINING_FIELDS}
+    subcommand, ignored = None, []
+    words = override_tokens(text)
+    i = 0
+    while i < len(words):
+        word = words[i]
+        i += 1
+        if re.fullmatch(r"activation[-_]checkpoint:[a-z-]+", word):
+            subcommand = word.split(":", 1)[1]
+            if subcommand not in TORCHTITAN_AC_SUBCOMMANDS:
+                raise SpecError("activation_checkpoint", f"unknown policy {subcommand!r} "
+                                f"(known: {', '.join(TORCHTITAN_AC_SUBCOMMANDS)})")
+            continue
+        if not word.startswith("--"):
+            ignored.append(word)
+            continue
+        name, eq, value = word[2:].partition("=")
+        section, dot, key = name.partition(".")
+        takes_value = not (eq or i >= len(words) or words[i].startswith("--") or ":" in words[i])
+        if section not in sections or not dot:
+            i += takes_value   # the value of an option Shardwise does not read
+            if name not in ("module", "config"):   # torchtitan's model and config_registry choice
+                ignored.append("--" + name)
+            continue
+        key = key.replace("-", "_")
+        negated = key.startswith("no_") and key[3:] in known[section]
+        field_name = key[3:] if negated else key
+        if field_name not in known[section]:
+            cls = "ParallelismConfig" if section == "parallelism" else "TrainingConfig"
+            raise SpecError(f"--{section}.{key}", f"not a field of torchtitan's {cls}")
+        if negated:
+            sections[section][field_name] = False
+        elif eq:
+            sections[section][field_name] = value
+        elif takes_value:
+            sections[section][field_name] = words[i]
+            i += 1
+        else:
+            sections[section][field_name] = True
+    warnings = [f"ignored (not a parallelism or training field Shardwise reads): {' '.join(ignored)}"] if ignored else []
+    return sections, subcommand, warnings
+
+
+def _tt_int(sections: dict, section: str, key: str, minimum: int = 1, allow: tuple = ()) -> int:
+    value = sections[section].get(key, TORCHTITAN_DEFAULTS[key])
+    field_name = f"{section}.{key}"
+    try:
+        number = int(value) if not isinstance(value, bool) else None
+    except (TypeError, ValueError):
+        number = None
+    if number is None or (number < minimum and number not in allow):
+        raise SpecError(field_name, f"expected an integer >= {minimum}, got {value!r}")
+    return number
+
+
+def _tt_value(sections: dict, section: str, key: str):
+    return sections[section].get(key, TORCHTITAN_DEFAULTS[key])
+
+
+def _tt_bool(value, field_name: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).lower()
+    if text in ("true", "1", "yes", "on"):
+        return True
+    if text in ("false", "0", "no", "off"):
+        return False
+    raise SpecError(field_name, f"expected true or false, got {value!r}")
+
+
+def read_torchtitan(text: str, model: ModelSpec, num_gpus: int, toml: bool = False,
+                    global_batch: int | None = None) -> Imported:
+    """torchtitan overrides, or with `toml` the text of a 0.2 job TOML. Overrides change
+    a config_registry function's config Shardwise does not see, so a global batch they
+    leave out is `global_batch` where given (a TOML leaving it out means torchtitan's -1)."""
+    if toml:
+        sections, ac, warnings = _torchtitan_toml(text)
+    else:
+        sections, subcommand, warnings = parse_torchtitan_overrides(text)
+        if subcommand is None:
+            warnings.append("no activation-checkpoint policy given: torchtitan's Trainer.Config default "
+                            "(SelectiveAC, torchtitan/trainer.py) is assumed")
+            subcommand = "selective"
+        ac = Recompute(TORCHTITAN_AC_SUBCOMMANDS[subcommand] or "none")
+        if TORCHTITAN_AC_SUBCOMMANDS[subcommand] is None:
+            raise SpecError("activation_checkpoint", "memory-budget AC is the compiler's choice; Shardwise cannot price it")
+    return _torchtitan_strategy(sections, ac, warnings, model, num_gpus, None if toml else global_batch)
+
+
+def _torchtitan_toml(text: str) -> tuple[dict, Recompute, list[str]]:
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise SpecError("--from", f"not valid TOML: {err}") from None
+    sections = {}
+    for section, names in (("parallelism", TORCHTITAN_PARALLELISM_FIELDS), ("training", TORCHTITAN_TRAINING_FIELDS)):
+        table = data.get(section, {})
+        if not isinstance(table, dict):
+            raise SpecError(section, "expected a table")
+        unknown = sorted(set(table) - set(names) - set(TORCHTITAN_TOML_EXTRA_FIELDS[section]))
+        if unknown:
+            raise SpecError(f"{section}.{unknown[0]}", "not a field of torchtitan's job config")
+        sections[section] = dict(table)
+    ac_table = data.get("activation_checkpoint", {})
+    mode = str(ac_table.get("mode", "selective")) if isinstance(ac_table, dict) else None
+    # torchtitan 0.2.2 job_config.py ActivationCheckpoint: mode selective|full|memory_budget|none;
+    # selective_ac_option "op" (per-op SAC) or an integer n (every n-th layer fully recomputed).
+    warnings = []
+    if mode == "full" or mode == "none":
+        ac = Recompute(mode)
+    elif mode == "selective":
+        option = str(ac_table.get("selective_ac_option", "2"))
+        if option == "op":
+            ac = Recompute("selective")
+        elif option.isdigit() and int(option) >= 1:
+            ac = Recompute("full", every_nth=None if int(option) == 1 else int(option))
+        else:
+            raise SpecError("activation_checkpoint.selective_ac_option", f"expected 'op' or an integer, got {option!r}")
+    else:
+        raise SpecError("activation_checkpoint.mode", f"expected selective, full or none, got {mode!r}")
+    if "activation_checkpoint" not in data:
+        warnings.append("no [activation_checkpoint] section: torchtitan's default (mode selective, "
+                        "selective_ac_option 2: every 2nd layer) is assumed")
+    return sections, ac, warnings
+
+
+def _torchtitan_strategy(sections: dict, ac: Recompute, warnings: list[str], model: ModelSpec,
+                         num_gpus: int, global_hint: int | None) -> Imported:
+    p = "parallelism"
+    replicate = _tt_int(sections, p, "data_parallel_replicate_degree")
+    shard = _tt_int(sections, p, "data_parallel_shard_degree", allow=(-1,))
+    tp = _tt_int(sections, p, "tensor_parallel_degree")
+    pp = _tt_int(sections, p, "pipeline_parallel_degree")
+    cp = _tt_int(sections, p, "context_parallel_degree")
+    ep = _tt_int(sections, p, "expert_parallel_degree")
+    if cp > 1:
+        raise SpecError("parallelism.context_parallel_degree", f"{cp}: Shardwise does not model context parallelism")
+    if shard == -1:
+        # torchtitan 0.3.0 ParallelismConfig: -1 takes the ranks left after the other degrees.
+        shard = divide(num_gpus, replicate * tp * pp * cp, "parallelism.data_parallel_shard_degree",
+                        f"replicate x tp x pp x cp of the cluster's {num_gpus} GPUs")
+    if replicate * shard * tp * pp * cp != num_gpus:
+        raise SpecError("parallelism", f"replicate {replicate} x shard {shard} x tp {tp} x pp {pp} = "
+                        f"{replicate * shard * tp * pp}, but the cluster has {num_gpus} GPUs")
+    dp = replicate * shard
+    reshard = str(_tt_value(sections, p, "fsdp_reshard_after_forward"))
+    if reshard not in ("default", "always", "never"):
+        raise SpecError("parallelism.fsdp_reshard_after_forward", f"expected default, always or never, got {reshard!r}")
+    if shard == 1:
+        zero = 0
+    else:
+        # torchtitan 0.3.0 distributed/fsdp.py get_fsdp_reshard_after_forward_policy:
+        # "default" keeps the weights gathered after forward under pp (ZeRO-2-like).
+        keeps = reshard == "never" or (reshard == "default" and pp > 1)
+        zero = 2 if keeps else 3
+        if replicate > 1:
+            warnings.append(f"HSDP (replicate {replicate} x shard {shard}) is priced as ZeRO-{zero} over all {dp} "
+                            "data-parallel ranks: Shardwise shards over the whole data-parallel group")
+    sp = tp > 1 and _tt_bool(_tt_value(sections, p, "enable_sequence_parallel"), "parallelism.enable_sequence_parallel")
+    name = str(_tt_value(sections, p, "pipeline_parallel_schedule"))
+    if pp > 1 and name not in TORCHTITAN_SCHEDULES:
+        raise SpecError("parallelism.pipeline_parallel_schedule",
+                        f"{name!r}: Shardwise prices {', '.join(TORCHTITAN_SCHEDULES)}")
+    schedule = TORCHTITAN_SCHEDULES.get(name, "1f1b")
+
+    layers = model.num_hidden_layers
+    first_less = _tt_int(sections, p, "pipeline_parallel_first_stage_less_layers", minimum=0)
+    last_less = _tt_int(sections, p, "pipeline_parallel_last_stage_less_layers", minimum=0)
+    per_stage = sections[p].get("pipeline_parallel_layers_per_stage")
+    per_stage = None if per_stage in (None, "None") else _tt_int(sections, p, "pipeline_parallel_layers_per_stage")
+    fqns = sections[p].get("module_fqns_per_model_part")
+    if pp == 1:
+        sizes = [layers]
+    elif fqns not in (None, "None"):
+        sizes = _fqn_sizes(fqns, layers)
+    else:
+        count = torchtitan_num_stages(layers, pp, name, per_stage, first_less, last_less)
+        sizes = torchtitan_split(layers, count, first_less, last_less)
+        if sizes is None:
+            raise SpecError("parallelism.pipeline_parallel_layers_per_stage",
+                            f"torchtitan cannot split {layers} layers into {count} stages with first/last "
+                            f"stage less layers {first_less}/{last_less}")
+    if len(sizes) % pp:
+        raise SpecError("parallelism.pipeline_parallel_layers_per_stage",
+                        f"{len(sizes)} virtual stages do not divide over pp {pp}")
+    vpp = len(sizes) // pp
+    if vpp > 1 and schedule != "interleaved":
+        raise SpecError("parallelism.pipeline_parallel_schedule", f"{name} runs one stage per rank, not {vpp}")
+    if vpp == 1 and schedule == "interleaved":
+        raise SpecError("parallelism.pipeline_parallel_schedule", "Interleaved1F1B needs 2 or more stages per rank")
+
+    t = "training"
+    local = _tt_int(sections, t, "local_batch_size")
+    if "local_batch_size" not in sections[t]:
+        warnings.append("training.local_batch_size not given: torchtitan's default 8 is assumed")
+    given_global = _tt_int(sections, t, "global_batch_size", allow=(-1,))
+    global_batch = given_global if given_global != -1 else global_hint or local * dp
+    accumulation = divide(global_batch, local * dp, "training.global_batch_size",
+                           f"local_batch_size {local} x dp {dp}")
+    if pp > 1:
+        mbs = _tt_int(sections, p, "pipeline_parallel_microbatch_size")
+        microbatches = divide(local, mbs, "parallelism.pipeline_parallel_microbatch_size",
+                               "the micro-batch size must divide training.local_batch_size") * accumulation
+        if accumulation > 1:
+            warnings.append(f"torchtitan runs {accumulation} pipeline schedules per step (gradient accumulation); "
+                            f"priced as one schedule of {microbatches} micro-batches, one bubble instead of {accumulation}")
+    else:
+        mbs, microbatches = local, accumulation
+    if ac.every_nth is not None:
+        stages = _every_nth(sizes, pp, ac.every_nth)
+    else:
+        stages = build_stages(sizes, pp, ac)
+    precision = {"bfloat16": "bf16", "float32": "fp32"}.get(str(_tt_value(sections, t, "mixed_precision_param")))
+    if precision is None:
+        raise SpecError("training.mixed_precision_param", "expected bfloat16 or float32")
+    if str(_tt_value(sections, t, "dtype")) == "bfloat16":
+        warnings.append("training.dtype bfloat16 keeps weights, gradients and optimizer states in bf16; "
+                        "priced as mixed precision with fp32 master weights")
+        precision = "bf16"
+    if "mixed_precision_param" not in sections[t] and "dtype" not in sections[t]:
+        precision = None   # the config does not say; the caller's --precision decides
+    seq = _tt_int(sections, t, "seq_len") if "seq_len" in sections[t] else None
+    strategy = engine_strategy(dp, tp, pp, mbs, microbatches, vpp, ep, schedule, zero, sp, stages)
+    return Imported(strategy, global_batch, seq, precision, tuple(warnings))
+
+
+def _fqn_sizes(fqns, layers: int) -> list[int]:
+    """Layers per model part of module_fqns_per_model_part (a list of FQN lists)."""
+    if not isinstance(fqns, list) or not all(isinstance(part, list) for part in fqns):
+        raise SpecError("parallelism.module_fqns_per_model_part", "expected a list of lists of module names "
+                        "(give it in a TOML; Shardwise does not read it from overrides)")
+    sizes = [sum(1 for name in part if re.fullmatch(r"layers\.\d+", str(name))) for part in fqns]
+    if sum(sizes) != layers:
+        raise SpecError("parallelism.module_fqns_per_model_part", f"names {sum(sizes)} layers, the model has {layers}")
+    return sizes
+
+
+def _every_nth(sizes: list[int], pp: int, every: int) -> tuple[Stage, ...]:
+    """torchtitan 0.2's selective_ac_option n: every n-th layer a rank builds is fully
+    recomputed (a counter over the rank's layers, torchtitan 0.2.2
+    models/llama3/infra/parallelize.py _apply_ac_to_transformer_block); the cost model
+    counts recomputed layers per stage, not which ones."""
+    counters = [0] * pp
+    stages, first = [], 0
+    for i, n in enumerate(sizes):
+        rank = i % pp
+        full = (counters[rank] + n) // every - counters[rank] // every
+        counters[rank] += n
+        stages.append(Stage(i, rank, first, n, full, 0))
+        first += n
+    return tuple(stages)
+
+
+def _torchtitan_partition(strategy: Strategy, layers: int, warnings: list[str]) -> dict:
+    """The first/last-stage-less-layers and layers-per-stage that make torchtitan's
+    split give the plan's stages (torchtitan_split), or its closest split."""
+    sizes = [s.num_layers for s in strategy.stages]
+    count = len(sizes)
+    name = _TT_SCHEDULE[strategy.schedule]
+    best = None
+    for first in range(0, max(sizes) + 2):
+        for last in range(0, max(sizes) + 2):
+            split = torchtitan_split(layers, count, first, last)
+            per_stage = _layers_per_stage(layers, strategy.pp, name, first, last, count)
+            if split is None or per_stage is False:
+                continue
+            distance = (sum(abs(a - b) for a, b in zip(split, sizes)), (first, last) != (1, 1), first + last)
+            if best is None or distance < best[0]:
+                best = (distance, first, last, split, per_stage)
+    if best is None:
+        warnings.append(f"torchtitan cannot build {count} pipeline stages of {layers} layers "
+                        "(pipeline_parallel_layers_per_stage)")
+        return {}
+    _, first, last, split, per_stage = best
+    if split != sizes:
+        warnings.append(f"torchtitan's split (pipeline_parallel_first/last_stage_less_layers) cannot give the "
+                        f"plan's layers per stage {sizes}; exported its closest, {split}: to run the plan's, set "
+                        "parallelism.module_fqns_per_model_part (module names depend on the model)")
+    out = {"pipeline_parallel_first_stage_less_layers": first, "pipeline_parallel_last_stage_less_layers": last}
+    if per_stage is not None:
+        out["pipeline_parallel_layers_per_stage"] = per_stage
+    return out
+
+
+def _layers_per_stage(layers: int, pp: int, name: str, first: int, last: int, count: int) -> int | None | bool:
+    """The pipeline_parallel_layers_per_stage that makes torchtitan build `count`
+    stages: None where its default does, False where no value does."""
+    if torchtitan_num_stages(layers, pp, name, None, first, last) == count:
+        return None
+    effective = layers + first + last
+    return next((n for n in range(1, effective + 1) if -(-effective // n) == count), False)
+
+
+_TT_SCHEDULE = {v: k for k, v in TORCHTITAN_SCHEDULES.items()}
+
+
+def _torchtitan_fields(strategy: Strategy, model: ModelSpec, training: TrainingSpec,
+                       toml: bool) -> tuple[dict, dict, str, list[str]]:
+    """(parallelism fields, training fields, AC mode, warnings) for either release."""
+    s, warnings = strategy, []
+    release = "torchtitan 0.2" if toml else "torchtitan"
+    par: dict = {}
+    if s.zero_stage == 0:
+        par.update(data_parallel_replicate_degree=s.dp, data_parallel_shard_degree=1)
+        if toml and s.dp > 1 and (s.tp > 1 or s.pp > 1):
+            warnings.append("torchtitan 0.2 refuses DDP beside tp or pp (models/llama3/infra/parallelize.py: "
+                            "'DDP has not supported > 1D parallelism'); use --to torchtitan (0.3) or ZeRO-3")
+    else:
+        # FSDP2 over the data-parallel ranks: resharding after forward is ZeRO-3, keeping
+        # the weights gathered until backward is ZeRO-2 (Shardwise's executor runs ZeRO-2 so).
+        par.update(data_parallel_replicate_degree=1, data_parallel_shard_degree=s.dp,
+                   fsdp_reshard_after_forward="always" if s.zero_stage == 3 else "never")
+        if s.zero_stage == 1:
+            warnings.append("torchtitan has no ZeRO-1 (optimizer states sharded beside replicated weights and "
+                            "gradients): its data parallelism is DDP (data_parallel_replicate_degree) or FSDP2 "
+                            "(data_parallel_shard_degree); exported as FSDP2 with fsdp_reshard_after_forward "
+                            "never, ZeRO-2")
+    par["tensor_parallel_degree"] = s.tp
+    if s.tp > 1:
+        if toml:
+            if not s.sequence_parallel:
+                warnings.append("torchtitan 0.2 always runs sequence parallelism with tensor parallelism (no "
+                                "enable_sequence_parallel); the plan has it off")
+        else:
+            par["enable_sequence_parallel"] = s.sequence_parallel
+    par["pipeline_parallel_degree"] = s.pp
+    if s.pp > 1:
+        par["pipeline_parallel_schedule"] = _TT_SCHEDULE[s.schedule]
+        par["pipeline_parallel_microbatch_size"] = s.micro_batch_size
+        par.update(_torchtitan_partition(s, model.num_hidden_layers, warnings))
+    par["context_parallel_degree"] = 1
+    par["expert_parallel_degree"] = s.ep
+    if s.ep > 1 and (s.zero_stage != 3 or s.tp > 1):
+        warnings.append("torchtitan's expert parallelism borrows its ranks from data_parallel_shard_degree x "
+                        "tensor_parallel_degree (ParallelismConfig.expert_parallel_degree), so its experts are "
+                        f"neither replicated over dp shards nor split over tp as the plan's ep {s.ep} with ZeRO-"
+                        f"{s.zero_stage}, tp {s.tp} prices them")
+    # Without pp a step accumulates global / (local x dp) gradients; with pp the local
+    # batch is cut into micro-batches of pipeline_parallel_microbatch_size.
+    local = s.micro_batch_size * (s.num_microbatches if s.pp > 1 else 1)
+    train = {"local_batch_size": local, "global_batch_size": training.global_batch, "seq_len": training.seq_len}
+    if training.precision == "fp16":
+        warnings.append("torchtitan trains in bfloat16 or float32 (TrainingConfig.mixed_precision_param): "
+                        "fp16 exported as bfloat16")
+    train["mixed_precision_param"] = "float32" if training.precision == "fp32" else "bfloat16"
+    ac = all_or_nothing(s, release, "activation checkpointing applies one policy to every block", warnings)
+    if ac == "selective":
+        warnings.append(f"{release}'s selective activation checkpointing is per-op (it saves matmul and attention "
+                        "outputs but recomputes every second matmul), not the plan's attention-core-only selective "
+                        "recompute: its memory and time differ")
+    return par, train, ac, warnings
+
+
+def _flag(section: str, key: str, value) -> str:
+    if isinstance(value, bool):
+        # tyro's boolean flags: --section.field / --section.no-field
+        return f"--{section}.{key}" if value else f"--{section}.no-{key}"
+    return f"--{section}.{key} {value}"
+
+
+def export_torchtitan(strategy: Strategy, model: ModelSpec, training: TrainingSpec) -> Exported:
+    """Overrides for `torchtitan/train.py --module M --config C ...` (0.3: tyro flags
+    `--parallelism.<field>`, `--training.<field>`, and the activation-checkpoint
+    subcommand last, as torchtitan spells it in distributed/minimal_async_ep/api.py)."""
+    par, train, ac, warnings = _torchtitan_fields(strategy, model, training, toml=False)
+    words = [_flag("parallelism", k, v) for k, v in par.items()] + [_flag("training", k, v) for k, v in train.items()]
+    words.append(f"activation-checkpoint:{ac}")
+    return Exported(" \\\n".join(words) + "\n", tuple(warnings))
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value)   # a TOML basic string is a JSON string for these values
+    return str(value)
+
+
+def export_torchtitan_toml(strategy: Strategy, model: ModelSpec, training: TrainingSpec) -> Exported:
+    """The [parallelism], [training] and [activation_checkpoint] sections of a torchtitan
+    0.2 job TOML (torchtitan 0.2.2 config/job_config.py)."""
+    par, train, ac, warnings = _torchtitan_fields(strategy, model, training, toml=True)
+    lines = ["[parallelism]"] + [f"{k} = {_toml_value(v)}" for k, v in par.items()]
+    lines += ["", "[training]"] + [f"{k} = {_toml_value(v)}" for k, v in train.items()]
+    lines += ["", "[activation_checkpoint]", f"mode = {_toml_value(ac)}"]
+    if ac == "selective":
+        lines.append('selective_ac_option = "op"')
+    return Exported("\n".join(lines) + "\n", tuple(warnings))

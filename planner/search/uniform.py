@@ -1,0 +1,140 @@
+"""The search: enumerate the space, bound every candidate (`planner.bounds`), and solve
+the partition program (`planner.partition`) only for candidates whose bound can still
+beat the K-th best plan found. Candidates are taken in order of their quick bound, so
+the search stops at the first quick bound no better than the K-th best; on the way, a
+tighter bound that balances layers under memory skips the program for more of them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from costmodel.estimate import estimate
+from costmodel.estimate.uniform import UnitCosts
+from costmodel.estimate.uniform import unit_costs
+from costmodel.problem import Problem
+from costmodel.strategy import Strategy, even_stages
+from planner.search import bounds
+from planner.search.result import (
+    Candidate,
+    Infeasible,
+    Kept,
+    SearchResult,
+    SearchStats,
+    check_specs,
+    kth_best,
+    order_key,
+    pareto_front,
+    score,
+    time_bound_scale,
+)
+from planner.search.partition import solve_partition, usable_memory_bytes
+from planner.rules import BUDGETS, Rules
+from planner.search.space import describe, enumerate_space, recompute_modes
+
+
+def unit_key(strategy: Strategy) -> tuple:
+    """What `unit_costs` depends on (not the schedule, vpp or micro-batch count)."""
+    s = strategy
+    return (s.dp, s.tp, s.pp, s.micro_batch_size, s.ep, s.zero_stage, s.sequence_parallel)
+
+
+def search_uniform(problem: Problem, rules: Rules, top: int = 3,
+                   progress: Callable[[int, int], None] | None = None, pareto: bool = False) -> SearchResult:
+    """The best plans for a transformer on one kind of GPU; as `planner.search.search`."""
+    started = time.perf_counter()
+    check_specs(problem, rules, pareto)
+    space, why = enumerate_space(problem, rules)
+    if not space:
+        raise Infeasible(f"no strategy satisfies the rules and the cluster ({why.summary()})")
+    modes = recompute_modes(problem, rules)
+    usable = usable_memory_bytes(problem, rules.memory_headroom)
+    objective = rules.objective
+    budgeted = any(getattr(rules, key) is not None for key in BUDGETS)
+
+    cache: dict[tuple, UnitCosts] = {}
+    scored = []
+    pruned_memory = 0
+    closest: tuple[float, Strategy] | None = None
+    for strategy in space:
+        key = unit_key(strategy)
+        if key not in cache:
+            cache[key] = unit_costs(problem, strategy)
+        bound = bounds.quick(problem, cache[key], strategy, modes, usable)
+        if bound.memory_bytes > usable:
+            pruned_memory += 1
+            if closest is None or bound.memory_bytes < closest[0]:
+                closest = (bound.memory_bytes, strategy)
+            continue
+        primary = (bound.memory_bytes if objective == "memory"
+                   else bound.time_s * time_bound_scale(problem, strategy, objective))
+        scored.append((primary, order_key(strategy), strategy))
+    scored.sort(key=lambda item: item[:2])
+
+    kept = Kept(top, lambda c: score(problem, c, objective), budgeted or pareto)
+    found = kept.found
+    solves = infeasible = refined = 0
+    for done, (primary, _, strategy) in enumerate(scored):
+        if progress:
+            progress(done, len(scored))
+        kth = kth_best(problem, found, top, pareto, objective)
+        prune = kth is not None
+        if prune and primary >= kth:
+            break
+        units = cache[unit_key(strategy)]
+        scale = 1.0 if objective == "memory" else time_bound_scale(problem, strategy, objective)
+        if prune and objective != "memory" and scale > 0:
+            if bounds.balanced(problem, units, strategy, modes, usable) * scale >= kth:
+                refined += 1
+                continue
+        solves += 1
+        if not prune:
+            cutoff = None
+        elif objective == "memory":
+            cutoff = found[top - 1].estimate.step_time_s   # unused by the memory program
+        else:
+            # A partition slower than kth / scale has an objective of at least kth.
+            cutoff = kth / scale if scale > 0 else None
+        solution = solve_partition(problem, units, strategy, modes, rules.memory_headroom,
+                                   rules.max_stage_imbalance, "memory" if objective == "memory" else "time",
+                                   cutoff)
+        if solution is None:
+            infeasible += cutoff is None
+            if closest is None:
+                closest = (float("inf"), strategy)
+            continue
+        kept.add(problem, rules, Candidate(solution.strategy, estimate(problem, solution.strategy, units),
+                                           solution.gap))
+    if progress:
+        progress(len(scored), len(scored))
+    kept.check_budgets(rules)
+    if not found:
+        raise Infeasible(_memory_reason(problem, rules, closest[1] if closest else space[0], modes),
+                         closest[1] if closest else space[0])
+    stats = SearchStats(
+        candidates=len(space), pruned_memory=pruned_memory, pruned_bound=len(scored) - solves,
+        ilp_solves=solves, ilp_infeasible=infeasible, gap=found[0].gap,
+        seconds=time.perf_counter() - started,
+    )
+    front = pareto_front(problem, kept.evaluated) if pareto else ()
+    return SearchResult(found[0], tuple(found[1:]), stats, front)
+
+
+def _memory_reason(problem: Problem, rules: Rules, strategy: Strategy, modes: tuple[str, ...]) -> str:
+    """The binding memory constraint of the closest candidate, with its numbers: its
+    even partition at the most frugal allowed recompute mode."""
+    gib = 1 << 30
+    frugal = "full" if "full" in modes else ("selective" if "selective" in modes else "none")
+    layers = problem.model.num_hidden_layers
+    s = strategy.with_stages(even_stages(layers, strategy.pp, strategy.vpp, frugal))
+    e = estimate(problem, s)
+    gpu = problem.cluster.gpu
+    usable = usable_memory_bytes(problem, rules.memory_headroom)
+    need = e.peak_memory_bytes
+    if need <= usable:
+        return (f"max_stage_imbalance {rules.max_stage_imbalance:g} binds: no partition of {layers} layers "
+                f"over pp {strategy.pp} keeps the slowest stage that close to the mean")
+    return (f"stage {e.peak_memory_rank} needs {need / gib:.1f} GiB, {gpu.name} has "
+            f"{gpu.memory_bytes / gib:.0f} GiB ({usable / gib:.1f} GiB usable with memory_headroom "
+            f"{rules.memory_headroom:g}); closest: {describe(s)} recompute={frugal}")
