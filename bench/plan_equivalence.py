@@ -191,6 +191,8 @@ def _cli():
 
 
 def run_all(out: Path) -> int:
+    # Wide enough that no table wraps: a wrapped line moves with the search's wall time.
+    os.environ["COLUMNS"] = "250"
     from click.testing import CliRunner
 
     from planner.api import plan_model

@@ -9,11 +9,12 @@ from dataclasses import dataclass
 
 from costmodel.terms.compute import activation_bytes_per_value
 from costmodel.specs import ModelSpec, TrainingSpec
+from costmodel.units import GIB
 
 # CUDA context, cuBLAS/NCCL workspaces and allocator fragmentation: ~1 GiB is what
 # PyTorch jobs on A100/H100 report as reserved-but-not-allocated plus context at start
 # (torch.cuda.memory_reserved vs nvidia-smi); kept free on every device.
-RUNTIME_RESERVE_BYTES = 1 << 30
+RUNTIME_RESERVE_BYTES = GIB
 # PyTorch DDP gradient bucket (bucket_cap_mb default 25 MiB), two in flight.
 DDP_BUCKET_BYTES = 25 << 20
 

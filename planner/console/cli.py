@@ -23,6 +23,7 @@ from planner.console.progress import progress_bar
 from planner.console.report import print_explain, print_plan
 from planner.rules import load_rules, parse_fix
 from planner.search import Infeasible, search, suggest_relaxation
+from costmodel.units import GIB
 
 EXIT_BAD_INPUT = 2
 EXIT_INFEASIBLE = 3
@@ -253,7 +254,6 @@ def _print_sweep(rows, tokens: float | None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from planner.console.report import GIB
 
     def table(title: str, columns: list[str]) -> Table:
         out = Table(title=title, box=box.SIMPLE_HEAD)
@@ -629,9 +629,9 @@ def profile(device, nproc, precision, model_name, overrides, seq, micro_batch_si
     from costmodel.calibrate import cluster_spec
     from costmodel.specs.loading import load_model
     from costmodel.measured import READABLE_SCHEMA_VERSIONS
-    from executor.profile import check_tp
-    from executor.profile import extend as extend_profile
-    from executor.profile import profile as measure
+    from executor.measure import check_tp
+    from executor.measure import extend as extend_profile
+    from executor.measure import profile as measure
 
     try:
         ranks = as_int(nproc, "--nproc")

@@ -39,8 +39,8 @@ from costmodel.terms.pipeline import pipeline_time_s
 from costmodel.estimate import rank_memories
 from costmodel.estimate.mixed import rank_capacity_bytes
 from planner.plan_file import cluster_of, problem_of, strategy_of
+from costmodel.units import GIB
 
-GIB = 1 << 30
 FIGURE_SIZE_IN = (12.0, 13.0)
 FIGURE_DPI = 100          # 1200 x 1300 pixels
 

@@ -8,8 +8,8 @@ import itertools
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from costmodel.units import GIB
 
-GIB = 1 << 30
 
 
 def _label(strategy: dict) -> str:

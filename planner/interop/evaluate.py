@@ -21,8 +21,8 @@ from planner.plan_file import _round, strategy_dict
 from planner.rules import Rules
 from planner.search import Candidate, Infeasible, search
 from planner.interop.common import strategy_changes
+from costmodel.units import GIB
 
-GIB = 1 << 30
 
 # The engine's own name for what the evaluation checks (for error messages).
 ENGINE_FIELDS = {

@@ -25,6 +25,7 @@ from planner.search.result import Candidate, Infeasible, SearchResult, SearchSta
 from planner.search.space import check_fix_spec, describe
 from planner.search.traced import check_fix_traced, search_traced
 from planner.search.uniform import search_uniform
+from costmodel.units import GIB
 
 __all__ = ["Candidate", "Infeasible", "SearchResult", "SearchStats", "check_fix", "search", "suggest_relaxation"]
 
@@ -73,5 +74,5 @@ def suggest_relaxation(problem: Problem, rules: Rules) -> str | None:
         except Infeasible:
             continue
         e = found.best.estimate
-        return f"{label}: {describe(found.best.strategy)} fits at {e.peak_memory_bytes / (1 << 30):.1f} GiB"
+        return f"{label}: {describe(found.best.strategy)} fits at {e.peak_memory_bytes / GIB:.1f} GiB"
     return None

@@ -55,10 +55,11 @@ from planner.search.result import (
     check_specs,
     order_key,
     score,
-    kth_best,
     pareto_front,
 )
 from planner.search.space import Exclusions, _tp_options, divisors, enumerate_space, recompute_modes
+from planner.search.result import solve_in_bound_order
+from planner.search.result import time_bound_scale
 
 
 def stand_in(groups: tuple[ClusterSpec, ...]) -> ClusterSpec:
@@ -161,18 +162,6 @@ def _bound_s(problem: Problem, rules: Rules, s: Strategy, modes: tuple[str, ...]
     return b.time_s, b.memory_bytes - usable
 
 
-def _bound_scale(problem: Problem, s: Strategy, objective: str) -> float:
-    """k with k * (a step-time bound) a bound of the objective (planner.search.time_bound_scale):
-    the placement's price per second exactly, or its devices' least idle power."""
-    cluster: MixedClusterSpec = problem.cluster
-    if objective == "cost":
-        per_set = s.dp * s.tp if s.stage_groups else s.tp
-        return sum(per_set * cluster.group(n).gpu_hour_price_usd for n in (s.stage_groups or s.replica_groups)) / 3600.0
-    if objective == "energy":
-        return s.num_gpus * min(cluster.group(n).gpu.idle_power_w for n in (s.stage_groups or s.replica_groups))
-    return 1.0
-
-
 def _fits(problem: Problem, rules: Rules, memory: list[tuple[str, float]]) -> bool:
     cluster: MixedClusterSpec = problem.cluster
     return all(mem <= usable_memory_bytes(replace(problem, cluster=cluster.group(name)), rules.memory_headroom)
@@ -243,44 +232,30 @@ def search_mixed(problem: Problem, rules: Rules, top: int = 3,
         if over_bytes > 0:
             pruned_memory += 1
             continue
-        primary = 0.0 if objective == "memory" else time_s * _bound_scale(problem, s, objective)
+        primary = 0.0 if objective == "memory" else time_s * time_bound_scale(problem, s, objective)
         scored.append((primary, _key(s), s))
     scored.sort(key=lambda item: item[:2])
     kept = Kept(top, lambda c: (*score(problem, c, objective), _key(c.strategy)), budgeted or pareto)
     found = kept.found
-    solves = infeasible = 0
-    for done, (primary, _, s) in enumerate(scored):
-        if progress:
-            progress(done, len(scored))
-        kth = kth_best(problem, found, top, pareto, objective)
-        prune = kth is not None
-        if prune and primary >= kth:
-            break
-        scale = _bound_scale(problem, s, objective)
-        if prune and objective != "memory" and scale > 0:
-            # The tighter bound that balances layers under memory (planner.search does the same).
-            units, usable = _relaxed(problem, rules, s, cache)
-            if bounds.balanced(problem, units, s, modes, usable) * scale >= kth:
-                continue
-        solves += 1
-        # A partition slower than kth / scale cannot enter the top (as in planner.search).
-        cutoff = kth / scale if prune and objective != "memory" and scale > 0 else None
+
+    def refine(s: Strategy) -> float:
+        # The tighter bound that balances layers under memory, as on one GPU type.
+        units, usable = _relaxed(problem, rules, s, cache)
+        return bounds.balanced(problem, units, s, modes, usable)
+
+    def solve(s: Strategy, cutoff_s: float | None) -> Candidate | None:
         if s.replica_groups:
-            candidate = solve_replicas(problem, rules, s, modes)
-        else:
-            rank_costs = stage_rank_costs(problem, s, cache)
-            solution = solve_partition(problem, rank_costs[0][1], s, modes, rules.memory_headroom,
-                                       rules.max_stage_imbalance,
-                                       "memory" if objective == "memory" else "time", cutoff, rank_costs)
-            candidate = (None if solution is None else
-                         Candidate(solution.strategy, estimate_ranks(problem, solution.strategy, rank_costs),
-                                   solution.gap))
-        if candidate is None:
-            infeasible += cutoff is None
-            continue
-        kept.add(problem, rules, candidate)
-    if progress:
-        progress(len(scored), len(scored))
+            return solve_replicas(problem, rules, s, modes)
+        rank_costs = stage_rank_costs(problem, s, cache)
+        solution = solve_partition(problem, rank_costs[0][1], s, modes, rules.memory_headroom,
+                                   rules.max_stage_imbalance, "memory" if objective == "memory" else "time",
+                                   cutoff_s, rank_costs)
+        return (None if solution is None else
+                Candidate(solution.strategy, estimate_ranks(problem, solution.strategy, rank_costs), solution.gap))
+
+    solves, infeasible, _ = solve_in_bound_order(problem, rules, scored, kept, top, pareto,
+                                                 scale=lambda s: time_bound_scale(problem, s, objective),
+                                                 refine=refine, solve=solve, progress=progress)
     kept.check_budgets(rules)
     if not found:
         raise Infeasible(f"no placement of {len(placed)} strategies on the groups of {cluster.name} fits "

@@ -30,13 +30,14 @@ from costmodel.estimate.uniform import dp_sync_s, optimizer_step_s, rank_memory,
 from costmodel.terms.pipeline import pipeline_coefficients
 from costmodel.problem import Problem
 from costmodel.strategy import Stage, Strategy
+from costmodel.units import MIB
 
 # Integer scales: time in units of 1/TIME_RESOLUTION of one plain layer's micro-batch
 # time, memory in MiB (rounded up: never optimistic). Coarse units keep CP-SAT's
 # coefficients small, which makes it 10-100x faster on memory-bound candidates than
 # with KiB; the chosen partition is re-costed exactly by `costmodel.estimate`.
 TIME_RESOLUTION = 1_000
-MEMORY_UNIT_BYTES = 1 << 20
+MEMORY_UNIT_BYTES = MIB
 # CP-SAT effort per solve in deterministic seconds (reproducible, unlike wall time).
 DETERMINISTIC_TIME_LIMIT = 5.0
 

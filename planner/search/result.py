@@ -13,6 +13,7 @@ from costmodel.problem import Problem
 from costmodel.strategy import Strategy
 from planner.rules import BUDGETS, Rules
 from planner.search.space import describe
+from costmodel.specs import MixedClusterSpec
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,19 @@ def time_bound_scale(problem: Problem, strategy: Strategy, objective: str) -> fl
     Energy is not proportional to the step time (the busy share varies with the
     partition and recomputation), but every device draws at least idle power for the
     whole step, so gpus * idle_power_w is a valid, if loose, factor
-    (costmodel.energy.energy_lower_bound_j). A zero factor prunes nothing."""
+    (costmodel.estimate.energy.energy_lower_bound_j). A zero factor prunes nothing. On
+    a mixed cluster: the placement's price per second exactly, or its devices' least
+    idle power."""
+    cluster = problem.cluster
+    if isinstance(cluster, MixedClusterSpec):
+        s = strategy
+        groups = s.stage_groups or s.replica_groups
+        if objective == "cost":
+            per_set = s.dp * s.tp if s.stage_groups else s.tp
+            return sum(per_set * cluster.group(n).gpu_hour_price_usd for n in groups) / SECONDS_PER_HOUR
+        if objective == "energy":
+            return s.num_gpus * min(cluster.group(n).gpu.idle_power_w for n in groups)
+        return 1.0
     if objective == "cost":
         return strategy.num_gpus * problem.cluster.gpu_hour_price_usd / SECONDS_PER_HOUR
     if objective == "energy":
@@ -220,3 +233,42 @@ def pareto_front(problem: Problem, candidates: list[Candidate]) -> tuple[Candida
     front = [(p, c) for p, c in points if not beaten(p)]
     front.sort(key=lambda pc: (*pc[0], order_key(pc[1].strategy)))
     return tuple(c for _, c in front)
+
+
+def solve_in_bound_order(problem: Problem, rules: Rules, scored: list[tuple[float, tuple, Strategy]], kept: Kept,
+                         top: int, pareto: bool, scale: Callable[[Strategy], float],
+                         refine: Callable[[Strategy], float], solve: Callable[[Strategy, float | None], Candidate | None],
+                         progress: Callable[[int, int], None] | None) -> tuple[int, int, Strategy | None]:
+    """The loop every search runs: solve the candidates in order of their bound
+    (`scored`: (bound of the objective, order key, strategy), sorted) and keep the best,
+    until no bound can beat the K-th best kept. `scale(s)` turns a step-time bound into
+    a bound of the objective (`time_bound_scale`); `refine(s)` is a tighter step-time
+    bound, tried before solving once there are K plans; `solve(s, cutoff_s)` is the
+    candidate, or None when no partition fits (or none runs faster than `cutoff_s`: a
+    partition slower than kth / scale has an objective of at least kth). Returns the
+    number of solves, of those that proved no partition fits, and the first strategy
+    that did not solve."""
+    objective = rules.objective
+    solves = infeasible = 0
+    unsolved = None
+    for done, (primary, _, s) in enumerate(scored):
+        if progress:
+            progress(done, len(scored))
+        kth = kth_best(problem, kept.found, top, pareto, objective)
+        prune = kth is not None
+        if prune and primary >= kth:
+            break
+        k = scale(s) if objective != "memory" else 1.0
+        if prune and objective != "memory" and k > 0 and refine(s) * k >= kth:
+            continue
+        solves += 1
+        cutoff = kth / k if prune and objective != "memory" and k > 0 else None
+        candidate = solve(s, cutoff)
+        if candidate is None:
+            infeasible += cutoff is None
+            unsolved = unsolved or s
+            continue
+        kept.add(problem, rules, candidate)
+    if progress:
+        progress(len(scored), len(scored))
+    return solves, infeasible, unsolved

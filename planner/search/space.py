@@ -17,6 +17,7 @@ from costmodel.specs.loading import SpecError
 from costmodel.problem import Problem
 from costmodel.strategy import RECOMPUTE_MODES, Strategy
 from planner.rules import Rules, format_value
+from costmodel.problem import TracedProblem
 
 # Interleaving beyond 8 model chunks per rank buys little bubble and costs p2p
 # (Narayanan et al. 2021 §2.2.2 evaluate up to 4-6 chunks); keeps the space small.
@@ -46,6 +47,19 @@ def admits(rules: Rules, why: Exclusions, knob: str, value) -> bool:
         return True
     why.add(knob, rules.why_not(knob, value))
     return False
+
+
+def micro_batches(rules: Rules, why: Exclusions, batch: int, dp: int, batch_name: str) -> list[tuple[int, int]]:
+    """(micro-batch size, number of micro-batches) of each size the rules admit that
+    splits the global batch over `dp` replicas; `batch_name` is how the reasons name it."""
+    out = []
+    for mbs in range(rules.micro_batch_min, rules.micro_batch_max + 1):
+        if batch % (dp * mbs):
+            why.add("mbs", f"dp {dp} x mbs {mbs} does not divide {batch_name} {batch}")
+            continue
+        if admits(rules, why, "mbs", mbs):
+            out.append((mbs, batch // (dp * mbs)))
+    return out
 
 
 def recompute_modes(problem: Problem, rules: Rules) -> tuple[str, ...]:
@@ -176,13 +190,7 @@ def enumerate_space(problem: Problem, rules: Rules) -> tuple[list[Strategy], Exc
             for ep in ep_options:
                 if not admits(rules, why, "ep", ep):
                     continue
-                for mbs in range(rules.micro_batch_min, rules.micro_batch_max + 1):
-                    if batch % (dp * mbs):
-                        why.add("mbs", f"dp {dp} x mbs {mbs} does not divide --global-batch {batch}")
-                        continue
-                    if not admits(rules, why, "mbs", mbs):
-                        continue
-                    m = batch // (dp * mbs)
+                for mbs, m in micro_batches(rules, why, batch, dp, "--global-batch"):
                     for schedule, vpp in _schedule_options(problem, rules, pp, m, why):
                         for zero in (range(4) if dp > 1 else (0,)):
                             if not admits(rules, why, "zero", zero):
@@ -218,3 +226,31 @@ def describe(strategy: Strategy) -> str:
         runs = itertools.groupby(zip(strategy.replica_groups, strategy.replica_microbatches))
         parts.append("replicas " + "+".join(f"{name}x{len(list(run))}:{m}" for (name, m), run in runs))
     return " ".join(parts)
+
+
+def enumerate_traced(problem: TracedProblem, rules: Rules) -> tuple[list[Strategy], Exclusions]:
+    n, batch, nodes = problem.cluster.num_gpus, problem.training.global_batch, problem.model.num_nodes
+    why = Exclusions()
+    out = []
+    for pp in divisors(n):
+        if pp > nodes:
+            why.add("pp", f"{pp} is more than the {nodes} blocks of the module")
+            continue
+        dp = n // pp
+        if not (admits(rules, why, "pp", pp) and admits(rules, why, "dp", dp)):
+            continue
+        for mbs, m in micro_batches(rules, why, batch, dp, "the global batch"):
+            # No pipeline: the schedule is moot; it carries the first permitted name.
+            schedules = [s for s in ("1f1b", "gpipe") if rules.permits("schedule", s)][:1] if pp == 1 \
+                else ["gpipe", "1f1b"]
+            for schedule in schedules:
+                if not admits(rules, why, "schedule", schedule):
+                    continue
+                if pp > 1 and schedule == "1f1b" and m < pp:
+                    why.add("schedule", f"1f1b needs at least pp {pp} micro-batches, there are {m}")
+                    continue
+                for zero in (range(4) if dp > 1 else (0,)):
+                    if admits(rules, why, "zero", zero):
+                        out.append(Strategy(dp=dp, tp=1, pp=pp, micro_batch_size=mbs, num_microbatches=m,
+                                            schedule=schedule, zero_stage=zero))
+    return out, why

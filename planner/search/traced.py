@@ -34,7 +34,9 @@ from costmodel.strategy import Stage, Strategy
 from planner.search.partition import usable_memory_bytes
 from planner.rules import Rules
 from planner.search.result import Candidate, Infeasible, SearchResult, SearchStats
-from planner.search.space import Exclusions, admits, describe, divisors
+from planner.search.space import describe
+from costmodel.units import GIB
+from planner.search.space import enumerate_traced
 
 UNSUPPORTED = {"tp": 1, "vpp": 1, "ep": 1, "sp": False}
 
@@ -54,40 +56,6 @@ def check_fix_traced(problem: TracedProblem, fix: dict) -> None:
     for knob in ("dp", "pp"):
         if knob in fix and n % fix[knob]:
             raise SpecError(f"fix {knob}", f"{fix[knob]} does not divide the {n} GPUs of the cluster")
-
-
-def enumerate_traced(problem: TracedProblem, rules: Rules) -> tuple[list[Strategy], Exclusions]:
-    n, batch, nodes = problem.cluster.num_gpus, problem.training.global_batch, problem.model.num_nodes
-    why = Exclusions()
-    out = []
-    for pp in divisors(n):
-        if pp > nodes:
-            why.add("pp", f"{pp} is more than the {nodes} blocks of the module")
-            continue
-        dp = n // pp
-        if not (admits(rules, why, "pp", pp) and admits(rules, why, "dp", dp)):
-            continue
-        for mbs in range(rules.micro_batch_min, rules.micro_batch_max + 1):
-            if batch % (dp * mbs):
-                why.add("mbs", f"dp {dp} x mbs {mbs} does not divide the global batch {batch}")
-                continue
-            if not admits(rules, why, "mbs", mbs):
-                continue
-            m = batch // (dp * mbs)
-            # No pipeline: the schedule is moot; it carries the first permitted name.
-            schedules = [s for s in ("1f1b", "gpipe") if rules.permits("schedule", s)][:1] if pp == 1 \
-                else ["gpipe", "1f1b"]
-            for schedule in schedules:
-                if not admits(rules, why, "schedule", schedule):
-                    continue
-                if pp > 1 and schedule == "1f1b" and m < pp:
-                    why.add("schedule", f"1f1b needs at least pp {pp} micro-batches, there are {m}")
-                    continue
-                for zero in (range(4) if dp > 1 else (0,)):
-                    if admits(rules, why, "zero", zero):
-                        out.append(Strategy(dp=dp, tp=1, pp=pp, micro_batch_size=mbs, num_microbatches=m,
-                                            schedule=schedule, zero_stage=zero))
-    return out, why
 
 
 def _lower_bound_s(problem: TracedProblem, units: TracedUnits, strategy: Strategy) -> float:
@@ -207,7 +175,6 @@ def search_traced(problem: TracedProblem, rules: Rules, top: int = 3) -> SearchR
 def _memory_reason(problem: TracedProblem, rules: Rules, strategy: Strategy) -> str:
     """The binding memory constraint, with the numbers of the split that spreads the
     module thinnest, its nodes spread evenly and all recomputed where allowed."""
-    gib = 1 << 30
     units = traced_units(problem, strategy)
     n, pp = problem.model.num_nodes, strategy.pp
     size, extra = divmod(n, pp)
@@ -219,6 +186,6 @@ def _memory_reason(problem: TracedProblem, rules: Rules, strategy: Strategy) -> 
         need = max(need, stage_memory(problem, units, strategy, Stage(r, r, first, count, full)).total_bytes)
         first += count
     gpu, usable = problem.cluster.gpu, usable_memory_bytes(problem, rules.memory_headroom)
-    return (f"memory binds: {describe(strategy)} needs {need / gib:.2f} GiB on its fullest stage, {gpu.name} "
-            f"has {gpu.memory_bytes / gib:.1f} GiB ({usable / gib:.2f} GiB usable with memory_headroom "
+    return (f"memory binds: {describe(strategy)} needs {need / GIB:.2f} GiB on its fullest stage, {gpu.name} "
+            f"has {gpu.memory_bytes / GIB:.1f} GiB ({usable / GIB:.2f} GiB usable with memory_headroom "
             f"{rules.memory_headroom:g}); more GPUs, or devices with more memory, would relax it")

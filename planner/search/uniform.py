@@ -23,7 +23,6 @@ from planner.search.result import (
     SearchResult,
     SearchStats,
     check_specs,
-    kth_best,
     order_key,
     pareto_front,
     score,
@@ -32,6 +31,8 @@ from planner.search.result import (
 from planner.search.partition import solve_partition, usable_memory_bytes
 from planner.rules import BUDGETS, Rules
 from planner.search.space import describe, enumerate_space, recompute_modes
+from costmodel.units import GIB
+from planner.search.result import solve_in_bound_order
 
 
 def unit_key(strategy: Strategy) -> tuple:
@@ -74,40 +75,22 @@ def search_uniform(problem: Problem, rules: Rules, top: int = 3,
 
     kept = Kept(top, lambda c: score(problem, c, objective), budgeted or pareto)
     found = kept.found
-    solves = infeasible = refined = 0
-    for done, (primary, _, strategy) in enumerate(scored):
-        if progress:
-            progress(done, len(scored))
-        kth = kth_best(problem, found, top, pareto, objective)
-        prune = kth is not None
-        if prune and primary >= kth:
-            break
+
+    def solve(strategy: Strategy, cutoff_s: float | None) -> Candidate | None:
         units = cache[unit_key(strategy)]
-        scale = 1.0 if objective == "memory" else time_bound_scale(problem, strategy, objective)
-        if prune and objective != "memory" and scale > 0:
-            if bounds.balanced(problem, units, strategy, modes, usable) * scale >= kth:
-                refined += 1
-                continue
-        solves += 1
-        if not prune:
-            cutoff = None
-        elif objective == "memory":
-            cutoff = found[top - 1].estimate.step_time_s   # unused by the memory program
-        else:
-            # A partition slower than kth / scale has an objective of at least kth.
-            cutoff = kth / scale if scale > 0 else None
         solution = solve_partition(problem, units, strategy, modes, rules.memory_headroom,
                                    rules.max_stage_imbalance, "memory" if objective == "memory" else "time",
-                                   cutoff)
-        if solution is None:
-            infeasible += cutoff is None
-            if closest is None:
-                closest = (float("inf"), strategy)
-            continue
-        kept.add(problem, rules, Candidate(solution.strategy, estimate(problem, solution.strategy, units),
-                                           solution.gap))
-    if progress:
-        progress(len(scored), len(scored))
+                                   cutoff_s)
+        return None if solution is None else Candidate(solution.strategy, estimate(problem, solution.strategy, units),
+                                                       solution.gap)
+
+    solves, infeasible, unsolved = solve_in_bound_order(
+        problem, rules, scored, kept, top, pareto,
+        scale=lambda s: time_bound_scale(problem, s, objective),
+        refine=lambda s: bounds.balanced(problem, cache[unit_key(s)], s, modes, usable),
+        solve=solve, progress=progress)
+    if closest is None and unsolved is not None:
+        closest = (float("inf"), unsolved)
     kept.check_budgets(rules)
     if not found:
         raise Infeasible(_memory_reason(problem, rules, closest[1] if closest else space[0], modes),
@@ -124,7 +107,6 @@ def search_uniform(problem: Problem, rules: Rules, top: int = 3,
 def _memory_reason(problem: Problem, rules: Rules, strategy: Strategy, modes: tuple[str, ...]) -> str:
     """The binding memory constraint of the closest candidate, with its numbers: its
     even partition at the most frugal allowed recompute mode."""
-    gib = 1 << 30
     frugal = "full" if "full" in modes else ("selective" if "selective" in modes else "none")
     layers = problem.model.num_hidden_layers
     s = strategy.with_stages(even_stages(layers, strategy.pp, strategy.vpp, frugal))
@@ -135,6 +117,6 @@ def _memory_reason(problem: Problem, rules: Rules, strategy: Strategy, modes: tu
     if need <= usable:
         return (f"max_stage_imbalance {rules.max_stage_imbalance:g} binds: no partition of {layers} layers "
                 f"over pp {strategy.pp} keeps the slowest stage that close to the mean")
-    return (f"stage {e.peak_memory_rank} needs {need / gib:.1f} GiB, {gpu.name} has "
-            f"{gpu.memory_bytes / gib:.0f} GiB ({usable / gib:.1f} GiB usable with memory_headroom "
+    return (f"stage {e.peak_memory_rank} needs {need / GIB:.1f} GiB, {gpu.name} has "
+            f"{gpu.memory_bytes / GIB:.0f} GiB ({usable / GIB:.1f} GiB usable with memory_headroom "
             f"{rules.memory_headroom:g}); closest: {describe(s)} recompute={frugal}")

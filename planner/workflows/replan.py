@@ -30,6 +30,7 @@ from planner.search import Infeasible, SearchResult, search
 from planner.search import check_fix
 from planner.search.space import divisors, enumerate_space
 from planner.plan_file import cluster_of, profile_of
+from costmodel.units import GIB
 
 # Other global batches tried, nearest first, before giving up: each costs one search.
 MAX_BATCH_TRIES = 16
@@ -203,5 +204,5 @@ def replan(doc: dict, *, gpus: Any = None, nodes: Any = None, cluster: str | Non
     was, now = doc["estimate"], new_doc["estimate"]
     notes.append(f"step {was['step_time_s']:.3f} s → {now['step_time_s']:.3f} s, "
                  f"{was['tokens_per_s']:,.0f} → {now['tokens_per_s']:,.0f} tokens/s, "
-                 f"peak {was['peak_memory_bytes'] / (1 << 30):.1f} → {now['peak_memory_bytes'] / (1 << 30):.1f} GiB")
+                 f"peak {was['peak_memory_bytes'] / GIB:.1f} → {now['peak_memory_bytes'] / GIB:.1f} GiB")
     return new_doc, notes

@@ -29,7 +29,6 @@ NVLINK_BW = 3.0e11 * 0.62       # achieved = bandwidth * efficiency
 NVLINK_LAT = 5.0e-6
 IB_BW = 2.5e10 * 0.8
 IB_LAT = 1.0e-5
-GIB = 1 << 30
 
 
 def load_calibration_runs() -> list[dict]:

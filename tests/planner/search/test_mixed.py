@@ -18,7 +18,7 @@ from planner.plan_file import dumps, plan_document, read_plan, strategy_of, writ
 from planner.rules import load_rules
 from planner.search import search
 
-GIB = 1 << 30
+from costmodel.units import GIB
 
 
 def write_fast_slow(tmp_path, slow_memory_gib=80) -> str:

@@ -29,7 +29,7 @@ from planner.plan_file import model_of, strategy_of, write_plan
 from planner.rules import load_rules
 from planner.search import search
 
-GIB = 1 << 30
+from costmodel.units import GIB
 
 # Plans made by the search with every knob pinned (each solves in well under a second).
 CASES = {
