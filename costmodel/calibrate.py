@@ -3,7 +3,7 @@ memory bandwidth of elementwise passes, and alpha-beta figures per collective, f
 a profile (what `shardwise profile` measures), and written as a cluster spec a user can
 keep (`--cluster that.yaml`). Pure arithmetic on the profile's numbers.
 
-The curve and the collective formulas are the ones costmodel.compute and costmodel.comm
+The curve and the collective formulas are the ones costmodel.terms.compute and costmodel.terms.comm
 evaluate, so a fitted spec reproduces the measurements it came from.
 """
 
@@ -12,8 +12,8 @@ from __future__ import annotations
 import math
 import statistics
 
-from costmodel.terms.compute import MEMORY_BOUND_EFFICIENCY
 from costmodel.measured import PROFILE_SCHEMA_VERSION  # noqa: F401  (the profile format's version, kept importable here)
+from costmodel.terms.compute import MEMORY_BOUND_EFFICIENCY
 
 
 def fit_gemm_curve(points: list[dict]) -> dict:
@@ -43,7 +43,7 @@ def fit_gemm_curve(points: list[dict]) -> dict:
 
 def fit_bandwidth(points: list[dict]) -> float:
     """Median achieved bytes/s of elementwise passes ({"bytes", "seconds"}), as the
-    `hbm_bandwidth_bytes_per_s` that costmodel.compute derates by its efficiency."""
+    `hbm_bandwidth_bytes_per_s` that costmodel.terms.compute derates by its efficiency."""
     return statistics.median(p["bytes"] / p["seconds"] for p in points) / MEMORY_BOUND_EFFICIENCY
 
 
@@ -58,7 +58,7 @@ def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
 
 def fit_collective(kind: str, points: list[dict], ranks: int) -> tuple[float, float]:
     """(bandwidth_bytes_per_s, latency_s) of a ring collective over `ranks` ranks from
-    points {"bytes", "seconds"}, bytes in costmodel.comm's convention (the full buffer;
+    points {"bytes", "seconds"}, bytes in costmodel.terms.comm's convention (the full buffer;
     one way for p2p): t = steps * latency + volume * bytes / bandwidth with all-reduce
     2(n-1) steps moving 2(n-1)/n of the buffer, all-gather and reduce-scatter (n-1)
     steps moving (n-1)/n, all-to-all (bytes: what one rank sends in all) n-1 exchanges

@@ -3,7 +3,7 @@ transformer layer, the embedding, the LM head with its loss) that `shardwise pro
 --model` measured on a real device, read from the profile's JSON (never pickle),
 validated field by field, and interpolated to the micro-batch sizes and TP widths the
 search asks about. `unit_costs` (costmodel.estimate) uses them in place of the analytic
-compute times of costmodel.compute where they cover a shape, and the analytic model
+compute times of costmodel.terms.compute where they cover a shape, and the analytic model
 elsewhere (`covers` says which).
 
 Interpolation (`interpolate`), separable over the two axes the profile varies:
@@ -32,9 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from costmodel.terms import compute
-from costmodel.specs.loading import SpecError, read_json_object
 from costmodel.specs import PRECISIONS, ClusterSpec, ModelSpec, TrainingSpec
+from costmodel.specs.loading import SpecError, read_json_object
+from costmodel.terms import compute
 
 PROFILE_SCHEMA_VERSION = 2   # 2 added the layer kinds ("layers") and all_to_all
 READABLE_SCHEMA_VERSIONS = (1, 2)
@@ -144,7 +144,7 @@ class MeasuredTimes:
 def profiled_layer(profile: MeasuredTimes, model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
                    micro_batch_size: int, tp: int, sequence_parallel: bool,
                    ep: int = 1) -> tuple[compute.LayerCompute, float] | None:
-    """One layer's forward split as costmodel.compute splits it and its backward seconds,
+    """One layer's forward split as costmodel.terms.compute splits it and its backward seconds,
     from the measured times, or None where the profile does not cover the shape.
 
     The analytic split (GEMMs, attention core, elementwise) is scaled to the measured
@@ -153,7 +153,7 @@ def profiled_layer(profile: MeasuredTimes, model: ModelSpec, cluster: ClusterSpe
     sequence parallelism; with it, the norms and residuals run on s/tp tokens, and the
     analytic model's difference for them is added (forward, and BACKWARD_FACTOR times it
     backward). An MoE layer is measured at ep 1: expert parallelism changes the shapes of
-    the experts' GEMMs, not their work (costmodel.compute.layer_compute)."""
+    the experts' GEMMs, not their work (costmodel.terms.compute.layer_compute)."""
     measured = profile.times("layer", micro_batch_size, tp)
     if measured is None:
         return None

@@ -22,7 +22,7 @@ class Problem:
     cluster: ClusterSpec | MixedClusterSpec
     training: TrainingSpec
     # Measured layer times (`shardwise plan --profile`); None prices every layer analytically.
-    profile: MeasuredTimes | None = None
+    measured_times: MeasuredTimes | None = None
 
 
 @dataclass(frozen=True)

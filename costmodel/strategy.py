@@ -51,7 +51,7 @@ class Strategy:
     recompute: str = "none"
     sequence_parallel: bool = False
     stages: tuple[Stage, ...] = ()
-    # On a mixed cluster (costmodel.mixed), at most one of these is set. stage_groups:
+    # On a mixed cluster (costmodel.estimate.mixed), at most one of these is set. stage_groups:
     # the group holding each pipeline rank (all its dp x tp ranks). replica_groups (pp
     # 1 only): the group holding each data-parallel replica, and replica_microbatches
     # the micro-batches each replica runs per step, so faster replicas take a larger

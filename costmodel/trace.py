@@ -33,10 +33,15 @@ from dataclasses import dataclass
 import networkx as nx
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map_only
-from torch.utils.flop_counter import FlopCounterMode, flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils.flop_counter import (
+    FlopCounterMode,
+    flop_registry,
+    sdpa_backward_flop_count,
+    sdpa_flop_count,
+)
 from torch.utils.weak import WeakIdKeyDictionary
 
 COLUMN_NAMES = re.compile(r"(^|[._])(q|k|v|wq|wk|wv|q_proj|k_proj|v_proj|query|key|value|qkv|c_attn|in_proj|"

@@ -12,8 +12,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from costmodel.terms.counts import total_parameters
-from costmodel.problem import TracedProblem, traced_model
+from costmodel.measured import load_measured_times
+from costmodel.problem import Problem, TracedProblem, traced_model
+from costmodel.specs import MixedClusterSpec, ModelSpec
 from costmodel.specs.hf import check_spec
 from costmodel.specs.loading import (
     SpecError,
@@ -23,9 +24,7 @@ from costmodel.specs.loading import (
     make_training,
     model_from_dict,
 )
-from costmodel.measured import load_measured_times
-from costmodel.specs import MixedClusterSpec, ModelSpec
-from costmodel.problem import Problem
+from costmodel.terms.counts import total_parameters
 from costmodel.trace import trace_module
 from planner.plan_file import plan_document
 from planner.rules import BUDGETS, Rules, load_rules, parse_fix, parse_objective
@@ -39,7 +38,7 @@ def make_problem(model: str, cluster: str, global_batch: Any, *, nodes: Any = No
     """Load and validate the specs; raises SpecError naming the bad field. `hf:PATH`
     reads a Hugging Face config.json (or its folder) and checks it against the model
     transformers builds from it on the meta device. `profile` is a `shardwise profile
-    --model` JSON whose measured layer times the cost model uses (costmodel.profile); one
+    --model` JSON whose measured layer times the cost model uses (costmodel.measured); one
     of another model, sequence length, precision or attention kernel is refused."""
     if str(model).startswith("hf:"):
         source = str(model)[3:]
@@ -95,7 +94,7 @@ def plan_model(module, example_inputs: tuple, *, cluster: str, global_batch: Any
     the specs read, with the parameter count the spec predicts, is planned by the
     transformer cost model, exactly as `shardwise plan` plans it (tokens per sequence:
     the inputs' second dimension). Any other module is traced (`costmodel.trace`) and
-    planned over dp, pp, ZeRO, micro-batching and recompute (`planner.graph_search`),
+    planned over dp, pp, ZeRO, micro-batching and recompute (`planner.search.traced`),
     stages cut along its execution order so skip connections and encoder-decoder
     links plan as well as chains. `loss_fn(output)` and `example_kwargs` go to the trace.
     """

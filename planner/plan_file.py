@@ -13,18 +13,27 @@ from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
-from costmodel.estimate.energy import cost_energy
 from costmodel.estimate import Estimate
-from costmodel.problem import NodeCost, TracedModel
-from costmodel.specs.loading import SpecError, read_json_object
-from costmodel.specs import ClusterSpec, MixedClusterSpec, ModelSpec
+from costmodel.estimate.energy import cost_energy
+from costmodel.measured import LayerPoint, MeasuredTimes
+from costmodel.problem import NodeCost, Problem, TracedModel, TracedProblem
+from costmodel.specs import (
+    ClusterSpec,
+    LinkSpec,
+    MixedClusterSpec,
+    ModelSpec,
+    TrainingSpec,
+)
+from costmodel.specs.loading import (
+    SpecError,
+    as_float,
+    as_int,
+    gpu_from_dict,
+    link_from_dict,
+    read_json_object,
+)
 from costmodel.strategy import Stage, Strategy
 from planner.search import Candidate, SearchResult
-from costmodel.measured import LayerPoint, MeasuredTimes
-from costmodel.problem import Problem, TracedProblem
-from costmodel.specs import LinkSpec
-from costmodel.specs.loading import as_float, as_int, gpu_from_dict, link_from_dict
-from costmodel.specs import TrainingSpec
 
 SCHEMA_VERSION = 1
 FLOAT_DIGITS = 6   # significant digits kept: far below the cost model's accuracy
@@ -60,7 +69,7 @@ def strategy_dict(strategy: Strategy) -> dict:
 
 def candidate_dict(candidate: Candidate, cluster: ClusterSpec | None = None) -> dict:
     """A candidate's strategy and estimate; given a cluster with a price or power
-    figures, also its "cost_energy" (costmodel.energy), which plans of unpriced
+    figures, also its "cost_energy" (costmodel.estimate.energy), which plans of unpriced
     clusters never carry."""
     estimate = asdict(candidate.estimate)
     if not estimate["replica_time_s"]:
@@ -110,10 +119,10 @@ def plan_document(problem, rules_name: str, result: SearchResult) -> dict:
     }
     if result.pareto:
         doc["pareto"] = [candidate_dict(c, problem.cluster) for c in result.pareto]
-    if getattr(problem, "profile", None) is not None:
+    if getattr(problem, "measured_times", None) is not None:
         # The measured times the estimate used, so the plan says what priced it (the
         # file's path is left out: the same measurements give the same plan).
-        doc["profile"] = {k: v for k, v in asdict(problem.profile).items() if k != "source"}
+        doc["profile"] = {k: v for k, v in asdict(problem.measured_times).items() if k != "source"}
     return _round(doc)
 
 

@@ -1,7 +1,7 @@
 """Constraint rules: what the user allows, pins and forbids, and how much memory to keep
 free. Read from `configs/rules/*.yaml` or a user file, strictly (an unknown key is an
-error), and merged with `--fix`. The search space (`planner.space`) and the partition
-solver (`planner.partition`) enforce them; nothing here is advisory.
+error), and merged with `--fix`. The search space (`planner.search.space`) and the partition
+solver (`planner.search.partition`) enforce them; nothing here is advisory.
 
 The knobs a rule can name are the keys of `--fix`:
 dp, tp, pp, vpp, ep, mbs, zero, recompute, sp, schedule.
@@ -13,7 +13,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from costmodel.specs.loading import SpecError, as_bool, as_float, as_int, parse_overrides, read_document
+from costmodel.specs.loading import (
+    SpecError,
+    as_bool,
+    as_float,
+    as_int,
+    parse_overrides,
+    read_document,
+)
 from costmodel.strategy import RECOMPUTE_MODES, SCHEDULES
 
 INT_KNOBS = ("dp", "tp", "pp", "vpp", "ep", "mbs", "zero")
@@ -21,7 +28,7 @@ KNOBS = INT_KNOBS + ("recompute", "sp", "schedule")
 # Longer spellings accepted in rule files and --fix.
 ALIASES = {"micro_batch_size": "mbs", "zero_stage": "zero", "sequence_parallel": "sp"}
 OBJECTIVES = ("time", "memory", "cost", "energy")
-# Budgets a plan must meet (costmodel.energy): rule-file key -> CLI option.
+# Budgets a plan must meet (costmodel.estimate.energy): rule-file key -> CLI option.
 BUDGETS = {"max_cost_per_step_usd": "--max-cost-per-step", "power_cap_w": "--power-cap",
            "energy_budget_j": "--energy-budget"}
 

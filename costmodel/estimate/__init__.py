@@ -14,7 +14,12 @@ from __future__ import annotations
 
 from costmodel.estimate.breakdown import Estimate, MemoryBreakdown
 from costmodel.estimate.mixed import estimate_mixed, mixed_rank_memories
-from costmodel.estimate.traced import TracedUnits, estimate_traced, stage_memory, traced_units
+from costmodel.estimate.traced import (
+    TracedUnits,
+    estimate_traced,
+    stage_memory,
+    traced_units,
+)
 from costmodel.estimate.uniform import UnitCosts, estimate_uniform
 from costmodel.problem import Problem, TracedProblem
 from costmodel.specs import MixedClusterSpec

@@ -3,7 +3,9 @@ kind), `TimeBreakdown`, `MemoryBreakdown` and `Estimate`, and `step_estimate`, w
 assembles an Estimate from per-rank parts (every kind of problem ends there)."""
 
 from __future__ import annotations
+
 from dataclasses import dataclass, fields
+
 from costmodel.strategy import Strategy
 
 
@@ -79,7 +81,7 @@ class Estimate:
     memory: MemoryBreakdown          # of the peak rank
     rank_time_s: tuple[float, ...]   # per pipeline rank, one micro-batch
     rank_memory_bytes: tuple[float, ...]
-    # Mixed clusters with replica groups (costmodel.mixed): per data-parallel replica,
+    # Mixed clusters with replica groups (costmodel.estimate.mixed): per data-parallel replica,
     # its micro-batches' seconds in one step; empty otherwise.
     replica_time_s: tuple[float, ...] = ()
 
@@ -92,7 +94,7 @@ def step_estimate(problem, strategy: Strategy, works: list[Work], pipelined_s: f
     memory, the pipelined time, the exposed gradient sync and the optimizer step. The
     time breakdown is the slowest rank's, over all micro-batches, the rest of the
     pipelined time its bubble. `peak_flops_per_gpu`: the mean peak of the devices (MFU's
-    denominator), by default the cluster's GPU's. Shared by costmodel.graph_estimate."""
+    denominator), by default the cluster's GPU's. Shared by costmodel.estimate.traced."""
     pp, m = strategy.pp, strategy.num_microbatches
     rank_times = [w.total_s for w in works]
     bottleneck = max(range(pp), key=lambda r: (rank_times[r], -r))

@@ -15,7 +15,7 @@ the accelerators are counted (no CPUs, NICs, cooling).
 Busy time of pipeline rank r (every one of its dp x tp devices):
     busy_r = num_microbatches * rank_time_s[r] + tail,   tail = exposed DP sync + optimizer step
 rank_time_s[r] is one micro-batch's compute, recomputation and tp/ep/pp/dp communication
-on rank r (costmodel.estimate.rank_work); the tail is what the step adds after the
+on rank r (costmodel.estimate.uniform.rank_work); the tail is what the step adds after the
 pipeline, charged to every rank (the estimate keeps its maximum over ranks, so this
 slightly overcounts ranks other than the slowest). Communication counts as busy: NCCL
 kernels occupy SMs and HBM while they run, so the board sits well above idle; charging
@@ -28,9 +28,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from costmodel.estimate.breakdown import Estimate
-from costmodel.specs.loading import SpecError
 from costmodel.estimate.mixed import device_groups
 from costmodel.specs import ClusterSpec, MixedClusterSpec
+from costmodel.specs.loading import SpecError
 from costmodel.strategy import Strategy
 
 SECONDS_PER_HOUR = 3600.0
@@ -90,7 +90,7 @@ def rank_busy_s(estimate: Estimate, strategy: Strategy, cluster: ClusterSpec | M
 
 def cost_energy(cluster: ClusterSpec | MixedClusterSpec, strategy: Strategy, estimate: Estimate) -> CostEnergy:
     """Cost and energy of one step, each set of devices priced and powered as its group
-    (costmodel.mixed.device_groups: a pipeline rank's devices, or a replica's)."""
+    (costmodel.estimate.mixed.device_groups: a pipeline rank's devices, or a replica's)."""
     step, gpus = estimate.step_time_s, strategy.num_gpus
     sets = device_groups(cluster, strategy, estimate)
     busy = tuple(b for _, _, b in sets)

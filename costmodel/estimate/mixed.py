@@ -4,11 +4,11 @@ A plan on a `MixedClusterSpec` places its ranks on the groups one of two ways
 (`costmodel.strategy.Strategy`):
 
 - stage groups: each pipeline rank (all of its dp x tp ranks) on one group. Each rank is
-  priced with its group's unit costs (`costmodel.estimate.unit_costs` on the group as a
+  priced with its group's unit costs (`costmodel.estimate.uniform.unit_costs` on the group as a
   cluster of its own), so a slower group's stages take fewer layers and a smaller
   memory's fewer activations (the partition program balances them). A send between
   stages of different groups crosses the inter-group link; as on one cluster, the
-  slowest boundary paces every send of the 1F1B steady state (costmodel.estimate.groups).
+  slowest boundary paces every send of the 1F1B steady state (costmodel.terms.comm.groups).
 - replica groups (pp 1): each data-parallel replica on one group, running its own number
   of micro-batches, so replicas of different speed finish together
   (`replica_microbatches`). The step is the slowest replica's micro-batches, then the
@@ -20,12 +20,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from costmodel.terms import memory
-from costmodel.terms.comm import Placement, collective_time_s
-from costmodel.estimate.breakdown import Estimate
-from costmodel.estimate.uniform import UnitCosts
-from costmodel.estimate.breakdown import MemoryBreakdown, step_estimate
+from costmodel.estimate.breakdown import Estimate, MemoryBreakdown, step_estimate
 from costmodel.estimate.uniform import (
+    UnitCosts,
     dp_sync_s,
     estimate_ranks,
     optimizer_step_s,
@@ -34,11 +31,13 @@ from costmodel.estimate.uniform import (
     recompute_flops,
     unit_costs,
 )
+from costmodel.problem import Problem
+from costmodel.specs import ClusterSpec, LinkSpec, MixedClusterSpec
+from costmodel.strategy import Strategy
+from costmodel.terms import memory
+from costmodel.terms.comm import Placement, collective_time_s
 from costmodel.terms.counts import model_flops_per_step
 from costmodel.terms.pipeline import pipeline_time_s
-from costmodel.specs import ClusterSpec, LinkSpec, MixedClusterSpec
-from costmodel.problem import Problem
-from costmodel.strategy import Strategy
 
 # Two ranks on two nodes: a transfer that leaves its node.
 _CROSSING = Placement(2, 1, 2)
@@ -91,7 +90,7 @@ def stage_rank_costs(problem: Problem, strategy: Strategy,
     tied_sync_s = pairs[0][1].tied_sync_s
     if pairs[0][1].tied_sync_s > 0 and groups[0].name != groups[-1].name:
         # The tied embedding's gradient all-reduce joins the first and last stage
-        # across the groups (Megatron-LM; costmodel.estimate.unit_costs).
+        # across the groups (Megatron-LM; costmodel.estimate.uniform.unit_costs).
         model, states = problem.model, memory.state_bytes(problem.training)
         tied_sync_s = collective_time_s("all_reduce", model.vocab_size * model.hidden_size / strategy.tp
                                         * states.gradients, _CROSSING, leaving(cluster, groups[0]))
@@ -216,7 +215,7 @@ def device_groups(cluster, strategy: Strategy, estimate: Estimate) -> list[tuple
     """(group, devices, busy seconds per device) for every set of devices that share a
     group and a busy time: a pipeline rank's dp x tp devices, or a replica's tp devices.
     The busy time is the rank's (or replica's) micro-batches plus the step's tail
-    (exposed DP sync and optimizer), capped at the step (costmodel.energy)."""
+    (exposed DP sync and optimizer), capped at the step (costmodel.estimate.energy)."""
     step, m = estimate.step_time_s, strategy.num_microbatches
     if isinstance(cluster, MixedClusterSpec) and strategy.replica_groups:
         tail = max(0.0, step - max(estimate.replica_time_s))

@@ -9,10 +9,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from costmodel.terms import compute, memory
-from costmodel.estimate.uniform import cross_entropy_bytes, p2p_sends, rank_parameters, unit_costs
+from costmodel.estimate.uniform import (
+    cross_entropy_bytes,
+    p2p_sends,
+    rank_parameters,
+    unit_costs,
+)
 from costmodel.problem import Problem
 from costmodel.strategy import Strategy
+from costmodel.terms import compute, memory
 
 # The global gradient norm for clipping: one fp64 scalar summed over every rank.
 GRAD_NORM_BYTES = 8

@@ -12,7 +12,7 @@ holds `Stage.first_layer .. + num_layers` counted in nodes, and recomputes its f
 Per node and sample the trace gives forward and backward FLOPs, parameters, bytes
 saved for backward and bytes handed on along each edge. From them:
 
-- compute: as `costmodel.compute` splits a transformer layer, the FLOPs of the ops
+- compute: as `costmodel.terms.compute` splits a transformer layer, the FLOPs of the ops
   FlopCounterMode has a formula for (matmuls, convolutions, attention) at the
   device's best GEMM efficiency, plus the bytes the other ops read and write
   (`elementwise_bytes`: norms, activations, softmax, copies) at achieved memory
@@ -30,13 +30,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
+from costmodel.estimate.breakdown import Estimate, MemoryBreakdown, Work, step_estimate
+from costmodel.problem import TracedProblem
+from costmodel.strategy import Stage, Strategy
 from costmodel.terms import compute, memory
 from costmodel.terms.comm import collective_time_s, groups, sharded_collective_s
-from costmodel.problem import TracedProblem
-from costmodel.estimate.breakdown import Estimate, MemoryBreakdown, Work, step_estimate
 from costmodel.terms.pipeline import pipeline_time_s
-from costmodel.strategy import Stage, Strategy
 
 
 def _scale(problem: TracedProblem, samples: int) -> float:
@@ -64,7 +63,7 @@ def _prefix(values) -> tuple[float, ...]:
 class TracedUnits:
     """Per-node costs of one micro-batch under a strategy without stages, as prefix sums
     (entry i covers nodes 0 .. i-1), so any stage's totals are two lookups: what
-    `costmodel.estimate.UnitCosts` is for a transformer's identical layers."""
+    `costmodel.estimate.uniform.UnitCosts` is for a transformer's identical layers."""
 
     forward_s: tuple[float, ...]
     backward_s: tuple[float, ...]
@@ -160,7 +159,7 @@ def stage_memory(problem: TracedProblem, units: TracedUnits, strategy: Strategy,
 
 
 def dp_sync_s(problem: TracedProblem, units: TracedUnits, strategy: Strategy, stage: Stage) -> float:
-    """End-of-step gradient synchronisation of one stage, as `costmodel.estimate.dp_sync_s`:
+    """End-of-step gradient synchronisation of one stage, as `costmodel.estimate.uniform.dp_sync_s`:
     all-reduce under ZeRO 0, reduce-scatter then all-gather under ZeRO 1/2, none under
     ZeRO 3 (it reduces per node during backward)."""
     if strategy.zero_stage == 3:

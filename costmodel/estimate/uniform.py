@@ -7,6 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from costmodel.estimate.breakdown import Estimate, MemoryBreakdown, Work, step_estimate
+from costmodel.measured import profiled_layer
+from costmodel.problem import Problem
+from costmodel.strategy import RECOMPUTE_MODES, Stage, Strategy
 from costmodel.terms import compute, memory
 from costmodel.terms.comm import collective_time_s, groups, sharded_collective_s
 from costmodel.terms.counts import (
@@ -17,10 +21,6 @@ from costmodel.terms.counts import (
     model_flops_per_step,
 )
 from costmodel.terms.pipeline import pipeline_time_s
-from costmodel.measured import profiled_layer
-from costmodel.estimate.breakdown import Estimate, MemoryBreakdown, Work, step_estimate
-from costmodel.problem import Problem
-from costmodel.strategy import RECOMPUTE_MODES, Stage, Strategy
 
 
 @dataclass(frozen=True)
@@ -53,9 +53,9 @@ def unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
 
     layer = compute.layer_compute(model, cluster, training, b, tp, sp, ep)
     layer_backward = compute.BACKWARD_FACTOR * layer.forward_s
-    # Measured times (costmodel.profile, `--profile`) replace the analytic layer where
+    # Measured times (costmodel.measured, `--profile`) replace the analytic layer where
     # the profile covers this micro-batch size and TP width.
-    measured = profiled_layer(problem.profile, model, cluster, training, b, tp, sp, ep) if problem.profile else None
+    measured = profiled_layer(problem.measured_times, model, cluster, training, b, tp, sp, ep) if problem.measured_times else None
     if measured is not None:
         layer, layer_backward = measured
     # Tensor parallelism per layer (Shoeybi et al. 2019 §3; Korthikanti et al. 2022 §4.2.2):
@@ -121,9 +121,9 @@ def unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
     emb_fwd = compute.embedding_compute_s(model, cluster, training, b)
     head_fwd = compute.head_compute_s(model, cluster, training, b, tp)
     emb_bwd, head_bwd = compute.BACKWARD_FACTOR * emb_fwd, compute.BACKWARD_FACTOR * head_fwd
-    if problem.profile is not None:
-        emb_fwd, emb_bwd = problem.profile.times("embedding", b, tp) or (emb_fwd, emb_bwd)
-        head_fwd, head_bwd = problem.profile.times("head", b, tp) or (head_fwd, head_bwd)
+    if problem.measured_times is not None:
+        emb_fwd, emb_bwd = problem.measured_times.times("embedding", b, tp) or (emb_fwd, emb_bwd)
+        head_fwd, head_bwd = problem.measured_times.times("head", b, tp) or (head_fwd, head_bwd)
     if sp:
         boundary = (collective_time_s("reduce_scatter", message, where["tp"], cluster)
                     + collective_time_s("all_gather", message, where["tp"], cluster))

@@ -13,11 +13,11 @@ class GPUSpec:
     peak_flops_per_s: dict[str, float]
     memory_bytes: int
     hbm_bandwidth_bytes_per_s: float
-    # GEMM efficiency curve (costmodel.compute.gemm_efficiency); None keeps the
+    # GEMM efficiency curve (costmodel.terms.compute.gemm_efficiency); None keeps the
     # constants fitted on A100 tensor cores.
     gemm_efficiency_max: float | None = None
     gemm_half_dim: float | None = None
-    # Board power in watts while running kernels and while idle (costmodel.energy);
+    # Board power in watts while running kernels and while idle (costmodel.estimate.energy);
     # None where the hardware file cites no figure. Busy is the vendor TDP.
     busy_power_w: float | None = None
     idle_power_w: float | None = None
@@ -66,7 +66,7 @@ class ClusterSpec:
     # their own engine (NCCL kernels on their own stream), 0 where they share the
     # rank's only core with the computation (gloo on one CPU core per rank).
     comm_overlap: float = 1.0
-    # On-demand price of one GPU for one hour, USD (costmodel.energy); None: unpriced.
+    # On-demand price of one GPU for one hour, USD (costmodel.estimate.energy); None: unpriced.
     gpu_hour_price_usd: float | None = None
 
     @property

@@ -16,10 +16,9 @@ from typing import Any
 
 import yaml
 
+from costmodel.specs.hardware import ClusterSpec, GPUSpec, LinkSpec, MixedClusterSpec
 from costmodel.specs.model import FAMILIES, ModelSpec
 from costmodel.specs.training import OPTIMIZERS, PRECISIONS, TrainingSpec
-from costmodel.specs.hardware import ClusterSpec, GPUSpec, LinkSpec, MixedClusterSpec
-
 
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 

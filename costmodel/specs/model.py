@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
 FAMILIES = ("gpt", "llama", "mixtral")
 
 

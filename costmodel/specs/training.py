@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-
 PRECISIONS = ("bf16", "fp16", "fp32")
 
 

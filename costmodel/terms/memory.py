@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from costmodel.terms.compute import activation_bytes_per_value
 from costmodel.specs import ModelSpec, TrainingSpec
+from costmodel.terms.compute import activation_bytes_per_value
 from costmodel.units import GIB
 
 # CUDA context, cuBLAS/NCCL workspaces and allocator fragmentation: ~1 GiB is what

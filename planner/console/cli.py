@@ -17,13 +17,13 @@ import sys
 import click
 
 from costmodel.specs.loading import SpecError, as_float, as_int, parse_overrides
+from costmodel.units import GIB
 from planner.api import make_problem, make_rules
-from planner.plan_file import dumps, plan_document, read_plan, write_plan
 from planner.console.progress import progress_bar
 from planner.console.report import print_explain, print_plan
+from planner.plan_file import dumps, plan_document, read_plan, write_plan
 from planner.rules import load_rules, parse_fix
 from planner.search import Infeasible, search, suggest_relaxation
-from costmodel.units import GIB
 
 EXIT_BAD_INPUT = 2
 EXIT_INFEASIBLE = 3
@@ -32,6 +32,22 @@ EXIT_INFEASIBLE = 3
 def _fail(code: int, message: str) -> None:
     click.echo(f"error: {message}", err=True)
     sys.exit(code)
+
+
+def training_options(command):
+    """The training run's options, as `plan` and `sweep` take them: --seq, --precision,
+    --optimizer, --attention."""
+    for option in reversed([
+        click.option("--seq", type=str, default=None,
+                     help="Sequence length [default: the model's max_position_embeddings]."),
+        click.option("--precision", default="bf16", show_default=True,
+                     help="bf16 | fp16 (mixed, fp32 master weights) | fp32."),
+        click.option("--optimizer", default="adamw", show_default=True, help="adam | adamw | sgd."),
+        click.option("--attention", type=click.Choice(["flash", "eager"]), default="flash", show_default=True,
+                     help="Attention kernel: flash keeps no score matrix."),
+    ]):
+        command = option(command)
+    return command
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -53,10 +69,7 @@ def main() -> None:
 @click.option("--nodes", type=str, default=None, help="Number of nodes.")
 @click.option("--gpus", type=str, default=None, help="Number of GPUs (instead of --nodes).")
 @click.option("--global-batch", required=True, type=str, help="Global batch in sequences.")
-@click.option("--seq", type=str, default=None, help="Sequence length [default: the model's max_position_embeddings].")
-@click.option("--precision", default="bf16", show_default=True, help="bf16 | fp16 (mixed, fp32 master weights) | fp32.")
-@click.option("--optimizer", default="adamw", show_default=True, help="adam | adamw | sgd.")
-@click.option("--attention", type=click.Choice(["flash", "eager"]), default="flash", show_default=True, help="Attention kernel: flash keeps no score matrix.")
+@training_options
 @click.option("--rules", "rules_name", default=None, help="Rule set: built-in (default, megatron, fsdp) or a YAML path.")
 @click.option("--fix", default=None, help="Pin knobs: dp=,tp=,pp=,vpp=,ep=,mbs=,zero=,recompute=none|selective|full,sp=on|off,schedule=gpipe|1f1b|interleaved.")
 @click.option("--set", "overrides", default=None, help="Override model fields: key=value,...")
@@ -98,10 +111,10 @@ def plan(model_name, cluster_name, nodes, gpus, global_batch, seq, precision, op
         hint = f"; would fit if you {relax}" if relax else "; no relaxation up to 16x the GPUs helps"
         _fail(EXIT_INFEASIBLE, f"no feasible plan: {err.reason}{hint}")
     doc = plan_document(problem, rules.name, result)
-    if problem.profile is not None:
+    if problem.measured_times is not None:
         best = result.best.strategy
-        click.echo(f"profile {profile_file}: {problem.profile.describe()}", err=True)
-        analytic = problem.profile.uncovered(best.micro_batch_size, best.tp)
+        click.echo(f"profile {profile_file}: {problem.measured_times.describe()}", err=True)
+        analytic = problem.measured_times.uncovered(best.micro_batch_size, best.tp)
         if analytic:
             click.echo(f"profile {profile_file}: no measured {', '.join(analytic)} at micro-batch "
                        f"{best.micro_batch_size}, tp {best.tp} (the best plan's shape): priced by the analytic model",
@@ -153,11 +166,7 @@ def _print_cost_energy(doc: dict) -> None:
               help="Sizes to plan: A..B doubles from A to B (8..1024: 8, 16, ..., 1024), or a list 8,16,48 "
                    "(items mix: 8..64,96).")
 @click.option("--global-batch", required=True, type=str, help="Global batch in sequences, the same at every size.")
-@click.option("--seq", type=str, default=None, help="Sequence length [default: the model's max_position_embeddings].")
-@click.option("--precision", default="bf16", show_default=True, help="bf16 | fp16 (mixed, fp32 master weights) | fp32.")
-@click.option("--optimizer", default="adamw", show_default=True, help="adam | adamw | sgd.")
-@click.option("--attention", type=click.Choice(["flash", "eager"]), default="flash", show_default=True,
-              help="Attention kernel: flash keeps no score matrix.")
+@training_options
 @click.option("--set", "overrides", default=None, help="Override model fields: key=value,...")
 @click.option("--rules", "rules_name", default=None, help="Rule set, as for `plan`.")
 @click.option("--fix", default=None, help="Pin knobs at every size, as for `plan`.")
@@ -627,8 +636,8 @@ def profile(device, nproc, precision, model_name, overrides, seq, micro_batch_si
     import yaml
 
     from costmodel.calibrate import cluster_spec
-    from costmodel.specs.loading import load_model
     from costmodel.measured import READABLE_SCHEMA_VERSIONS
+    from costmodel.specs.loading import load_model
     from executor.measure import check_tp
     from executor.measure import extend as extend_profile
     from executor.measure import profile as measure

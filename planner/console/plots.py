@@ -11,13 +11,13 @@ The timeline is a dependency simulation of the plan's schedule: each rank runs i
 operations in the schedule's order, a forward of micro-batch i on stage s waits for
 stage s-1's forward of i, a backward for stage s+1's backward of i (the last stage: its
 own forward). A rank's micro-batch time t_r (estimate.rank_time_s; p2p sends included)
-splits into forward and backward by costmodel.compute.BACKWARD_FACTOR, recomputation
+splits into forward and backward by costmodel.terms.compute.BACKWARD_FACTOR, recomputation
 going to the backward by its share of the plan's time breakdown.
 - gpipe: all forwards, then all backwards (torch.distributed.pipelining ScheduleGPipe).
   The makespan is (m - 1) max t + sum t, the estimate's pipelined time, exactly.
 - 1f1b: min(p - r - 1, m) warm-up forwards, then one forward one backward, then the
   cool-down backwards (PipeDream-flush). Equal ranks give the estimate's time exactly;
-  unequal ranks finish earlier than costmodel.pipeline's (m - 1) max t + sum t, which
+  unequal ranks finish earlier than costmodel.terms.pipeline's (m - 1) max t + sum t, which
   is an upper bound there (the fill and drain through faster ranks overlap).
 - interleaved: Megatron-LM's order (Narayanan et al. 2021 §2.2.2): forwards in groups
   of p micro-batches per model chunk, chunk by chunk, 2(p - r - 1) + (vpp - 1)p of
@@ -34,12 +34,12 @@ import io
 import math
 from dataclasses import dataclass
 
-from costmodel.terms.compute import BACKWARD_FACTOR
-from costmodel.terms.pipeline import pipeline_time_s
 from costmodel.estimate import rank_memories
 from costmodel.estimate.mixed import rank_capacity_bytes
-from planner.plan_file import cluster_of, problem_of, strategy_of
+from costmodel.terms.compute import BACKWARD_FACTOR
+from costmodel.terms.pipeline import pipeline_time_s
 from costmodel.units import GIB
+from planner.plan_file import cluster_of, problem_of, strategy_of
 
 FIGURE_SIZE_IN = (12.0, 13.0)
 FIGURE_DPI = 100          # 1200 x 1300 pixels
@@ -96,7 +96,7 @@ class Box:
 class Timeline:
     boxes: tuple[Box, ...]
     makespan_s: float
-    estimate_s: float       # costmodel.pipeline.pipeline_time_s of the same rank times
+    estimate_s: float       # costmodel.terms.pipeline.pipeline_time_s of the same rank times
     num_ranks: int
 
 
@@ -298,7 +298,7 @@ SECONDS_PER_DAY = 86400.0
 
 
 def sweep_figure(rows, title: str, tokens: float | None = None):
-    """The sweep's panels as a matplotlib Figure (Agg canvas), from planner.sweep's rows:
+    """The sweep's panels as a matplotlib Figure (Agg canvas), from planner.workflows.sweep's rows:
     tokens/s against GPUs on log2 x log axes with the ideal line, linear scaling from
     the smallest size that plans (its tokens/s x GPUs / its GPUs); scaling efficiency;
     and with the token budget `tokens`, days to train it. Sizes without a plan are

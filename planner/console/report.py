@@ -8,8 +8,8 @@ import itertools
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
-from costmodel.units import GIB
 
+from costmodel.units import GIB
 
 
 def _label(strategy: dict) -> str:
@@ -114,7 +114,7 @@ def print_explain(doc: dict, console: Console | None = None) -> None:
 
 def explain_html(doc: dict, png: bytes | None = None) -> str:
     """One self-contained HTML page: `explain`'s lines and tables, and the figure
-    (planner.plots) embedded as a base64 PNG; no external assets."""
+    (planner.console.plots) embedded as a base64 PNG; no external assets."""
     import base64
     from html import escape as html_escape
 

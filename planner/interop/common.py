@@ -9,8 +9,9 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
-from costmodel.specs.loading import SpecError
+
 from costmodel.specs import ModelSpec
+from costmodel.specs.loading import SpecError
 from costmodel.strategy import Stage, Strategy, summarize_recompute
 from planner.rules import format_value
 
@@ -59,7 +60,7 @@ def build_stages(sizes: list[int], pp: int, recompute: Recompute) -> tuple[Stage
 def engine_strategy(dp: int, tp: int, pp: int, mbs: int, microbatches: int, vpp: int, ep: int, schedule: str, zero: int,
               sp: bool, stages: tuple[Stage, ...]) -> Strategy:
     if pp == 1:
-        schedule = "1f1b"   # no pipeline: the planner names the schedule 1f1b (planner.space)
+        schedule = "1f1b"   # no pipeline: the planner names the schedule 1f1b (planner.search.space)
     return Strategy(dp=dp, tp=tp, pp=pp, micro_batch_size=mbs, num_microbatches=microbatches, vpp=vpp, ep=ep,
                     schedule=schedule, zero_stage=zero, recompute=summarize_recompute(stages),
                     sequence_parallel=sp, stages=stages)

@@ -5,13 +5,23 @@
 """
 
 from __future__ import annotations
-import json
-from costmodel.specs.loading import SpecError
-from costmodel.specs import ModelSpec
-from costmodel.strategy import Strategy
-from costmodel.specs import TrainingSpec
-from planner.interop.common import Exported, Imported, Recompute, all_or_nothing, build_stages, divide, engine_strategy, even_sizes, recompute_form
 
+import json
+
+from costmodel.specs import ModelSpec, TrainingSpec
+from costmodel.specs.loading import SpecError
+from costmodel.strategy import Strategy
+from planner.interop.common import (
+    Exported,
+    Imported,
+    Recompute,
+    all_or_nothing,
+    build_stages,
+    divide,
+    engine_strategy,
+    even_sizes,
+    recompute_form,
+)
 
 DEEPSPEED_KEYS = {
     # deepspeed/runtime/constants.py

@@ -1,5 +1,5 @@
 """Evaluate what a user runs today: read an engine's configuration
-(`planner.importers`), check it runs on the model and cluster, price it with
+(`planner.interop.importers`), check it runs on the model and cluster, price it with
 `costmodel.estimate`, search the best plan under the same rules, and say what differs
 (knob by knob) and why it is faster (which time and memory terms shrink).
 """
@@ -9,20 +9,18 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 
 from costmodel.estimate import Estimate, estimate
-from costmodel.specs.loading import SpecError, as_int, load_cluster, load_model
-from costmodel.specs import MixedClusterSpec
 from costmodel.problem import Problem
+from costmodel.specs import MixedClusterSpec
+from costmodel.specs.loading import SpecError, as_int, load_cluster, load_model
 from costmodel.strategy import Strategy
+from costmodel.units import GIB
 from planner.api import make_problem
-from planner.interop.common import Imported
+from planner.interop.common import Imported, strategy_changes
 from planner.interop.importers import read_config
-from planner.search.partition import usable_memory_bytes
 from planner.plan_file import _round, strategy_dict
 from planner.rules import Rules
 from planner.search import Candidate, Infeasible, search
-from planner.interop.common import strategy_changes
-from costmodel.units import GIB
-
+from planner.search.partition import usable_memory_bytes
 
 # The engine's own name for what the evaluation checks (for error messages).
 ENGINE_FIELDS = {

@@ -2,11 +2,11 @@
 command-line overrides (its Python-config releases, 0.3) or job TOML (0.2), Megatron-LM's
 command-line arguments, or a DeepSpeed config JSON. Each exporter returns the text and
 warnings for what the engine cannot express, in the engine's own terms; then the text is
-read back with `planner.importers` and any difference from the plan is a warning too,
+read back with `planner.interop.importers` and any difference from the plan is a warning too,
 so nothing is dropped silently.
 
 Option names come from the engines' sources, cited at each constant in
-`planner.importers` (which owns what an engine's options mean); the mapping choices are
+`planner.interop.importers` (which owns what an engine's options mean); the mapping choices are
 explained here where they are made.
 """
 
@@ -14,18 +14,15 @@ from __future__ import annotations
 
 import itertools
 
-
-from costmodel.specs.loading import SpecError
 from costmodel.specs import ModelSpec, TrainingSpec
+from costmodel.specs.loading import SpecError
 from costmodel.strategy import Strategy
 from planner.interop import importers
-from planner.interop.common import strategy_changes
-from planner.plan_file import is_traced, model_of, strategy_of
-from planner.interop.common import Exported
+from planner.interop.common import Exported, strategy_changes
 from planner.interop.deepspeed import export_deepspeed
 from planner.interop.megatron import export_megatron
 from planner.interop.torchtitan import export_torchtitan, export_torchtitan_toml
-from planner.plan_file import training_of
+from planner.plan_file import is_traced, model_of, strategy_of, training_of
 
 TARGETS = ("torchtitan", "torchtitan-toml", "megatron", "deepspeed")
 
@@ -86,7 +83,7 @@ def _group_warnings(target: str, strategy: Strategy) -> tuple[str, ...]:
 
 
 def export_plan(doc: dict, target: str) -> Exported:
-    """Export a plan document (read with planner.plan.read_plan)."""
+    """Export a plan document (read with planner.plan_file.read_plan)."""
     if is_traced(doc):
         raise SpecError("plan.model", "a traced module's plan has no transformer layers an engine could place")
     return export_strategy(target, strategy_of(doc), model_of(doc), training_of(doc))

@@ -6,7 +6,7 @@ what it had to assume; a config that is malformed or contradicts itself, the mod
 cluster raises SpecError naming the engine's own field (exit code 2).
 
 This module also owns the engines' own stage partitions (`torchtitan_split`,
-`megatron_split`, `megatron_layout_sizes`), which `planner.export` inverts. Files are read
+`megatron_split`, `megatron_layout_sizes`), which `planner.interop.export` inverts. Files are read
 with tomllib and json only. Every option name below cites the engine source file it comes
 from: torchtitan 0.3.0 `torchtitan/config/configs.py` (ParallelismConfig, TrainingConfig)
 and `torchtitan/trainer.py`, torchtitan 0.2.2 `torchtitan/config/job_config.py`,
@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from costmodel.specs.loading import SpecError
 from costmodel.specs import ModelSpec
+from costmodel.specs.loading import SpecError
 from planner.interop.common import Imported, read_file
 from planner.interop.deepspeed import read_deepspeed
 from planner.interop.megatron import read_megatron
@@ -50,7 +50,7 @@ SOURCES = ("torchtitan", "megatron", "deepspeed")
 
 
 def read_text(target: str, text: str, model: ModelSpec, num_gpus: int) -> Imported:
-    """Read a configuration's text; `target` is one of planner.export.TARGETS."""
+    """Read a configuration's text; `target` is one of planner.interop.export.TARGETS."""
     if target in ("torchtitan", "torchtitan-toml"):
         return read_torchtitan(text, model, num_gpus, toml=target == "torchtitan-toml")
     if target == "megatron":

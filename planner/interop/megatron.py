@@ -8,14 +8,25 @@ from its field, Megatron-LM's arguments.py as we know it.
 """
 
 from __future__ import annotations
+
 import argparse
 import re
+
+from costmodel.specs import ModelSpec, TrainingSpec
 from costmodel.specs.loading import SpecError
-from costmodel.specs import ModelSpec
 from costmodel.strategy import Strategy
-from costmodel.specs import TrainingSpec
-from planner.interop.common import Exported, Imported, Recompute, build_stages, check_model, divide, engine_strategy, per_stage, recompute_form
-from planner.interop.common import override_tokens
+from planner.interop.common import (
+    Exported,
+    Imported,
+    Recompute,
+    build_stages,
+    check_model,
+    divide,
+    engine_strategy,
+    override_tokens,
+    per_stage,
+    recompute_form,
+)
 
 
 def megatron_split(num_layers: int, pp: int, vpp: int, first: int | None = None, last: int | None = None,

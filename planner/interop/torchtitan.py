@@ -6,16 +6,26 @@ TrainingConfig) and `torchtitan/trainer.py`, and 0.2.2 `torchtitan/config/job_co
 """
 
 from __future__ import annotations
+
 import json
 import math
 import re
+
 import tomllib
+
+from costmodel.specs import ModelSpec, TrainingSpec
 from costmodel.specs.loading import SpecError
-from costmodel.specs import ModelSpec
 from costmodel.strategy import Stage, Strategy
-from costmodel.specs import TrainingSpec
-from planner.interop.common import Exported, Imported, Recompute, all_or_nothing, build_stages, divide, engine_strategy
-from planner.interop.common import override_tokens
+from planner.interop.common import (
+    Exported,
+    Imported,
+    Recompute,
+    all_or_nothing,
+    build_stages,
+    divide,
+    engine_strategy,
+    override_tokens,
+)
 
 
 def torchtitan_split(num_layers: int, num_stages: int, first_less: int, last_less: int) -> list[int] | None:

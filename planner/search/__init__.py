@@ -19,13 +19,13 @@ from dataclasses import replace
 
 from costmodel.problem import Problem, TracedProblem
 from costmodel.specs import MixedClusterSpec
+from costmodel.units import GIB
 from planner.rules import Rules
 from planner.search.mixed import search_mixed
 from planner.search.result import Candidate, Infeasible, SearchResult, SearchStats
 from planner.search.space import check_fix_spec, describe
 from planner.search.traced import check_fix_traced, search_traced
 from planner.search.uniform import search_uniform
-from costmodel.units import GIB
 
 __all__ = ["Candidate", "Infeasible", "SearchResult", "SearchStats", "check_fix", "search", "suggest_relaxation"]
 

@@ -3,7 +3,7 @@ and recompute choice, so the search can skip the integer program for candidates 
 cannot win or cannot fit.
 
 With t_r the micro-batch time of pipeline rank r and (a, c) the schedule's coefficients
-(`costmodel.pipeline`), the pipelined time is a * max_r t_r + c * sum_r t_r; gradient
+(`costmodel.terms.pipeline`), the pipelined time is a * max_r t_r + c * sum_r t_r; gradient
 sync and optimizer time are at least zero. Both parts are bounded separately:
 
 - `quick`: sum_r t_r is at least every layer at its fastest allowed mode plus the
@@ -23,12 +23,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from costmodel.terms import memory
-from costmodel.estimate.uniform import UnitCosts
-from costmodel.estimate.uniform import p2p_sends
-from costmodel.terms.pipeline import pipeline_coefficients
+from costmodel.estimate.uniform import UnitCosts, p2p_sends
 from costmodel.problem import Problem
 from costmodel.strategy import Strategy
+from costmodel.terms import memory
+from costmodel.terms.pipeline import pipeline_coefficients
 
 BISECTION_STEPS = 16
 

@@ -1,16 +1,16 @@
-"""The search on a mixed cluster (costmodel.mixed): which groups to use, how to place
+"""The search on a mixed cluster (costmodel.estimate.mixed): which groups to use, how to place
 ranks on them, and the rest of the strategy.
 
 For every non-empty set of groups (in the cluster file's order) the homogeneous space
-(`planner.space`) is enumerated on a stand-in cluster of the set's GPUs, and each mesh
+(`planner.search.space`) is enumerated on a stand-in cluster of the set's GPUs, and each mesh
 shape is placed on the groups two ways:
 
 - stage groups: every group holds whole pipeline ranks, n_g / (dp x tp) of them, in
   each order of the groups along the pipeline; the partition program
-  (`planner.partition`) then gives each rank layers by its group's speed and memory.
+  (`planner.search.partition`) then gives each rank layers by its group's speed and memory.
 - replica groups (pp 1, ZeRO <= 2, no experts, two groups or more): every group holds
   n_g / tp data-parallel replicas; the micro-batches are shared so replicas finish
-  together (`costmodel.mixed.replica_shares`), and the fewest layers recompute that let
+  together (`costmodel.estimate.mixed.replica_shares`), and the fewest layers recompute that let
   every group fit (time grows and memory shrinks with each recomputed layer, so the
   least that fits is the fastest).
 
@@ -18,7 +18,7 @@ Every group of a set is used whole. A set of one group is the homogeneous search
 that group, so the result is never worse than the best plan on its fastest group alone.
 Candidates are ranked as `planner.search` ranks them (objective, budgets, Pareto front)
 and pruned as it prunes them: in order of a lower bound, stopping at the first bound no
-better than the K-th best plan. The bound is `planner.bounds.quick` on unit costs that
+better than the K-th best plan. The bound is `planner.search.bounds.quick` on unit costs that
 take, term by term, the cheapest of the groups a placement uses (`fastest_units`), and
 on the largest of their memories; no rank of any placement can do better than that.
 """
@@ -30,9 +30,7 @@ import time
 from collections.abc import Callable
 from dataclasses import fields, replace
 
-from costmodel.estimate.uniform import UnitCosts
 from costmodel.estimate.breakdown import Work
-from costmodel.estimate.uniform import estimate_ranks
 from costmodel.estimate.mixed import (
     estimate_replicas,
     group_units,
@@ -40,12 +38,13 @@ from costmodel.estimate.mixed import (
     replica_shares,
     stage_rank_costs,
 )
-from costmodel.specs import ClusterSpec, MixedClusterSpec
+from costmodel.estimate.uniform import UnitCosts, estimate_ranks
 from costmodel.problem import Problem
+from costmodel.specs import ClusterSpec, MixedClusterSpec
 from costmodel.strategy import Strategy, even_stages
+from planner.rules import BUDGETS, Rules
 from planner.search import bounds
 from planner.search.partition import solve_partition, usable_memory_bytes
-from planner.rules import BUDGETS, Rules
 from planner.search.result import (
     Candidate,
     Infeasible,
@@ -54,12 +53,18 @@ from planner.search.result import (
     SearchStats,
     check_specs,
     order_key,
-    score,
     pareto_front,
+    score,
+    solve_in_bound_order,
+    time_bound_scale,
 )
-from planner.search.space import Exclusions, _tp_options, divisors, enumerate_space, recompute_modes
-from planner.search.result import solve_in_bound_order
-from planner.search.result import time_bound_scale
+from planner.search.space import (
+    Exclusions,
+    _tp_options,
+    divisors,
+    enumerate_space,
+    recompute_modes,
+)
 
 
 def stand_in(groups: tuple[ClusterSpec, ...]) -> ClusterSpec:
@@ -145,7 +150,7 @@ def fastest_units(units: list[UnitCosts]) -> UnitCosts:
 
 def _relaxed(problem: Problem, rules: Rules, s: Strategy, cache: dict) -> tuple[UnitCosts, float]:
     """The placement relaxed to one device: the termwise least unit costs of its groups
-    and the largest usable memory among them. Every bound of `planner.bounds` on it is
+    and the largest usable memory among them. Every bound of `planner.search.bounds` on it is
     a bound of the placement (no rank is faster or holds more)."""
     cluster: MixedClusterSpec = problem.cluster
     groups = [cluster.group(n) for n in dict.fromkeys(s.stage_groups or s.replica_groups)]

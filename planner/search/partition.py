@@ -7,7 +7,7 @@ time, memory, gradient-sync and optimizer time are affine in its layer counts (N
 F of them fully recomputed, S selectively) plus one indicator (a rank that recomputes
 keeps one layer's working activations), so their coefficients come from evaluating
 `costmodel.estimate`'s own per-rank functions at a few layer counts. With t_r the rank
-times and (a, c) the schedule's coefficients (`costmodel.pipeline`):
+times and (a, c) the schedule's coefficients (`costmodel.terms.pipeline`):
 
     minimise  a * max_r t_r + c * sum_r t_r + max_r dp_exposed_r + max_r optimizer_r
     subject to  memory_r <= capacity * (1 - headroom)            for every rank r
@@ -25,11 +25,16 @@ from dataclasses import dataclass, replace
 
 from ortools.sat.python import cp_model
 
-from costmodel.estimate.uniform import UnitCosts
-from costmodel.estimate.uniform import dp_sync_s, optimizer_step_s, rank_memory, rank_work
-from costmodel.terms.pipeline import pipeline_coefficients
+from costmodel.estimate.uniform import (
+    UnitCosts,
+    dp_sync_s,
+    optimizer_step_s,
+    rank_memory,
+    rank_work,
+)
 from costmodel.problem import Problem
 from costmodel.strategy import Stage, Strategy
+from costmodel.terms.pipeline import pipeline_coefficients
 from costmodel.units import MIB
 
 # Integer scales: time in units of 1/TIME_RESOLUTION of one plain layer's micro-batch
@@ -128,7 +133,7 @@ def solve_partition(problem: Problem, units: UnitCosts, strategy: Strategy, mode
     """The best partition of `strategy`, or None when no partition fits memory and the
     imbalance rule (or, given `cutoff_s`, none is faster than that). `modes` are the
     recompute modes layers may use. `rank_costs`: each pipeline rank's own (problem,
-    unit costs), on a mixed cluster (costmodel.mixed): each rank's time, memory and
+    unit costs), on a mixed cluster (costmodel.estimate.mixed): each rank's time, memory and
     device capacity are then its group's, so a slower or smaller group takes fewer layers."""
     pp, vpp, layers = strategy.pp, strategy.vpp, problem.model.num_hidden_layers
     m = strategy.num_microbatches

@@ -4,16 +4,24 @@ rules' objective and budgets, kept (`Kept`: the best K, the Pareto front) and pr
 """
 
 from __future__ import annotations
+
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from costmodel.estimate.energy import SECONDS_PER_HOUR, CostEnergy, cost_energy, energy_lower_bound_j, require
+
 from costmodel.estimate import Estimate
+from costmodel.estimate.energy import (
+    SECONDS_PER_HOUR,
+    CostEnergy,
+    cost_energy,
+    energy_lower_bound_j,
+    require,
+)
 from costmodel.problem import Problem
+from costmodel.specs import MixedClusterSpec
 from costmodel.strategy import Strategy
 from planner.rules import BUDGETS, Rules
 from planner.search.space import describe
-from costmodel.specs import MixedClusterSpec
 
 
 @dataclass(frozen=True)
@@ -89,7 +97,7 @@ def score(problem: Problem, candidate: Candidate, objective: str) -> tuple:
 def time_bound_scale(problem: Problem, strategy: Strategy, objective: str) -> float:
     """k such that k * (a lower bound of the step time) is a lower bound of the objective,
     for every partition of `strategy`, so the time bounds prune cost and energy too.
-    Cost is step_time * gpus * price / 3600 (costmodel.energy), exactly proportional.
+    Cost is step_time * gpus * price / 3600 (costmodel.estimate.energy), exactly proportional.
     Energy is not proportional to the step time (the busy share varies with the
     partition and recomputation), but every device draws at least idle power for the
     whole step, so gpus * idle_power_w is a valid, if loose, factor

@@ -13,11 +13,10 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+from costmodel.problem import Problem, TracedProblem
 from costmodel.specs.loading import SpecError
-from costmodel.problem import Problem
 from costmodel.strategy import RECOMPUTE_MODES, Strategy
 from planner.rules import Rules, format_value
-from costmodel.problem import TracedProblem
 
 # Interleaving beyond 8 model chunks per rank buys little bubble and costs p2p
 # (Narayanan et al. 2021 §2.2.2 evaluate up to 4-6 chunks); keeps the space small.

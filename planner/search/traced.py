@@ -1,4 +1,4 @@
-"""The search for traced models (`costmodel.graph_estimate`): every dp x pp split of the
+"""The search for traced models (`costmodel.estimate.traced`): every dp x pp split of the
 cluster (tp 1: a traced node's linears are named, not known to be splittable as a
 pair), micro-batch size, schedule and ZeRO stage the rules admit, and for each the
 stage partition.
@@ -9,7 +9,7 @@ contiguous stages minimising the slowest stage, solved exactly by dynamic progra
 over prefixes (Bokhari 1988, "Partitioning problems in parallel, pipelined and
 distributed computing", §3), each stage recomputing the fewest of its first nodes that
 make it fit in memory. The pipeline's time is (m - 1) x slowest + sum of the stages
-(`costmodel.pipeline`), and the sum hardly moves with the cuts, so the slowest stage is
+(`costmodel.terms.pipeline`), and the sum hardly moves with the cuts, so the slowest stage is
 what the cuts decide. Candidates are taken in order of a lower bound (perfectly
 balanced stages) and the search stops once the bound cannot beat the K-th best plan.
 """
@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import time
 
-from costmodel.estimate import Estimate
-from costmodel.problem import TracedProblem
-from costmodel.estimate import estimate
+from costmodel.estimate import Estimate, estimate
 from costmodel.estimate.traced import (
     TracedUnits,
     optimizer_step_s,
@@ -28,15 +26,15 @@ from costmodel.estimate.traced import (
     stage_work,
     traced_units,
 )
+from costmodel.problem import TracedProblem
 from costmodel.specs.loading import SpecError
-from costmodel.terms.pipeline import pipeline_coefficients
 from costmodel.strategy import Stage, Strategy
-from planner.search.partition import usable_memory_bytes
-from planner.rules import Rules
-from planner.search.result import Candidate, Infeasible, SearchResult, SearchStats
-from planner.search.space import describe
+from costmodel.terms.pipeline import pipeline_coefficients
 from costmodel.units import GIB
-from planner.search.space import enumerate_traced
+from planner.rules import Rules
+from planner.search.partition import usable_memory_bytes
+from planner.search.result import Candidate, Infeasible, SearchResult, SearchStats
+from planner.search.space import describe, enumerate_traced
 
 UNSUPPORTED = {"tp": 1, "vpp": 1, "ep": 1, "sp": False}
 

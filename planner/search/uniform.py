@@ -1,5 +1,5 @@
-"""The search: enumerate the space, bound every candidate (`planner.bounds`), and solve
-the partition program (`planner.partition`) only for candidates whose bound can still
+"""The search: enumerate the space, bound every candidate (`planner.search.bounds`), and solve
+the partition program (`planner.search.partition`) only for candidates whose bound can still
 beat the K-th best plan found. Candidates are taken in order of their quick bound, so
 the search stops at the first quick bound no better than the K-th best; on the way, a
 tighter bound that balances layers under memory skips the program for more of them.
@@ -11,11 +11,13 @@ import time
 from collections.abc import Callable
 
 from costmodel.estimate import estimate
-from costmodel.estimate.uniform import UnitCosts
-from costmodel.estimate.uniform import unit_costs
+from costmodel.estimate.uniform import UnitCosts, unit_costs
 from costmodel.problem import Problem
 from costmodel.strategy import Strategy, even_stages
+from costmodel.units import GIB
+from planner.rules import BUDGETS, Rules
 from planner.search import bounds
+from planner.search.partition import solve_partition, usable_memory_bytes
 from planner.search.result import (
     Candidate,
     Infeasible,
@@ -26,13 +28,10 @@ from planner.search.result import (
     order_key,
     pareto_front,
     score,
+    solve_in_bound_order,
     time_bound_scale,
 )
-from planner.search.partition import solve_partition, usable_memory_bytes
-from planner.rules import BUDGETS, Rules
 from planner.search.space import describe, enumerate_space, recompute_modes
-from costmodel.units import GIB
-from planner.search.result import solve_in_bound_order
 
 
 def unit_key(strategy: Strategy) -> tuple:

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from costmodel.problem import Problem
+from costmodel.specs import ClusterSpec, MixedClusterSpec
 from costmodel.specs.loading import (
     SpecError,
     as_int,
@@ -21,16 +23,19 @@ from costmodel.specs.loading import (
     load_cluster,
     make_training,
 )
-from costmodel.specs import ClusterSpec, MixedClusterSpec
-from costmodel.problem import Problem
 from costmodel.strategy import Strategy
-from planner.plan_file import is_traced, model_of, plan_document, strategy_of
-from planner.rules import Rules, load_rules, parse_fix
-from planner.search import Infeasible, SearchResult, search
-from planner.search import check_fix
-from planner.search.space import divisors, enumerate_space
-from planner.plan_file import cluster_of, profile_of
 from costmodel.units import GIB
+from planner.plan_file import (
+    cluster_of,
+    is_traced,
+    model_of,
+    plan_document,
+    profile_of,
+    strategy_of,
+)
+from planner.rules import Rules, load_rules, parse_fix
+from planner.search import Infeasible, SearchResult, check_fix, search
+from planner.search.space import divisors, enumerate_space
 
 # Other global batches tried, nearest first, before giving up: each costs one search.
 MAX_BATCH_TRIES = 16

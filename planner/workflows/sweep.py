@@ -38,7 +38,7 @@ class SweepRow:
     gpus: int
     status: str
     reason: str | None = None
-    strategy: str | None = None             # the best plan: planner.space.describe and its recompute
+    strategy: str | None = None             # the best plan: planner.search.space.describe and its recompute
     step_time_s: float | None = None
     tokens_per_s: float | None = None
     tokens_per_s_per_gpu: float | None = None
@@ -135,7 +135,7 @@ def sweep(model: str, cluster: str, sizes: tuple[int, ...] | str, global_batch: 
             base_per_gpu = per_gpu
         train = {}
         if budget_tokens is not None:
-            figures = cost_energy(problem.cluster, best.strategy, e)   # per step (costmodel.energy)
+            figures = cost_energy(problem.cluster, best.strategy, e)   # per step (costmodel.estimate.energy)
             # The budget takes tokens / tokens_per_step steps (fractional: a budget is a
             # size, not a schedule), each priced as this plan's step; its time is
             # tokens / tokens_per_s, tokens_per_s being tokens_per_step / step_time_s.

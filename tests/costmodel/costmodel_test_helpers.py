@@ -13,8 +13,8 @@ from pathlib import Path
 
 from costmodel.estimate import estimate
 from costmodel.estimate.uniform import unit_costs
-from costmodel.specs.loading import load_cluster, load_model, make_training
 from costmodel.problem import Problem
+from costmodel.specs.loading import load_cluster, load_model, make_training
 from costmodel.strategy import Strategy, even_stages
 
 REPO = Path(__file__).resolve().parents[2]
@@ -73,7 +73,7 @@ def ring_gather(total_bytes, n, bw, lat):
 
 
 def gemm_seconds(m, n, k, peak, batch=1.0):
-    """2mnk FLOPs at 0.84 * prod(d / (d + 128)) of peak (costmodel.compute's documented model)."""
+    """2mnk FLOPs at 0.84 * prod(d / (d + 128)) of peak (costmodel.terms.compute's documented model)."""
     eff = 0.84 * (m / (m + 128)) * (n / (n + 128)) * (k / (k + 128))
     return 2.0 * m * n * k * batch / (peak * eff)
 

@@ -1,5 +1,5 @@
 """Fitting a profile: the fitted spec reproduces the measurements it came from, through
-the cost model's own formulas (costmodel.compute, costmodel.comm)."""
+the cost model's own formulas (costmodel.terms.compute, costmodel.terms.comm)."""
 
 import math
 
@@ -7,9 +7,9 @@ import pytest
 import yaml
 
 from costmodel.calibrate import cluster_spec, fit_collective, fit_gemm_curve
+from costmodel.specs.loading import load_cluster
 from costmodel.terms.comm import collective_time_s, placement
 from costmodel.terms.compute import gemm_time_s
-from costmodel.specs.loading import load_cluster
 
 SHAPES = [(m, n, k) for m in (16, 64, 256, 1024, 4096) for n, k in ((256, 256), (1024, 1024), (4096, 1024))]
 

@@ -1,4 +1,4 @@
-"""Measured times (costmodel.profile): the interpolation between measured shapes, the
+"""Measured times (costmodel.measured): the interpolation between measured shapes, the
 estimate taking the measured layer, embedding and head times, and `plan --profile`
 refusing a profile of something else."""
 
@@ -7,9 +7,7 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from costmodel.terms import compute
 from costmodel.estimate.uniform import unit_costs
-from costmodel.specs.loading import SpecError, load_cluster, load_model, make_training
 from costmodel.measured import (
     LayerPoint,
     MeasuredTimes,
@@ -19,7 +17,9 @@ from costmodel.measured import (
     read_profile,
 )
 from costmodel.problem import Problem
+from costmodel.specs.loading import SpecError, load_cluster, load_model, make_training
 from costmodel.strategy import Strategy
+from costmodel.terms import compute
 from planner.api import make_problem
 from planner.console.cli import main as cli
 
@@ -133,7 +133,7 @@ def test_a_malformed_entry_names_its_field(tmp_path, change, field):
 def test_make_problem_loads_the_profile(tmp_path):
     path = write_profile(tmp_path / "p.json", [entry(b=2), entry(b=4, forward_s=0.006, backward_s=0.011)])
     problem = make_problem("tiny-llama", "cpu", 8, gpus=2, seq_len=64, precision="fp32", profile=str(path))
-    assert problem.profile.times("layer", 3, 1) == pytest.approx((0.005, 0.009))
+    assert problem.measured_times.times("layer", 3, 1) == pytest.approx((0.005, 0.009))
 
 
 PLAN = ["plan", "--model", "tiny-llama", "--cluster", "cpu", "--gpus", "2", "--global-batch", "8", "--seq", "64",

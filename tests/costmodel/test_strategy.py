@@ -7,7 +7,14 @@ import dataclasses
 
 import pytest
 
-from costmodel.strategy import RECOMPUTE_MODES, SCHEDULES, Stage, Strategy, even_stages, summarize_recompute
+from costmodel.strategy import (
+    RECOMPUTE_MODES,
+    SCHEDULES,
+    Stage,
+    Strategy,
+    even_stages,
+    summarize_recompute,
+)
 
 
 def test_constants():

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from costmodel.terms.counts import build_graph
 from costmodel.specs.loading import load_model
+from costmodel.terms.counts import build_graph
 from costmodel.trace import repeats, split_role, trace_module
 from executor.models import build_model
 
@@ -161,9 +161,9 @@ def test_a_70b_llama_traces_without_memory():
 @pytest.mark.parametrize("name", ["llama2-7b", "gpt3-6.7b"])
 def test_saved_bytes_of_a_7b_layer_equal_the_cost_models_fp32_activations(name):
     """What autograd saves in one of the executor's layers (traced under fake CPU
-    tensors, whose SDPA keeps no score matrix) is what costmodel.memory charges a layer
+    tensors, whose SDPA keeps no score matrix) is what costmodel.terms.memory charges a layer
     in fp32 (its eager-module counts, calibrated against MemTracker)."""
-    from costmodel.specs.loading import make_training, load_cluster
+    from costmodel.specs.loading import load_cluster, make_training
     from costmodel.terms.memory import layer_activation_bytes
 
     spec = load_model(name)

@@ -11,18 +11,18 @@ import torch
 from torch import nn
 
 from costmodel.estimate import estimate
+from costmodel.estimate.traced import stage_memory, stage_work, traced_units
 from costmodel.problem import traced_model
 from costmodel.specs.loading import SpecError, load_model
+from costmodel.strategy import Stage, Strategy
 from costmodel.trace import trace_module
 from executor.models import build_model
 from planner import plan_model
 from planner.api import plan, traced_problem
-from planner.search.traced import partition
 from planner.plan_file import dumps, read_plan, strategy_of, write_plan
 from planner.rules import Rules
 from planner.search import Infeasible
-from costmodel.estimate.traced import stage_memory, stage_work, traced_units
-from costmodel.strategy import Stage, Strategy
+from planner.search.traced import partition
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "costmodel"))
 from test_trace import EncoderDecoder, UNet  # noqa: E402
@@ -38,8 +38,9 @@ def test_a_builtin_model_plans_exactly_as_the_cli():
 
 def test_a_hugging_face_model_plans_as_its_config():
     pytest.importorskip("transformers")
-    from costmodel.specs.hf import build_hf_model
     from costmodel_test_helpers import HF_DIR
+
+    from costmodel.specs.hf import build_hf_model
 
     folder = HF_DIR / "tinyllama-folder"
     tokens = torch.zeros(1, 128, dtype=torch.long, device="meta")

@@ -5,7 +5,9 @@ plan for every reader.
 from __future__ import annotations
 
 import json
+
 import pytest
+
 from costmodel.specs.loading import SpecError
 from planner.api import plan
 from planner.plan_file import read_plan, strategy_of, write_plan
@@ -31,3 +33,33 @@ def test_tampered_plan_is_rejected(tmp_path):
     with pytest.raises(SpecError) as err:
         read_plan(path)
     assert err.value.field == "plan.model_fingerprint"
+
+
+@pytest.mark.parametrize("field, edit, message", [
+    ("plan.strategy", lambda d: d["strategy"].update(num_microbatches=d["strategy"]["num_microbatches"] + 1),
+     "dp x micro_batch_size x num_microbatches does not equal the global batch"),
+    ("plan.training", lambda d: d["training"].update(warmup=3), "unexpected keyword argument 'warmup'"),
+    ("plan.cluster.gpus_per_node", lambda d: d["cluster"].update(gpus_per_node=0), ""),
+    ("plan.strategy.dp", lambda d: d["strategy"].update(dp="two"), "expected a non-negative integer"),
+])
+def test_every_reader_refuses_a_hand_edited_plan_the_same_way(tmp_path, field, edit, message):
+    """check_plan is the one validation: run, explain, replan and export refuse the same
+    edit with the same one-line message (exit code 2)."""
+    from click.testing import CliRunner
+
+    from executor.run import load_job
+    from planner.console.cli import main
+
+    doc = plan("tiny-llama", "cpu", 8, gpus=2, precision="fp32")
+    edit(doc)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(SpecError) as err:
+        load_job(str(path))
+    assert err.value.field == field and message in str(err.value)
+    expected = f"error: {err.value}"
+    for argv in (["explain", str(path)], ["replan", str(path), "--gpus", "4"],
+                 ["export", str(path), "--to", "megatron"]):
+        out = CliRunner().invoke(main, argv)
+        assert out.exit_code == 2, argv
+        assert out.output.strip() == expected, argv

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import pytest
+
 from costmodel.specs.loading import SpecError
 from planner.rules import parse_fix, rules_from_dict
 

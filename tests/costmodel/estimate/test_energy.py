@@ -1,4 +1,4 @@
-"""Cost and energy per step (costmodel.energy) against hand-computed values, and the
+"""Cost and energy per step (costmodel.estimate.energy) against hand-computed values, and the
 price and power fields of the specs."""
 
 from dataclasses import replace
@@ -6,11 +6,17 @@ from dataclasses import replace
 import pytest
 import yaml
 
-from costmodel.estimate.energy import cost_energy, rank_busy_s
 from costmodel.estimate import Estimate, estimate
 from costmodel.estimate.breakdown import MemoryBreakdown, TimeBreakdown
-from costmodel.specs.loading import SpecError, configs_dir, load_cluster, load_model, make_training
+from costmodel.estimate.energy import cost_energy, rank_busy_s
 from costmodel.problem import Problem
+from costmodel.specs.loading import (
+    SpecError,
+    configs_dir,
+    load_cluster,
+    load_model,
+    make_training,
+)
 from costmodel.strategy import Strategy, even_stages
 
 

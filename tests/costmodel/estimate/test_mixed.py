@@ -6,17 +6,16 @@ import itertools
 from dataclasses import replace
 
 import pytest
-
-from costmodel.estimate.energy import cost_energy
-from costmodel.estimate import estimate
-from costmodel.estimate.uniform import rank_work, unit_costs
-from costmodel.specs.loading import SpecError, load_cluster, load_model, make_training
-from costmodel.estimate.mixed import replica_shares
-from costmodel.specs import MixedClusterSpec
-from costmodel.problem import Problem
-from costmodel.strategy import Strategy, even_stages
-
 from costmodel_test_helpers import IB_BW, IB_LAT
+
+from costmodel.estimate import estimate
+from costmodel.estimate.energy import cost_energy
+from costmodel.estimate.mixed import replica_shares
+from costmodel.estimate.uniform import rank_work, unit_costs
+from costmodel.problem import Problem
+from costmodel.specs import MixedClusterSpec
+from costmodel.specs.loading import SpecError, load_cluster, load_model, make_training
+from costmodel.strategy import Strategy, even_stages
 
 
 def twin(inter_bandwidth=2.5e10) -> MixedClusterSpec:
@@ -57,7 +56,7 @@ def test_stage_boundary_between_groups_takes_the_inter_group_link():
     hand_p2p = IB_LAT + message / (slow * 0.8)
     group = replace(p, cluster=p.cluster.groups[0])
     base = rank_work(unit_costs(group, s), s, 0)
-    # Rank 0 of two sends one activation per micro-batch (costmodel.estimate.p2p_sends).
+    # Rank 0 of two sends one activation per micro-batch (costmodel.estimate.uniform.p2p_sends).
     assert e.rank_time_s[0] == pytest.approx(base.total_s - base.pp_comm_s + hand_p2p, rel=1e-9)
     assert hand_p2p > IB_LAT + message / IB_BW   # slower than the group's own network
 
@@ -136,7 +135,7 @@ def test_replica_groups_step_is_the_slowest_replica_then_the_sync(tmp_path):
 
 def test_cost_and_energy_per_group_by_hand(tmp_path):
     """cost = step x sum over devices of their group's price / 3600; energy = sum over
-    devices of busy x P_busy + (step - busy) x P_idle of their group (costmodel.energy)."""
+    devices of busy x P_busy + (step - busy) x P_idle of their group (costmodel.estimate.energy)."""
     c = fast_and_slow(tmp_path)
     p = mixed_problem(c)
     s = Strategy(dp=2, tp=4, pp=2, micro_batch_size=1, num_microbatches=32, stages=even_stages(32, 2),

@@ -11,13 +11,13 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from costmodel.terms.comm import Placement, collective_time_s
 from costmodel.estimate import estimate
+from costmodel.problem import Problem
 from costmodel.specs.loading import as_int, load_cluster, load_model, make_training
+from costmodel.strategy import Strategy, even_stages
+from costmodel.terms.comm import Placement, collective_time_s
 from costmodel.terms.memory import in_flight_microbatches, layer_activation_bytes
 from costmodel.terms.pipeline import pipeline_coefficients, pipeline_time_s
-from costmodel.problem import Problem
-from costmodel.strategy import Strategy, even_stages
 
 FEW = settings(max_examples=30, deadline=None)
 MODELS = ["tiny-gpt", "tiny-llama", "tiny-moe", "gpt3-1.3b", "llama2-7b"]

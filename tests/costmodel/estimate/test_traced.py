@@ -6,15 +6,19 @@ import pytest
 import torch
 from torch import nn
 
-from costmodel.terms import compute, memory
-from costmodel.terms.comm import collective_time_s
-from costmodel.terms.compute import OPTIMIZER_BYTES_PER_PARAMETER
-from costmodel.terms.comm import groups
+from costmodel.estimate.traced import (
+    estimate_traced,
+    stage_memory,
+    stage_work,
+    traced_units,
+)
 from costmodel.problem import NodeCost, TracedModel, TracedProblem
-from costmodel.estimate.traced import estimate_traced, stage_memory, stage_work, traced_units
-from costmodel.specs.loading import load_cluster
 from costmodel.specs import TrainingSpec
+from costmodel.specs.loading import load_cluster
 from costmodel.strategy import Stage, Strategy
+from costmodel.terms import compute, memory
+from costmodel.terms.comm import collective_time_s, groups
+from costmodel.terms.compute import OPTIMIZER_BYTES_PER_PARAMETER
 from costmodel.trace import trace_module
 
 # Three nodes traced on 2 samples in fp32.

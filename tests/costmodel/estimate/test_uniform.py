@@ -8,25 +8,6 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-
-from costmodel.terms.compute import layer_compute
-from costmodel.terms.compute import OPTIMIZER_BYTES_PER_PARAMETER
-from costmodel.estimate.uniform import (
-    dp_sync_s,
-    optimizer_step_s,
-    p2p_sends,
-    rank_memory,
-    recompute_flops,
-    unit_costs,
-)
-from costmodel.terms.comm import groups
-from costmodel.estimate.breakdown import Work
-from costmodel.estimate import estimate
-from costmodel.terms.counts import layer_parameters, model_flops_per_step, total_parameters
-from costmodel.specs.loading import load_cluster, load_model, make_training
-from costmodel.terms.memory import layer_activation_bytes
-from costmodel.problem import Problem
-from costmodel.strategy import Strategy, even_stages
 from costmodel_test_helpers import (
     A100_HBM,
     A100_PEAK_BF16,
@@ -43,6 +24,28 @@ from costmodel_test_helpers import (
     run,
     strategy,
 )
+
+from costmodel.estimate import estimate
+from costmodel.estimate.breakdown import Work
+from costmodel.estimate.uniform import (
+    dp_sync_s,
+    optimizer_step_s,
+    p2p_sends,
+    rank_memory,
+    recompute_flops,
+    unit_costs,
+)
+from costmodel.problem import Problem
+from costmodel.specs.loading import load_cluster, load_model, make_training
+from costmodel.strategy import Strategy, even_stages
+from costmodel.terms.comm import groups
+from costmodel.terms.compute import OPTIMIZER_BYTES_PER_PARAMETER, layer_compute
+from costmodel.terms.counts import (
+    layer_parameters,
+    model_flops_per_step,
+    total_parameters,
+)
+from costmodel.terms.memory import layer_activation_bytes
 
 MIB = 1 << 20
 
@@ -358,7 +361,7 @@ def test_interleaved_rank0_memory_follows_eq5():
 
 def test_full_recompute_memory_adds_one_layer_working_set():
     # Two micro-batches: the gradients persist beside the activations (with one, the
-    # peak holds a layer's larger of the two; costmodel.estimate.rank_memory).
+    # peak holds a layer's larger of the two; costmodel.estimate.uniform.rank_memory).
     prob = problem("gpt-22b", global_batch=8, flash_attention=False)
     e, u, _ = run(prob, tp=8, micro_batch_size=4, recompute="full")
     sbh = 2048 * 4 * 6144
@@ -400,7 +403,7 @@ def test_zero_stages_strictly_reduce_memory():
     assert peaks[1] - peaks[2] == pytest.approx(2 * P * (1 - 1 / dp), rel=1e-9)
     # ZeRO-3 shards the weights but holds FSDP2's buffers instead of two DDP buckets: a
     # layer's unsharded weights, an all-gather output and a reduce-scatter input, and the
-    # layer's unsharded gradients (costmodel.estimate.rank_memory)
+    # layer's unsharded gradients (costmodel.estimate.uniform.rank_memory)
     assert peaks[2] - peaks[3] == pytest.approx(2 * P * (1 - 1 / dp) - (4 * 2 * layer - 2 * 25 * MIB), rel=1e-9)
     assert es[3].memory.comm_buffer_bytes == 3 * 2 * layer
     assert es[3].memory.temporary_bytes == 2 * layer

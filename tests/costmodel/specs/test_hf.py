@@ -7,10 +7,11 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from costmodel.terms.counts import build_graph, total_parameters  # noqa: E402
+from costmodel_test_helpers import HF_DIR  # noqa: E402
+
 from costmodel.specs.hf import trace_hf  # noqa: E402
 from costmodel.specs.loading import SpecError, load_model  # noqa: E402
-from costmodel_test_helpers import HF_DIR  # noqa: E402
+from costmodel.terms.counts import build_graph, total_parameters  # noqa: E402
 
 GPT2 = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "n_embd": 128, "n_head": 4, "n_layer": 3,
         "n_positions": 64, "vocab_size": 500, "transformers_version": "4.44.2"}

@@ -1,4 +1,4 @@
-"""costmodel.loading: built-in names, Hugging Face config.json fixtures, own YAML files,
+"""costmodel.specs.loading: built-in names, Hugging Face config.json fixtures, own YAML files,
 `--set` overrides, clusters and the SpecError contract (`.field` names what is wrong)."""
 
 from __future__ import annotations
@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from costmodel_test_helpers import GIB, HF_DIR
 
+from costmodel.specs import ModelSpec
 from costmodel.specs.loading import (
     SpecError,
     as_bool,
@@ -19,8 +21,6 @@ from costmodel.specs.loading import (
     model_from_dict,
     parse_overrides,
 )
-from costmodel.specs import ModelSpec
-from costmodel_test_helpers import GIB, HF_DIR
 
 TINY_GPT_YAML = """\
 model_type: gpt

@@ -1,14 +1,21 @@
-"""costmodel.comm: group placement and alpha-beta ring collective times (Thakur et al.
+"""costmodel.terms.comm: group placement and alpha-beta ring collective times (Thakur et al.
 2005), hierarchical over nodes, all-to-all and point-to-point."""
 
 from __future__ import annotations
 
 import pytest
+from costmodel_test_helpers import (
+    IB_BW,
+    IB_LAT,
+    NVLINK_BW,
+    NVLINK_LAT,
+    ring_all_reduce,
+    ring_gather,
+)
 
-from costmodel.terms.comm import Placement, collective_time_s, placement
-from costmodel.specs.loading import SpecError, load_cluster
 from costmodel.specs import LinkSpec
-from costmodel_test_helpers import IB_BW, IB_LAT, NVLINK_BW, NVLINK_LAT, ring_all_reduce, ring_gather
+from costmodel.specs.loading import SpecError, load_cluster
+from costmodel.terms.comm import Placement, collective_time_s, placement
 
 MB = 1e6
 

@@ -1,10 +1,12 @@
-"""costmodel.compute: the GEMM efficiency model, memory-bound kernels and the per-layer,
+"""costmodel.terms.compute: the GEMM efficiency model, memory-bound kernels and the per-layer,
 head and embedding compute times, checked term by term against hand arithmetic."""
 
 from __future__ import annotations
 
 import pytest
+from costmodel_test_helpers import A100_HBM, A100_PEAK_BF16, gemm_seconds, hbm_seconds
 
+from costmodel.specs.loading import load_cluster, load_model, make_training
 from costmodel.terms import compute
 from costmodel.terms.compute import (
     LayerCompute,
@@ -16,8 +18,6 @@ from costmodel.terms.compute import (
     layer_compute,
     memory_bound_time_s,
 )
-from costmodel.specs.loading import load_cluster, load_model, make_training
-from costmodel_test_helpers import A100_HBM, A100_PEAK_BF16, gemm_seconds, hbm_seconds
 
 PEAK = A100_PEAK_BF16
 

@@ -1,4 +1,4 @@
-"""costmodel.graph: parameter counts (against Hugging Face's exact figures and
+"""costmodel.terms.counts: parameter counts (against Hugging Face's exact figures and
 Narayanan et al. 2021 eq. 2), forward FLOPs (Korthikanti et al. 2022 eq. 7) and the
 layer chain graph."""
 
@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import networkx as nx
 import pytest
+from costmodel_test_helpers import HF_DIR
 
+from costmodel.specs.loading import load_model
 from costmodel.terms.counts import (
     attention_parameters,
     build_graph,
@@ -20,8 +22,6 @@ from costmodel.terms.counts import (
     norm_parameters,
     total_parameters,
 )
-from costmodel.specs.loading import load_model
-from costmodel_test_helpers import HF_DIR
 
 
 # ------------------------------------------------------------------ exact HF parameter counts

@@ -1,4 +1,4 @@
-"""costmodel.memory: ZeRO model-state bytes (Rajbhandari et al. 2020 §3.1, §5), per-layer
+"""costmodel.terms.memory: ZeRO model-state bytes (Rajbhandari et al. 2020 §3.1, §5), per-layer
 activation bytes (Korthikanti et al. 2022 Table 2, generalised), in-flight micro-batches
 per schedule, logits."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from costmodel.terms import memory
 from costmodel.specs.loading import load_cluster, load_model, make_training
+from costmodel.terms import memory
 from costmodel.terms.memory import (
     in_flight_microbatches,
     layer_activation_bytes,

@@ -1,4 +1,4 @@
-"""costmodel.pipeline: step time of the pipelined part, (m - 1) * max + sum for
+"""costmodel.terms.pipeline: step time of the pipelined part, (m - 1) * max + sum for
 GPipe/1F1B and m * max + (sum - max) / vpp interleaved (Narayanan et al. 2021 §2.2)."""
 
 from __future__ import annotations

@@ -16,7 +16,6 @@ from matplotlib.image import imread
 from costmodel.terms.pipeline import pipeline_time_s
 from planner.api import plan, plan_model
 from planner.console.cli import main
-from planner.plan_file import write_plan
 from planner.console.plots import (
     COLOURS,
     FIGURE_DPI,
@@ -28,6 +27,7 @@ from planner.console.plots import (
     timeline,
 )
 from planner.console.report import explain_html
+from planner.plan_file import write_plan
 
 WIDTH_PX, HEIGHT_PX = (round(side * FIGURE_DPI) for side in FIGURE_SIZE_IN)
 # A legend patch is about 20 x 7 pixels: categories drawn in the panels cover far more.
@@ -106,7 +106,7 @@ def test_1f1b_timeline_makespan_against_the_estimate(plans):
     assert equal.makespan_s == pytest.approx(pipeline_time_s("1f1b", [max(times)] * pp, m), rel=1e-12)
     assert equal.makespan_s == pytest.approx((m + pp - 1) * max(times), rel=1e-12)
     # Warm-up: rank r runs pp - r - 1 forwards before its first backward; at most
-    # pp - r micro-batches in flight (costmodel.memory.in_flight_microbatches).
+    # pp - r micro-batches in flight (costmodel.terms.memory.in_flight_microbatches).
     for r in range(pp):
         kinds = [b.kind for b in sorted(tl.boxes, key=lambda b: b.start_s) if b.rank == r]
         assert kinds.index("backward") == pp - r

@@ -10,26 +10,25 @@ import argparse
 import json
 import re
 import shlex
-import tomllib
 from dataclasses import replace
 
 import pytest
+import tomllib
 from click.testing import CliRunner
 
 from costmodel.estimate import estimate
 from costmodel.specs.loading import SpecError, load_model
 from costmodel.strategy import Strategy, even_stages, summarize_recompute
+from costmodel.units import GIB
 from planner.api import make_problem, plan
 from planner.console.cli import main
-from planner.interop.export import TARGETS, export_plan, export_strategy
 from planner.interop.common import Recompute, build_stages
+from planner.interop.export import TARGETS, export_plan, export_strategy
 from planner.interop.importers import read_text
 from planner.interop.torchtitan import torchtitan_split
 from planner.plan_file import model_of, strategy_of, write_plan
 from planner.rules import load_rules
 from planner.search import search
-
-from costmodel.units import GIB
 
 # Plans made by the search with every knob pinned (each solves in well under a second).
 CASES = {

@@ -11,14 +11,13 @@ from click.testing import CliRunner
 
 from costmodel.estimate import estimate
 from costmodel.specs.loading import load_cluster
+from costmodel.units import GIB
 from planner.api import make_problem
 from planner.console.cli import main
-from planner.search.mixed import search_mixed
 from planner.plan_file import dumps, plan_document, read_plan, strategy_of, write_plan
 from planner.rules import load_rules
 from planner.search import search
-
-from costmodel.units import GIB
+from planner.search.mixed import search_mixed
 
 
 def write_fast_slow(tmp_path, slow_memory_gib=80) -> str:

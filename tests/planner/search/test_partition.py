@@ -4,11 +4,13 @@
 from __future__ import annotations
 
 import itertools
+
 import pytest
+
 from costmodel.estimate import estimate
 from costmodel.estimate.uniform import rank_memory, unit_costs
-from costmodel.specs.loading import load_cluster, load_model, make_training
 from costmodel.problem import Problem
+from costmodel.specs.loading import load_cluster, load_model, make_training
 from costmodel.strategy import Strategy
 from planner.search.partition import layout, solve_partition, usable_memory_bytes
 

@@ -9,16 +9,22 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from costmodel.estimate.energy import cost_energy
 from costmodel.estimate import estimate
+from costmodel.estimate.energy import cost_energy
 from costmodel.estimate.uniform import unit_costs
-from costmodel.specs.loading import SpecError, configs_dir, load_cluster, load_model, make_training
 from costmodel.problem import Problem
+from costmodel.specs.loading import (
+    SpecError,
+    configs_dir,
+    load_cluster,
+    load_model,
+    make_training,
+)
 from planner.console.cli import main
-from planner.search.partition import solve_partition
 from planner.plan_file import plan_document
 from planner.rules import load_rules, rules_from_dict
 from planner.search import search
+from planner.search.partition import solve_partition
 from planner.search.space import enumerate_space, recompute_modes
 
 BUSY_W, IDLE_W, PRICE = 100.0, 20.0, 1.0

@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-from costmodel.specs.loading import load_cluster, load_model, make_training
 from costmodel.problem import Problem
+from costmodel.specs.loading import load_cluster, load_model, make_training
 from planner.rules import load_rules
 from planner.search.space import enumerate_space
 

@@ -3,9 +3,8 @@ and the same request gives the same plan."""
 
 import json
 
-
-from costmodel.specs.loading import load_cluster, load_model, make_training
 from costmodel.problem import Problem
+from costmodel.specs.loading import load_cluster, load_model, make_training
 from planner.api import plan
 from planner.rules import load_rules
 from planner.search import search

@@ -16,8 +16,8 @@ from costmodel.specs.loading import SpecError
 from planner.api import plan, plan_model
 from planner.console.cli import main
 from planner.plan_file import dumps, write_plan
-from planner.workflows.replan import nearest_batches, replan
 from planner.rules import Rules
+from planner.workflows.replan import nearest_batches, replan
 
 
 @pytest.fixture(scope="module")

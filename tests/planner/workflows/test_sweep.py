@@ -17,7 +17,6 @@ from rich.console import Console
 from costmodel.specs.loading import SpecError
 from planner.api import plan
 from planner.console.cli import main
-from planner.plan_file import dumps, strategy_of
 from planner.console.plots import (
     FIGURE_DPI,
     SECONDS_PER_DAY,
@@ -26,6 +25,7 @@ from planner.console.plots import (
     sweep_figure,
 )
 from planner.console.progress import progress_bar
+from planner.plan_file import dumps, strategy_of
 from planner.search.space import describe
 from planner.workflows.sweep import IMPOSSIBLE, INFEASIBLE, OK, parse_sizes, sweep
 
@@ -94,7 +94,7 @@ def test_time_cost_and_energy_to_train_equal_the_per_step_figures(rows, docs):
         assert r.train_steps == pytest.approx(steps, rel=1e-12)
         assert r.train_time_s == pytest.approx(TOKENS / doc["estimate"]["tokens_per_s"], rel=1e-5)
         assert r.train_time_s == pytest.approx(steps * step_s, rel=1e-5)
-        # USD: every GPU rented for every step (costmodel.energy).
+        # USD: every GPU rented for every step (costmodel.estimate.energy).
         assert r.train_cost_usd == pytest.approx(steps * step_s * r.gpus * A100_PRICE_USD_PER_GPU_HOUR / 3600,
                                                  rel=1e-5)
         assert r.train_energy_j == pytest.approx(steps * doc["cost_energy"]["energy_per_step_j"], rel=1e-5)
