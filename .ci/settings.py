@@ -40,7 +40,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 EXECUTOR_TESTS = ["tests/executor"]
-PARITY_TESTS = ["tests/executor/test_executor_parity.py"]
+PARITY_TESTS = ["tests/executor/test_step.py"]
 # torch's AVX512 kernels need these (ATen's CPU capability check, cpuinfo's avx512 set).
 CAPABILITY_FLAGS = {"default": set(), "avx2": {"avx2", "fma"},
                     "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq"}}

@@ -30,14 +30,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from costmodel.specs.loading import load_model
 from costmodel.specs import TrainingSpec
+from costmodel.specs.loading import load_model
 from costmodel.strategy import Strategy, even_stages
 from executor import checkpoint
 from executor.data import SyntheticTokens
 from executor.launch import run_local
-from executor.models import build_model, materialize
-from executor.train import TrainConfig, Trainer, cross_entropy
+from executor.models import build_model, cross_entropy, materialize
+from executor.train import TrainConfig, Trainer
 
 MODELS = {
     "tiny-gpt": ("tiny-gpt", None),

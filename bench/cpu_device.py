@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from executor.profile import measure_elementwise, measure_gemm
+from executor.measure import measure_elementwise, measure_gemm
 
 SHAPES = [(m, n, k) for m in (16, 64, 128, 512, 1024, 2048)
           for n, k in ((256, 256), (1024, 256), (256, 1024), (1024, 1024), (512, 512))]

@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 
 from costmodel.estimate import estimate
-from costmodel.specs.loading import load_cluster, load_model
 from costmodel.problem import Problem
 from costmodel.specs import TrainingSpec
+from costmodel.specs.loading import load_cluster, load_model
 from costmodel.strategy import Strategy, even_stages
 from executor.data import SyntheticTokens
 from executor.launch import run_local

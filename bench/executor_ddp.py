@@ -12,13 +12,13 @@ from pathlib import Path
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from costmodel.specs.loading import load_model
 from costmodel.specs import TrainingSpec
+from costmodel.specs.loading import load_model
 from costmodel.strategy import Strategy, even_stages
 from executor.data import SyntheticTokens, dp_shard
 from executor.launch import run_local
-from executor.models import build_model, materialize
-from executor.train import TrainConfig, Trainer, cross_entropy, lr_factor
+from executor.models import build_model, cross_entropy, materialize
+from executor.train import TrainConfig, Trainer, lr_factor
 
 MODEL = {"hidden_size": "256", "num_hidden_layers": "4", "intermediate_size": "1024",
          "max_position_embeddings": "128", "num_attention_heads": "8", "num_key_value_heads": "8"}

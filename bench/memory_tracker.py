@@ -36,23 +36,28 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    loss_parallel,
+    parallelize_module,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from costmodel.terms import memory  # noqa: E402
 from costmodel.estimate import estimate  # noqa: E402
-from costmodel.specs.loading import load_cluster, load_model, make_training  # noqa: E402
 from costmodel.problem import Problem  # noqa: E402
+from costmodel.specs.loading import load_cluster, load_model, make_training  # noqa: E402
 from costmodel.strategy import Strategy, even_stages  # noqa: E402
-from executor.models import build_model, materialize  # noqa: E402
+from costmodel.terms import memory  # noqa: E402
+from costmodel.units import GIB  # noqa: E402
+from executor.models import build_model, cross_entropy, materialize  # noqa: E402
 from executor.parallelize import apply_fsdp, apply_tensor_parallel  # noqa: E402
-from executor.train import TrainConfig, cross_entropy, make_optimizer  # noqa: E402
+from executor.train import TrainConfig, make_optimizer  # noqa: E402
 
-GIB = 2**30
 WORLD = 8
 HF_LLAMA = ROOT / "tests" / "data" / "hf" / "llama-2-7b.json"
 KINDS = ("parameters", "gradients", "optimizer", "activations", "temporaries", "comm_buffers")
@@ -243,7 +248,7 @@ def tracked(case: Case, seq_len: int, layers: int | None = None) -> dict:
 
 
 def shard_gradients_as_parameters(model) -> None:
-    """What the executor's Trainer.synchronize_gradients does before the optimizer: DTensor's
+    """What the executor's TrainStep.synchronize_gradients (executor/step.py) does before the optimizer: DTensor's
     embedding backward returns a replicated gradient of a vocabulary-sharded weight; keep
     this rank's rows (a local slice)."""
     for p in model.parameters():
@@ -266,7 +271,11 @@ def compare(case: Case, seq_len: int, layers: int | None = None) -> dict:
 
 def sum_parameters(problem: Problem, strategy: Strategy) -> float:
     """Parameters one rank holds before ZeRO sharding (after tp)."""
-    from costmodel.terms.counts import embedding_parameters, head_parameters, layer_parameters
+    from costmodel.terms.counts import (
+        embedding_parameters,
+        head_parameters,
+        layer_parameters,
+    )
     model = problem.model
     dense, experts = layer_parameters(model)
     head = head_parameters(model) + (model.vocab_size * model.hidden_size if model.tie_word_embeddings and strategy.tp > 1 else 0)

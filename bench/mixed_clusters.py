@@ -14,9 +14,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from planner.api import make_problem
-from planner.search.mixed import search_mixed
 from planner.rules import load_rules
 from planner.search import search
+from planner.search.mixed import search_mixed
 from planner.search.space import describe
 
 CASES = [   # cluster, model, global batch, sequence, precision (V100 has no bf16)

@@ -8,11 +8,11 @@ from pathlib import Path
 
 from costmodel.estimate import estimate
 from costmodel.estimate.uniform import unit_costs
-from costmodel.specs.loading import load_cluster, load_model, make_training
 from costmodel.problem import Problem
-from planner.search.partition import solve_partition
+from costmodel.specs.loading import load_cluster, load_model, make_training
 from planner.rules import load_rules
 from planner.search import search
+from planner.search.partition import solve_partition
 from planner.search.space import describe, enumerate_space, recompute_modes
 
 PAIRS = [("gpt3-1.3b", "dgx-a100-40gb", 8, 64, 2048), ("gpt3-2.7b", "dgx-a100-80gb", 4, 32, 2048),

@@ -3,7 +3,7 @@ on this machine (one CPU thread per rank, fp32) of two small models sized so a l
 takes milliseconds, at micro-batch sizes 1, 2, 4, 8 and tp widths 1 and 4; then, for
 each layer kind (transformer layer, embedding, head + loss), the forward + backward time
 at three shapes the profile does not hold (micro-batch 3 at tp 1, 6 at tp 4, 5 at tp 2,
-inside the measured range) is measured the same way (executor.profile.measure_layer) and set against the
+inside the measured range) is measured the same way (executor.measure.measure_layer) and set against the
 cost model's prediction with the profile (`unit_costs` on a Problem carrying it) and
 without it (the analytic model on the built-in `cpu` cluster). Prints the table, the
 median |error| of each and the profiler's run time; writes
@@ -24,12 +24,17 @@ from pathlib import Path
 
 import torch
 
-from costmodel.specs.loading import load_cluster, load_model, make_training, parse_overrides
 from costmodel.estimate.uniform import unit_costs
 from costmodel.measured import load_measured_times
 from costmodel.problem import Problem
+from costmodel.specs.loading import (
+    load_cluster,
+    load_model,
+    make_training,
+    parse_overrides,
+)
 from costmodel.strategy import Strategy
-from executor.profile import measure_layer
+from executor.measure import measure_layer
 
 REPO = Path(__file__).resolve().parents[1]
 SEQ = 128
@@ -46,7 +51,7 @@ def take_profile(path: Path) -> list[dict]:
     """Profile both models into one file (the second with --extend); wall seconds of each command."""
     runs = []
     for i, (name, overrides) in enumerate(MODELS.items()):
-        command = [sys.executable, "-m", "planner.cli", "profile", "--device", "cpu", "--nproc", "2",
+        command = [sys.executable, "-m", "planner.console.cli", "profile", "--device", "cpu", "--nproc", "2",
                    "--precision", "fp32", "--model", name, "--set", overrides, "--seq", str(SEQ),
                    "--micro-batch-sizes", PROFILED_MBS, "--tp", PROFILED_TP, "-o", str(path)]
         if i:

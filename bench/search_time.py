@@ -7,8 +7,8 @@ import statistics
 import time
 from pathlib import Path
 
-from costmodel.specs.loading import load_cluster, load_model, make_training
 from costmodel.problem import Problem
+from costmodel.specs.loading import load_cluster, load_model, make_training
 from planner.rules import load_rules
 from planner.search import search
 from planner.search.space import describe

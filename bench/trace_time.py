@@ -19,7 +19,7 @@ from planner import plan_model
 
 # The residual MLP stack the test plans, timed here.
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "planner"))
-from test_plan_model import Residual  # noqa: E402
+from test_api import Residual  # noqa: E402
 
 RUNS = 3
 

@@ -6,14 +6,17 @@ trainer for a plan, given or planned on the spot for the job's world size.
     loss = trainer.step({"input_ids": ids, "labels": ids})   # the global batch, every rank
 
 Every rank passes the same model with the same weights (seeded, or loaded) and the same
-global batch; each keeps its share. Two kinds of model:
+global batch; each keeps its share. The trainer is the executor's one `Trainer`
+(executor.train), training through the one step (executor.step) as `shardwise run`
+does; this module gives it the model and the user's optimizer. Two kinds of model:
 
-- Shardwise's own (`executor.models.Transformer`): the executor's `Trainer` builds this
-  rank's share and takes the user's weights (torch.distributed.checkpoint's
-  `set_model_state_dict` shards full tensors into DTensor and FSDP parameters).
+- Shardwise's own (`executor.models.Transformer`): built for this rank as `shardwise
+  run` builds it (executor.parallelize.BuiltinModel), then given the user's weights
+  (torch.distributed.checkpoint's `set_model_state_dict` shards full tensors into
+  DTensor and FSDP parameters).
 - Hugging Face causal LMs of the usual decoder layout (an input embedding, a ModuleList
-  of decoder layers, a final norm, an LM head): `DecoderTrainer` splits the model's own
-  modules as the plan asks:
+  of decoder layers, a final norm, an LM head): `DecoderModel` splits the model's own
+  modules as the plan asks, trained on the model's own loss or `loss_fn`:
   * tensor parallelism by layer role (Shoeybi et al. 2019 §3; the roles of
     `costmodel.trace.split_role`): q/k/v, gate/up and fc column-wise, o/down/c_proj
     row-wise, the input embedding and the LM head over the vocabulary (the logits are
@@ -27,7 +30,8 @@ global batch; each keeps its share. Two kinds of model:
     ZeRO 2 and 3; ZeRO 1 runs as ZeRO 2 (the same traffic; the optimizer is the user's,
     so it cannot be wrapped in ZeroRedundancyOptimizer);
   * full recompute: `checkpoint_wrapper` on the first layers of each stage.
-  A model it cannot split as the plan asks gets UnsupportedPlan naming the module.
+  A model it cannot split as the plan asks gets UnsupportedPlan naming the module; its
+  weights go in and out under the model's own names and layouts.
 """
 
 from __future__ import annotations
@@ -40,25 +44,31 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    checkpoint_wrapper,
+)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    set_model_state_dict,
+)
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from costmodel.specs import ModelSpec
+from costmodel.specs import ModelSpec, TrainingSpec
 from costmodel.strategy import Strategy
 from costmodel.trace import split_role
-from executor.data import dp_shard
-from executor.parallelize import UnsupportedPlan, build_mesh
-from executor.train import NO_BUFFER_SYNC, TrainConfig, Trainer, global_loss, tied_ends_group
+from executor.mesh import RankMesh, tied_ends_group
+from executor.parallelize import BuiltinModel, UnsupportedPlan, wrap_ddp
+from executor.step import Accumulation, ModelParts, StageShapes, TiedEmbedding
+from executor.train import TrainConfig, Trainer
 
 Optimizer = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
-FINAL_NORMS = ("norm", "ln_f", "final_layernorm", "final_layer_norm")
-EMBEDDING_DROPOUTS = ("drop", "embed_dropout", "emb_drop")
-FUSED_QKV = ("c_attn", "qkv", "qkv_proj", "query_key_value", "Wqkv")
-WRAPPED = "_checkpoint_wrapped_module."
 
 
 def default_optimizer(params: list[nn.Parameter]) -> torch.optim.Optimizer:
@@ -77,7 +87,7 @@ def auto_parallelize(model: nn.Module, plan: dict | str | None = None, *, cluste
     if not dist.is_initialized():
         raise RuntimeError("auto_parallelize runs inside a process group: start the script with torchrun")
     from planner.api import plan_model, plan_spec
-    from planner.plan import read_plan, strategy_of
+    from planner.plan_file import read_plan, strategy_of
 
     builtin = isinstance(getattr(model, "spec", None), ModelSpec) and hasattr(model, "tok_embeddings")
     if builtin and loss_fn is not None:
@@ -88,7 +98,7 @@ def auto_parallelize(model: nn.Module, plan: dict | str | None = None, *, cluste
             raise ValueError("auto_parallelize: give a plan, or a cluster and a global_batch to plan for")
         seq = seq_len or _max_positions(model)
         example = (torch.zeros(1, seq, dtype=torch.long, device="meta"),)
-        # What DecoderTrainer does not run is kept out of the search (the user's pins win).
+        # What DecoderModel does not run is kept out of the search (the user's pins win).
         pins = dict(fix or {}) if builtin else {"sp": False, "vpp": 1, **(fix or {})}
         # A float64 model (debugging numerics) is priced as fp32, the nearest the cost model knows.
         precision = "fp32" if next(model.parameters()).dtype in (torch.float32, torch.float64) else "bf16"
@@ -109,9 +119,29 @@ def auto_parallelize(model: nn.Module, plan: dict | str | None = None, *, cluste
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))   # torchrun's GPU for this rank
         torch.cuda.set_device(device)
     device = torch.device(device or "cpu")
+    training = TrainingSpec(**plan["training"])
+    dtype = next(model.parameters()).dtype
     if builtin:
-        return BuiltinTrainer(model, plan, strategy, optimizer, device)
-    return DecoderTrainer(model, strategy, plan["training"]["seq_len"], optimizer, loss_fn, device)
+        # The user's optimizer runs the update as it is: no clipping (the norm is still
+        # taken, and an update whose gradients are not finite skipped), no schedule; the
+        # weights keep the model's dtype (float64 included).
+        config = TrainConfig(grad_clip=float("inf"), dtype=dtype)
+
+        def build_model(mesh, rank_device):
+            built = BuiltinModel(model.spec, training, strategy, mesh, config.dtype, config.seed, rank_device)
+            built.load_state_dict(model.state_dict())
+            return built
+
+        return Trainer(model.spec, training, strategy, config, device, build_model=build_model, optimizer=optimizer)
+    # A Hugging Face model trains in its own dtype, without autocast, and its gradients
+    # go to the user's optimizer unclipped, without a global norm.
+    config = TrainConfig(grad_clip=None, dtype=dtype, autocast=False)
+
+    def build_decoder(mesh, rank_device):
+        return DecoderModel(model, strategy, mesh, training.seq_len, loss_fn, rank_device)
+
+    return Trainer(ModelSpec(**plan["model"]), training, strategy, config, device, build_model=build_decoder,
+                   optimizer=optimizer)
 
 
 def _check_model(model: nn.Module, plan: dict) -> None:
@@ -131,7 +161,7 @@ def _check_model(model: nn.Module, plan: dict) -> None:
 def _decoder_spec(model: nn.Module) -> ModelSpec:
     """The spec the planner prices a model by: its own, or its Hugging Face config's
     (a family the specs approximate, such as Qwen2's q/k/v biases, is priced as the
-    nearest; DecoderTrainer splits the model's real modules either way)."""
+    nearest; DecoderModel splits the model's real modules either way)."""
     from planner.api import transformer_spec
 
     spec = transformer_spec(model, exact=False)
@@ -149,60 +179,30 @@ def _max_positions(model: nn.Module) -> int:
     raise ValueError("auto_parallelize: give seq_len (the model does not say its maximum positions)")
 
 
-def _batch(batch) -> tuple[torch.Tensor, torch.Tensor]:
-    if isinstance(batch, dict):
-        return batch["input_ids"], batch.get("labels", batch["input_ids"])
-    inputs, labels = batch
-    return inputs, labels
+# -- a Hugging Face decoder LM split by a strategy ------------------------------------
+
+FINAL_NORMS = ("norm", "ln_f", "final_layernorm", "final_layer_norm")
+EMBEDDING_DROPOUTS = ("drop", "embed_dropout", "emb_drop")
+FUSED_QKV = ("c_attn", "qkv", "qkv_proj", "query_key_value", "Wqkv")
+WRAPPED = "_checkpoint_wrapped_module."
 
 
-class BuiltinTrainer:
-    """Shardwise's own models: the executor's Trainer with the user's weights and optimizer."""
-
-    def __init__(self, model, plan: dict, strategy: Strategy, optimizer: Optimizer, device: torch.device):
-        from costmodel.specs import TrainingSpec
-
-        training = TrainingSpec(**plan["training"])
-        # The user's optimizer runs the update as it is: no clipping, no schedule; the
-        # weights keep the model's dtype (float64 included).
-        config = TrainConfig(grad_clip=float("inf"), dtype=next(model.parameters()).dtype)
-        self.trainer = Trainer(model.spec, training, strategy, config, device)
-        self.load_state_dict(model.state_dict())
-        self.trainer.optimizer = optimizer(self.trainer._parameters())
-        self.trainer.scheduler = torch.optim.lr_scheduler.LambdaLR(self.trainer.optimizer, lambda _: 1.0)
-        self.strategy = strategy
-
-    def step(self, batch) -> float:
-        """One step on the global batch (inputs and next-token targets, or a dict with
-        `input_ids` and `labels` already shifted by the caller); the global mean loss."""
-        inputs, targets = _batch(batch)
-        return self.trainer.step(inputs, targets)
-
-    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Load full, unsharded weights (the model's own names); each rank keeps its shards."""
-        full = {k: v.to(self.trainer.device) for k, v in state.items()}
-        for module in self.trainer._models():
-            set_model_state_dict(module, full, options=StateDictOptions(full_state_dict=True, strict=False))
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The full, unsharded weights of every stage, on every rank, under the model's
-        own names (a tied head under both, as the model's state_dict has it)."""
-        merged = _gather_stages(self.trainer.full_state_dict(), self.trainer.mesh)
-        if self.trainer.spec.tie_word_embeddings:
-            merged["output.weight"] = merged["tok_embeddings.weight"]
-        return dict(sorted(merged.items()))
-
-
-def _gather_stages(local: dict[str, torch.Tensor], mesh) -> dict[str, torch.Tensor]:
-    """Each pipeline stage's full weights, merged across the stages."""
-    if mesh["pp"].size() == 1:
-        return local
-    parts = [None] * mesh["pp"].size()
-    dist.all_gather_object(parts, local, group=mesh["pp"].get_group())
-    merged = {}
-    for part in parts:
-        merged.update(part)
-    return merged
+def refuse_unsupported(strategy: Strategy) -> None:
+    """Refuse what a Hugging Face model cannot be split into, naming the plan's field."""
+    for knob, ok in (("sequence_parallel", not strategy.sequence_parallel), ("vpp", strategy.vpp == 1),
+                     ("ep", strategy.ep == 1), ("schedule", strategy.schedule != "interleaved")):
+        if not ok:
+            raise UnsupportedPlan(f"plan.strategy.{knob}: auto_parallelize on a Hugging Face model runs tp, "
+                                  f"pp (gpipe, 1f1b), dp, ZeRO and full recompute; plan with --fix "
+                                  f"sp=off,vpp=1,ep=1")
+    if len(set(strategy.replica_microbatches)) > 1:
+        raise UnsupportedPlan(f"plan.strategy.replica_groups: auto_parallelize on a Hugging Face model gives "
+                              f"every replica an equal share, the plan's are "
+                              f"{list(strategy.replica_microbatches)} micro-batches; run uneven shares with "
+                              f"Shardwise's own models, or plan with stage groups")
+    if any(st.selective_recompute_layers for st in strategy.stages):
+        raise UnsupportedPlan("plan.strategy.stages: selective recompute needs the attention core as a "
+                              "module of its own; plan with --fix recompute=full or none")
 
 
 class DecoderStage(nn.Module):
@@ -264,48 +264,38 @@ def _qkv_order(out_features: int, tp: int) -> torch.Tensor:
                       for r in range(tp) for part in range(3)])
 
 
-class DecoderTrainer:
-    """A Hugging Face causal LM split by a strategy (module docstring)."""
+class DecoderModel:
+    """This rank's stage of the Hugging Face causal LM `lm` for `strategy` (the module
+    docstring says how it is split), trained on `loss_fn` (default: the model's own loss)."""
 
-    def __init__(self, lm: nn.Module, strategy: Strategy, seq_len: int, optimizer: Optimizer,
+    def __init__(self, lm: nn.Module, strategy: Strategy, mesh: RankMesh, seq_len: int,
                  loss_fn: Callable | None, device: torch.device):
-        self._refuse(strategy)
-        self.strategy, self.seq_len, self.device = strategy, seq_len, device
-        self.mesh, self.dp_mesh = build_mesh(strategy, device.type)
-        coords = dict(zip(self.mesh.mesh_dim_names, self.mesh.get_coordinate()))
-        self.pp_rank, self.dp_rank = coords["pp"], self.dp_mesh.get_local_rank()
-        self.is_first, self.is_last = self.pp_rank == 0, self.pp_rank == strategy.pp - 1
-        vocab = lm.get_input_embeddings().weight.shape[0]
-        self.loss_fn = loss_fn or (lambda logits, labels: lm.loss_function(logits=logits, labels=labels,
-                                                                             vocab_size=vocab))
-        self.hidden_size, self.vocab_size = lm.get_input_embeddings().weight.shape[1], vocab
-        self.dtype = lm.get_input_embeddings().weight.dtype   # of the hidden states stages exchange
-        self.tied = lm.get_output_embeddings().weight is lm.get_input_embeddings().weight
-        self.tied_group = tied_ends_group(self.mesh) if self.tied and strategy.pp > 1 else None
+        refuse_unsupported(strategy)
+        self.strategy, self.mesh, self.device = strategy, mesh, device
+        self.is_first, self.is_last = mesh.pp_rank == 0, mesh.pp_rank == strategy.pp - 1
+        embedding = lm.get_input_embeddings()
+        vocab, self.hidden_size = embedding.weight.shape
+        loss_fn = loss_fn or (lambda logits, labels: lm.loss_function(logits=logits, labels=labels, vocab_size=vocab))
+        dtype = embedding.weight.dtype   # of the hidden states stages exchange
+        self.tied = lm.get_output_embeddings().weight is embedding.weight
+        ends_group = tied_ends_group(mesh) if self.tied and strategy.pp > 1 else None
         self.renamed: dict[str, str] = {}       # stage parameter name -> the model's
         self.regrouped: dict[str, torch.Tensor] = {}   # fused q/k/v rows, by the model's name
         self.transposed: set[str] = set()      # Conv1D weights, by the model's name
         self.stage = self._split(lm.to(device))
         self.module = self._data_parallel(self.stage)
-        self.optimizer = optimizer(list(self.module.parameters()))
-        self.schedule = self._pipeline_schedule() if strategy.pp > 1 else None
-
-    @staticmethod
-    def _refuse(strategy: Strategy) -> None:
-        for knob, ok in (("sequence_parallel", not strategy.sequence_parallel), ("vpp", strategy.vpp == 1),
-                         ("ep", strategy.ep == 1), ("schedule", strategy.schedule != "interleaved")):
-            if not ok:
-                raise UnsupportedPlan(f"plan.strategy.{knob}: auto_parallelize on a Hugging Face model runs tp, "
-                                      f"pp (gpipe, 1f1b), dp, ZeRO and full recompute; plan with --fix "
-                                      f"sp=off,vpp=1,ep=1")
-        if len(set(strategy.replica_microbatches)) > 1:
-            raise UnsupportedPlan(f"plan.strategy.replica_groups: auto_parallelize on a Hugging Face model gives "
-                                  f"every replica an equal share, the plan's are "
-                                  f"{list(strategy.replica_microbatches)} micro-batches; run uneven shares with "
-                                  f"Shardwise's own models, or plan with stage groups")
-        if any(st.selective_recompute_layers for st in strategy.stages):
-            raise UnsupportedPlan("plan.strategy.stages: selective recompute needs the attention core as a "
-                                  "module of its own; plan with --fix recompute=full or none")
+        self.parts = ModelParts(
+            modules=(self.module,),
+            stage_indices=(mesh.pp_rank,),
+            loss_fn=loss_fn,
+            vocab_parallel_loss=False,   # the head gathers the logits
+            # FSDP2 and `replicate` reduce once, on the last micro-batch, ZeRO-3 included
+            # (its gradients accumulate unsharded until then).
+            accumulation=Accumulation(defer_sync=strategy.dp > 1 and not isinstance(self.module, DDP)),
+            shapes=StageShapes(seq_len=seq_len, hidden_seq_len=seq_len, hidden_size=self.hidden_size,
+                               logits_width=vocab, dtype=dtype),
+            tied=self._tied_embedding(ends_group))
+        self.tied_names = (self.embedding_name, self.head_name) if self.tied else None
 
     # -- splitting ------------------------------------------------------------------
 
@@ -314,7 +304,7 @@ class DecoderTrainer:
         base = lm.base_model
         prefix = _child_name(lm, base)
         stack_name, layers = decoder_layers(base)
-        stage = next(st for st in s.stages if st.pp_rank == self.pp_rank)
+        stage = next(st for st in s.stages if st.pp_rank == self.mesh.pp_rank)
         owned = list(range(stage.first_layer, stage.first_layer + stage.num_layers))
         if len(layers) != sum(st.num_layers for st in s.stages):
             raise UnsupportedPlan(f"plan.strategy.stages: the plan places {sum(st.num_layers for st in s.stages)} "
@@ -393,96 +383,32 @@ class DecoderTrainer:
         parallelize_module(lm, tp_mesh, ends)
 
     def _data_parallel(self, stage: DecoderStage) -> nn.Module:
-        s = self.strategy
+        s, dp_mesh = self.strategy, self.mesh.dp_mesh
         if s.dp == 1:
             return stage
         _, layers = decoder_layers(stage.lm.base_model)
         if s.zero_stage >= 1:
             for layer in layers:
-                fully_shard(layer, mesh=self.dp_mesh, reshard_after_forward=s.zero_stage == 3)
-            fully_shard(stage, mesh=self.dp_mesh, reshard_after_forward=s.zero_stage == 3)
+                fully_shard(layer, mesh=dp_mesh, reshard_after_forward=s.zero_stage == 3)
+            fully_shard(stage, mesh=dp_mesh, reshard_after_forward=s.zero_stage == 3)
             return stage
         if s.tp > 1:
             for layer in layers:
-                replicate(layer, mesh=self.dp_mesh)
-            replicate(stage, mesh=self.dp_mesh)
+                replicate(layer, mesh=dp_mesh)
+            replicate(stage, mesh=dp_mesh)
             return stage
-        return DDP(stage, process_group=self.dp_mesh.get_group(), **NO_BUFFER_SYNC)
+        return wrap_ddp(stage, dp_mesh, [])
 
-    def _pipeline_schedule(self):
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-
-        s, b, t = self.strategy, self.strategy.micro_batch_size, self.seq_len
-        hidden = torch.empty(b, t, self.hidden_size, dtype=self.dtype, device="meta", requires_grad=True)
-        example_in = torch.zeros(b, t, dtype=torch.long, device="meta") if self.is_first else hidden
-        example_out = (torch.empty(b, t, self.vocab_size, dtype=self.dtype, device="meta", requires_grad=True)
-                       if self.is_last else hidden)
-        stage = PipelineStage(self.module, self.pp_rank, s.pp, self.device, input_args=example_in,
-                              output_args=example_out, group=self.mesh["pp"].get_group())
-        cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[s.schedule]
-        return cls(stage, n_microbatches=s.num_microbatches, loss_fn=self.loss_fn)
-
-    # -- one step -------------------------------------------------------------------
-
-    def step(self, batch) -> float:
-        """One optimizer step on the global batch (a dict with `input_ids` and `labels`,
-        as the model takes them); the global batch's mean loss, on every rank."""
-        inputs, labels = _batch(batch)
-        inputs, labels = dp_shard(inputs, labels, self.dp_rank, self.strategy.dp)
-        inputs, labels = inputs.to(self.device), labels.to(self.device)
-        loss = self._forward_backward(inputs, labels)
-        self._sum_tied_gradients()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return global_loss(loss, self.strategy, self.device, self.dp_rank)
-
-    def _forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
-        s = self.strategy
-        if self.schedule is not None:
-            losses = []
-            self.schedule.step(*((inputs,) if self.is_first else ()),
-                               **(dict(target=labels, losses=losses) if self.is_last else {}))
-            return torch.stack([l.detach() for l in losses]).mean() if self.is_last else None
-        total = torch.zeros((), dtype=torch.float64, device=self.device)
-        for i, (x, y) in enumerate(zip(inputs.chunk(s.num_microbatches), labels.chunk(s.num_microbatches))):
-            last = i == s.num_microbatches - 1
-            if isinstance(self.module, DDP) and not last:
-                with self.module.no_sync():
-                    loss = self._micro_step(x, y)
-            else:
-                if s.dp > 1 and not isinstance(self.module, DDP):
-                    self.module.set_requires_gradient_sync(last)
-                loss = self._micro_step(x, y)
-            total += loss
-        return total / s.num_microbatches
-
-    def _micro_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = self.loss_fn(self.module(x), y)
-        (loss / self.strategy.num_microbatches).backward()
-        return loss.detach()
-
-    def _head_and_embedding(self) -> list[nn.Parameter]:
-        lm = self.stage.lm
-        return [m.weight for m in (lm.get_input_embeddings(), lm.get_output_embeddings()) if m is not None]
-
-    def _sum_tied_gradients(self) -> None:
-        """A tied embedding's two copies get the sum of their gradients: locally when
-        both are here (tp), over the first and last stage otherwise (pp)."""
-        for p in self.module.parameters():
-            # DTensor's embedding backward returns a replicated gradient of a
-            # vocabulary-sharded weight: keep this rank's rows (a local slice, no traffic).
-            if isinstance(p, DTensor) and p.grad is not None and p.grad.placements != p.placements:
-                p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+    def _tied_embedding(self, ends_group) -> TiedEmbedding | None:
+        """The embedding and the head's copy of it here, when they are two parameters."""
         if not self.tied or (self.strategy.tp == 1 and self.strategy.pp == 1):
-            return
-        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-                 for p in self._head_and_embedding() if p.grad is not None]
-        if self.strategy.pp == 1:
-            total = grads[0] + grads[1]
-            for g in grads:
-                g.copy_(total)
-        elif grads:
-            dist.all_reduce(grads[0], group=self.tied_group)
+            return None
+        embedding, head = self.stage.lm.get_input_embeddings(), self.stage.lm.get_output_embeddings()
+        return TiedEmbedding(embedding.weight if embedding is not None else None,
+                             head.weight if head is not None else None, ends_group)
+
+    def parameters(self) -> list[nn.Parameter]:
+        return self.parts.parameters()
 
     # -- weights --------------------------------------------------------------------
 
@@ -510,7 +436,7 @@ class DecoderTrainer:
     @torch.no_grad()
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Load full, unsharded weights under the model's own names and layouts (what
-        `state_dict` gives); each rank keeps its shards."""
+        `full_state_dict` gives); each rank keeps its shards."""
         mapped = {}
         for stage_name, model_name, _ in self._stage_parameters():
             if model_name not in state:
@@ -525,8 +451,9 @@ class DecoderTrainer:
         set_model_state_dict(self.stage, mapped, options=StateDictOptions(full_state_dict=True, strict=False))
 
     @torch.no_grad()
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The model's full, unsharded weights under its own names and layouts, on every rank."""
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """This rank's stage's full, unsharded weights under the model's own names and
+        layouts (a tied head under the embedding's name)."""
         local = {}
         for _, model_name, p in self._stage_parameters():
             value = (p.full_tensor() if isinstance(p, DTensor) else p.detach()).cpu().clone()
@@ -538,9 +465,4 @@ class DecoderTrainer:
             if model_name in self.transposed:
                 value = value.t().contiguous()
             local[model_name] = value
-        merged = _gather_stages(local, self.mesh)
-        if self.tied:   # one tensor under two names, as the model's own state_dict has it
-            merged[self.head_name] = merged[self.embedding_name]
-        return dict(sorted(merged.items()))
-
-
+        return local

@@ -74,7 +74,7 @@ def _named_parameters(trainer) -> list[tuple[str, torch.nn.Parameter]]:
     embedding answers to the embedding's name (saved once, loaded into both)."""
     out, seen = [], set()
     tied = trainer.spec.tie_word_embeddings
-    for module in trainer._models():
+    for module in trainer.model.stages:
         for name, p in module.named_parameters():
             name = canonical_name(name)
             if tied and name == "output.weight":
@@ -258,7 +258,7 @@ def _copy_tied_head(trainer) -> None:
     if not trainer.spec.tie_word_embeddings:
         return
     states = _optimizer_states(trainer)
-    for module in trainer._models():
+    for module in trainer.model.stages:
         if module.tok_embeddings is None or module.output is None:
             continue
         head, embedding = module.output.weight, module.tok_embeddings.weight

@@ -1,8 +1,9 @@
-"""Counting the collectives a rank really issues: a dispatch mode that sees every c10d
-and functional collective (from DDP, FSDP, DTensor, pipelining and our own calls) and
-records its kind, group size and bytes in the convention of
-`costmodel.comm.collective_time_s` (the full buffer for all-reduce, all-gather and
-reduce-scatter; what one rank sends for all-to-all and point-to-point).
+"""The executor's record of the collectives a rank really issues: a dispatch mode that
+sees every c10d and functional collective (from DDP, FSDP, DTensor, pipelining and our
+own calls) and records its kind, group size and bytes in the convention of
+`costmodel.terms.comm.collective_time_s` (the full buffer for all-reduce, all-gather
+and reduce-scatter; what one rank sends for all-to-all and point-to-point). The cost
+model's own collective terms live in costmodel; this is what actually ran.
 """
 
 from __future__ import annotations

@@ -21,8 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from costmodel.loading import SpecError
-
+from costmodel.specs.loading import SpecError
 
 # Worker exit codes a restart cannot cure: bad input (2), a non-finite step (4).
 FINAL_EXIT_CODES = (2, 4)

@@ -1,11 +1,11 @@
-"""Measuring the local device: GEMM throughput over the shapes a model's layers ask for,
-the bandwidth of elementwise passes, collectives (all-reduce, all-gather, reduce-scatter,
-all-to-all, send/recv) over message sizes across `nproc` local processes, and, given a
-model, the forward and backward seconds of its layer kinds (transformer layer,
-embedding, LM head with the loss) as the TP shard one rank runs, over micro-batch sizes
-and TP widths. The result is a versioned JSON profile keyed by device, operation, shape
-and dtype; costmodel.calibrate fits it into a cluster spec and costmodel.profile reads
-the layer times for `shardwise plan --profile`.
+"""What `shardwise profile` measures on this machine: GEMM throughput over the shapes a
+model's layers ask for, the bandwidth of elementwise passes, collectives (all-reduce,
+all-gather, reduce-scatter, all-to-all, send/recv) over message sizes across `nproc`
+local processes, and, given a model, the forward and backward seconds of its layer
+kinds (transformer layer, embedding, LM head with the loss) as the TP shard one rank
+runs, over micro-batch sizes and TP widths. The result is a versioned JSON profile
+keyed by device, operation, shape and dtype; costmodel.calibrate fits it into a cluster
+spec and costmodel.measured reads the layer times for `shardwise plan --profile`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from costmodel.profile import LAYER_KINDS, PROFILE_SCHEMA_VERSION, layer_key, model_dims
+from costmodel.measured import (
+    LAYER_KINDS,
+    PROFILE_SCHEMA_VERSION,
+    layer_key,
+    model_dims,
+)
 from costmodel.specs import ModelSpec
 from executor.launch import run_local
 from executor.models import INIT_STD, Block, RMSNorm, rope_tables
@@ -86,7 +91,7 @@ def _collectives(rank: int, world: int, sizes: list[int], reps: int, device_type
             "all_reduce": lambda: dist.all_reduce(full),
             "all_gather": lambda: dist.all_gather_into_tensor(full[: shard.numel() * world], shard),
             "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, full[: shard.numel() * world]),
-            # Each rank sends 1/world of the buffer to every rank (costmodel.comm: the
+            # Each rank sends 1/world of the buffer to every rank (costmodel.terms.comm: the
             # bytes of an all-to-all are what one rank sends in all).
             "all_to_all": lambda: dist.all_to_all_single(received[: shard.numel() * world],
                                                          full[: shard.numel() * world]),

@@ -1,9 +1,10 @@
 """The built-in model families as plain PyTorch modules: GPT (LayerNorm, GELU MLP,
 learned positions, biases), Llama (RMSNorm, SwiGLU, grouped-query attention, RoPE) and
-Mixtral (Llama layers whose MLP is a top-k mixture of experts).
+Mixtral (Llama layers whose MLP is a top-k mixture of experts), and the next-token loss
+they train on.
 
-Parameter counts equal `costmodel.graph`'s for the same spec and the forward FLOPs that
-`FlopCounterMode` counts equal `costmodel.graph.layer_forward_flops` /
+Parameter counts equal `costmodel.terms.counts`'s for the same spec and the forward FLOPs that
+`FlopCounterMode` counts equal `costmodel.terms.counts.layer_forward_flops` /
 `head_forward_flops` (eager attention; SDPA kernels on CPU count none).
 
 Layers live in a `ModuleDict` keyed by their index, and a pipeline stage is the same
@@ -243,6 +244,12 @@ class Transformer(nn.Module):
         if self.output is not None:
             x = self.output(x)
         return x
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The mean next-token loss the built-in models train on; vocabulary-sharded logits
+    need the loss_parallel context."""
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 def build_model(spec: ModelSpec, seq_len: int | None = None, device: str | torch.device = "meta",

@@ -1,24 +1,29 @@
-"""How one rank's part of the model is built from a strategy: the device mesh, the
-pipeline stages it holds, tensor (and sequence) parallelism with DTensor, expert
-parallelism, activation checkpointing and data parallelism by ZeRO stage.
-
-The mesh is the one place a strategy becomes ranks: dims ("pp", "edp", "ep", "tp"),
-tp innermost, so global rank = tp_rank + tp * (dp_rank + dp * pp_rank) as in
-costmodel.strategy, with the data-parallel rank split as edp_rank * ep + ep_rank.
+"""Shardwise's own Transformer split by a strategy: the recipes, each applied to one
+rank's part (the refusal of what cannot be built, the pipeline stage a rank holds,
+activation checkpointing, expert parallelism, tensor and sequence parallelism with
+DTensor, data parallelism by ZeRO stage: DDP, `replicate`, FSDP2), and `BuiltinModel`,
+which applies them in order to build this rank's parts, says what the step needs to run
+them (executor.step.ModelParts) and names their weights as the unsplit model does. The
+mesh comes from executor.mesh; executor.auto's Hugging Face split shares `wrap_ddp`.
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed._composable.replicate_with_fsdp import replicate
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    set_model_state_dict,
+)
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -26,21 +31,24 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
+from torch.nn.parallel import DistributedDataParallel as DDP
 
-from costmodel.specs import ModelSpec
+from costmodel.specs import ModelSpec, TrainingSpec
 from costmodel.strategy import Stage, Strategy
-from executor.models import MoE, Transformer, build_model
+from executor.mesh import RankMesh, tied_ends_group
+from executor.models import (
+    MoE,
+    Transformer,
+    build_model,
+    canonical_name,
+    cross_entropy,
+    materialize,
+)
+from executor.step import Accumulation, ModelParts, StageShapes, TiedEmbedding
 
 
 class UnsupportedPlan(ValueError):
     """The plan asks for something this executor cannot build; the message says what."""
-
-
-def build_mesh(strategy: Strategy, device_type: str) -> tuple[DeviceMesh, DeviceMesh]:
-    """The (pp, edp, ep, tp) mesh of the whole job, and its dp = edp x ep sub-mesh."""
-    shape = (strategy.pp, strategy.dp // strategy.ep, strategy.ep, strategy.tp)
-    mesh = init_device_mesh(device_type, shape, mesh_dim_names=("pp", "edp", "ep", "tp"))
-    return mesh, mesh["edp", "ep"]._flatten("dp")
 
 
 def check_supported(spec: ModelSpec, strategy: Strategy, seq_len: int) -> None:
@@ -216,6 +224,18 @@ def expert_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
             if isinstance(module, MoE) and module.dispatch is not None for leaf in ("w1", "w2", "w3")]
 
 
+def data_parallel_kind(strategy: Strategy) -> str:
+    """How the dp replicas are kept in step: "none", "ddp" (ZeRO-0, and ZeRO-1 with
+    ZeroRedundancyOptimizer, Rajbhandari et al. 2020 §5.1), "replicate" (ZeRO-0 over
+    tensor-parallel weights) or "fsdp" (ZeRO-2 and 3; ZeRO-1 over tensor-parallel weights
+    runs as ZeRO-2: the same traffic per step, less memory than planned)."""
+    if strategy.dp == 1:
+        return "none"
+    if strategy.zero_stage >= 2 or (strategy.zero_stage == 1 and strategy.tp > 1):
+        return "fsdp"
+    return "replicate" if strategy.tp > 1 else "ddp"
+
+
 def apply_replicate(model: Transformer, dp_mesh: DeviceMesh, ignored: set[nn.Parameter]) -> None:
     """ZeRO-0 over DTensor (tensor-parallel) weights: PyTorch's FSDP-based `replicate`,
     DDP's all-reduce of gradients per layer (Li et al. 2020 §3.2), which composes with
@@ -243,3 +263,125 @@ def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, zero_stage: int, ignored
             if unit:
                 fully_shard(unit, mesh=dp_mesh, reshard_after_forward=reshard)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, ignored_params=ignored or None)
+
+
+# DDP's switch for not broadcasting buffers each forward: `forward_sync_buffers` in
+# recent PyTorch, `broadcast_buffers` (deprecated there) before.
+NO_BUFFER_SYNC = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters
+                  else {"broadcast_buffers": False})
+
+
+def wrap_ddp(model: nn.Module, dp_mesh: DeviceMesh, ignored: list[str]) -> DDP:
+    """ZeRO-0 over plain weights: DistributedDataParallel over the dp group, leaving out
+    the parameters named in `ignored` (expert weights, reduced over edp by the step).
+    Buffers (the RoPE tables, a Hugging Face model's position ids) are computed
+    identically on every rank: no per-step broadcast."""
+    DDP._set_params_and_buffers_to_ignore_for_model(model, ignored)
+    return DDP(model, process_group=dp_mesh.get_group(), **NO_BUFFER_SYNC)
+
+
+class BuiltinModel:
+    """This rank's pipeline stages of `spec`'s Transformer for `strategy`, weights in
+    `dtype` drawn from `seed`."""
+
+    def __init__(self, spec: ModelSpec, training: TrainingSpec, strategy: Strategy, mesh: RankMesh,
+                 dtype: torch.dtype, seed: int, device: torch.device):
+        check_supported(spec, strategy, training.seq_len)
+        self.spec, self.training, self.strategy, self.mesh = spec, training, strategy, mesh
+        self.dtype, self.seed, self.device = dtype, seed, device
+        # A tied embedding whose two copies sit on the pipeline's ends sums over this group.
+        ends_group = tied_ends_group(mesh) if spec.tie_word_embeddings and strategy.pp > 1 else None
+        self.data_parallel = data_parallel_kind(strategy)
+        zero_2 = self.data_parallel == "fsdp" and strategy.zero_stage < 3
+        stages = [None] if strategy.pp == 1 else list(strategy.rank_stages(mesh.pp_rank))
+        self.modules = [self._build(stage) for stage in stages]   # as the step runs them
+        # This rank's Transformers, without their DDP wrappers.
+        self.stages = [m.module if isinstance(m, DDP) else m for m in self.modules]
+        self.parts = ModelParts(
+            modules=tuple(self.modules),
+            stage_indices=tuple(0 if stage is None else stage.index for stage in stages),
+            loss_fn=cross_entropy,
+            vocab_parallel_loss=strategy.tp > 1,
+            # ZeRO-2 gathers each weight once and reduce-scatters once per step; ZeRO-3
+            # gathers and reduce-scatters in every micro-batch, as the cost model counts.
+            accumulation=Accumulation(defer_sync=self.data_parallel == "replicate" or zero_2,
+                                      keep_gathered=zero_2),
+            shapes=self._stage_shapes(),
+            tied=self._tied_embedding(ends_group),
+            expert_parameters=tuple(p for inner in self.stages for _, p in expert_parameters(inner)),
+            summed_over_tp=self._summed_over_tp())
+        self.tied_names = ("tok_embeddings.weight", "output.weight") if spec.tie_word_embeddings else None
+
+    def _build(self, stage) -> nn.Module:
+        s = self.strategy
+        model = stage_module(self.spec, self.training.seq_len, stage, s.num_virtual_stages, self.dtype)
+        if s.tp > 1:
+            model.untie()
+        apply_recompute(model, stage, s)
+        for layer in model.layers.values():
+            layer.attention.flash = self.training.flash_attention
+        if s.ep > 1:
+            apply_expert_parallel(model, self.mesh["ep"])
+        if s.tp > 1:
+            apply_tensor_parallel(model, self.mesh["tp"], s.sequence_parallel)
+        experts = {p for _, p in expert_parameters(model)}
+        if self.data_parallel == "fsdp":
+            apply_fsdp(model, self.mesh.dp_mesh, max(2, s.zero_stage), experts)
+        elif self.data_parallel == "replicate":
+            apply_replicate(model, self.mesh.dp_mesh, experts)
+        materialize(model, self.device, self.seed)
+        if self.data_parallel == "ddp":
+            return wrap_ddp(model, self.mesh.dp_mesh, [n for n, _ in expert_parameters(model)])
+        return model
+
+    def _stage_shapes(self) -> StageShapes:
+        s, t = self.strategy, self.training.seq_len
+        # Stages exchange the residual stream, in the weights' dtype (under autocast the
+        # matmuls run lower, but each residual add is in this dtype); logits stay
+        # sharded over the vocabulary under tensor parallelism.
+        return StageShapes(seq_len=t, hidden_seq_len=t // s.tp if s.sequence_parallel else t,
+                           hidden_size=self.spec.hidden_size, logits_width=self.spec.vocab_size // s.tp,
+                           dtype=self.dtype)
+
+    def _tied_embedding(self, ends_group) -> TiedEmbedding | None:
+        """The embedding and the head's copy of it here, when they are two parameters."""
+        s = self.strategy
+        if not self.spec.tie_word_embeddings or (s.pp == 1 and s.tp == 1):
+            return None
+        embedding = next((m.tok_embeddings.weight for m in self.stages if m.tok_embeddings is not None), None)
+        head = next((m.output.weight for m in self.stages if m.output is not None), None)
+        return TiedEmbedding(embedding, head, ends_group)
+
+    def _summed_over_tp(self) -> tuple[nn.Parameter, ...]:
+        # Under sequence parallelism each tp rank adds only its slice of the learned
+        # positions, so the replicated table's gradient is the sum over the tp ranks.
+        if not (self.strategy.sequence_parallel and self.strategy.tp > 1):
+            return ()
+        return tuple(m.pos_embeddings.weight for m in self.stages if m.pos_embeddings is not None)
+
+    def parameters(self) -> list[nn.Parameter]:
+        return self.parts.parameters()
+
+    # -- weights --------------------------------------------------------------------
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Unsharded weights of this rank's pipeline stages, by their names in the unsplit
+        model (gathered over tp, dp and ep; every rank of the stage gets them)."""
+        out = {}
+        for inner in self.stages:
+            experts = {id(p) for _, p in expert_parameters(inner)}
+            for name, p in inner.named_parameters():
+                value = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+                if id(p) in experts:
+                    shards = [torch.empty_like(value) for _ in range(self.strategy.ep)]
+                    dist.all_gather(shards, value.contiguous(), group=self.mesh["ep"].get_group())
+                    value = torch.cat(shards)
+                out[canonical_name(name)] = value.cpu().clone()
+        return out
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load full, unsharded weights (the model's own names); each rank keeps its shards."""
+        full = {k: v.to(self.device) for k, v in state.items()}
+        for module in self.stages:
+            set_model_state_dict(module, full, options=StateDictOptions(full_state_dict=True, strict=False))

@@ -22,6 +22,11 @@ not finite stops the run (exit 4) or, with `--on-nonfinite skip`, is skipped wit
 update. A collective that fails or outlives `--timeout-s` ends the run with a line
 naming the rank and the step (exit 5).
 
+Metrics: one JSON line per step (flushed as it is written, so a crash loses nothing
+before it), and a closing summary that puts the measured step time and memory beside
+the plan's estimate, as a JSON line and a table; the JSON also lists each rank's group
+of the cluster, hardware and device.
+
 `SHARDWISE_TEST_CRASH_AT=RANK:STEP` (tests only) makes that rank die at that step on
 the first attempt, `hang:RANK:STEP` stop answering there, `save:STEP` every rank die
 halfway through that step's save.
@@ -31,35 +36,38 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import math
 import os
 import re
+import resource
+import statistics
 import sys
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from rich.console import Console
+from rich.table import Table
 
-from costmodel.loading import SpecError, load_model
 from costmodel.specs import ModelSpec, TrainingSpec
+from costmodel.specs.loading import SpecError, load_model
 from costmodel.strategy import Strategy
+from costmodel.units import GIB
 from executor import checkpoint
 from executor.data import make_source
-from executor.metrics import (
-    MetricsWriter,
-    StepMetrics,
-    group_summaries,
-    peak_memory_bytes,
-    print_summary,
-    record,
-    summarize,
-)
 from executor.parallelize import UnsupportedPlan, check_supported
 from executor.train import TrainConfig, Trainer
-from planner.plan import fingerprint, is_traced, read_plan, strategy_of
+from planner.plan_file import (
+    fingerprint,
+    is_traced,
+    read_plan,
+    strategy_of,
+    training_of,
+)
 
 EXIT_BAD_INPUT = 2
 EXIT_NONFINITE = 4
@@ -88,23 +96,12 @@ def load_job(plan_path: str, model_name: str | None = None, world_size: int | No
         if fingerprint(given) != doc["model_fingerprint"]:
             raise SpecError("--model", f"{model_name} is not the model this plan was made for ({model.name}; "
                                        f"fingerprints {fingerprint(given)[:19]} vs {doc['model_fingerprint'][:19]})")
-    try:
-        training = TrainingSpec(**doc["training"])
-    except TypeError as err:
-        raise SpecError("plan.training", str(err)) from None
+    training = training_of(doc)
     strategy = strategy_of(doc)
     if world_size is not None and world_size != strategy.num_gpus:
         raise SpecError("--nproc-per-node", f"the plan needs {strategy.num_gpus} processes "
                                             f"(dp {strategy.dp} x tp {strategy.tp} x pp {strategy.pp}), "
                                             f"{world_size} would be started")
-    if strategy.replica_microbatches:
-        batch, why = (strategy.micro_batch_size * sum(strategy.replica_microbatches),
-                      "micro_batch_size x sum(replica_microbatches)")
-    else:
-        batch, why = (strategy.dp * strategy.micro_batch_size * strategy.num_microbatches,
-                      "dp x micro_batch_size x num_microbatches")
-    if batch != training.global_batch:
-        raise SpecError("plan.strategy", f"{why} does not equal the global batch")
     try:
         check_supported(model, strategy, training.seq_len)
     except UnsupportedPlan as err:
@@ -294,6 +291,102 @@ def resume(trainer: Trainer, job: RunJob, args: argparse.Namespace, rank: int) -
     return step
 
 
+# -- what a run reports ---------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StepMetrics:
+    step: int
+    loss: float
+    step_time_s: float
+    tokens_per_s: float
+    peak_memory_bytes: int      # largest over ranks; see `peak_memory_bytes()`
+    lr: float
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak allocated bytes of this rank: the CUDA caching allocator's counter on a GPU,
+    the process's peak resident set on CPU (which includes the Python runtime)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    scale = 1 if sys.platform == "darwin" else 1024   # ru_maxrss is KiB on Linux
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale)
+
+
+class MetricsWriter:
+    """Appends JSON lines to `path` (or nowhere when None)."""
+
+    def __init__(self, path: str | Path | None):
+        self.file = open(path, "w") if path else None
+
+    def write(self, record: dict) -> None:
+        if self.file:
+            self.file.write(json.dumps(record, sort_keys=True) + "\n")
+            self.file.flush()
+
+    def close(self) -> None:
+        if self.file:
+            self.file.close()
+
+
+def summarize(steps: list[StepMetrics], estimate: dict, device: torch.device, ranks: list[dict] | None = None) -> dict:
+    """Median measured step (the first step, which warms up, is left out when there are
+    more) against the plan's estimate; `ranks`, each rank's group, hardware and device
+    (`rank_group`), by rank."""
+    timed = steps[1:] if len(steps) > 1 else steps
+    step_s = statistics.median(s.step_time_s for s in timed)
+    peak = max(s.peak_memory_bytes for s in steps)
+    return {
+        "steps": len(steps),
+        "device": device.type,
+        "measured_step_time_s": step_s,
+        "estimated_step_time_s": estimate["step_time_s"],
+        "step_time_ratio": step_s / estimate["step_time_s"],
+        "measured_tokens_per_s": statistics.median(s.tokens_per_s for s in timed),
+        "estimated_tokens_per_s": estimate["tokens_per_s"],
+        "measured_peak_memory_bytes": peak,
+        "estimated_peak_memory_bytes": estimate["peak_memory_bytes"],
+        "memory_kind": "allocated" if device.type == "cuda" else "process RSS",
+        "first_loss": steps[0].loss,
+        "last_loss": steps[-1].loss,
+        **({"ranks": ranks} if ranks is not None else {}),
+    }
+
+
+def group_summaries(ranks: list[dict]) -> list[str]:
+    """One entry per group of the cluster: its ranks, hardware and device."""
+    by_group: dict[str, list[dict]] = {}
+    for r in ranks:
+        by_group.setdefault(r["group"], []).append(r)
+    out = []
+    for group, members in by_group.items():
+        numbers = ", ".join(str(r["rank"]) for r in members)
+        kinds = ", ".join(sorted({f"{r['gpu']} on {r['device']}" for r in members}))
+        out.append(f"{group}: rank{'s' if len(members) > 1 else ''} {numbers} ({kinds})")
+    return out
+
+
+def print_summary(summary: dict, console: Console | None = None) -> None:
+    console = console or Console()
+    table = Table(title=f"Run against the plan ({summary['steps']} steps on {summary['device']})")
+    for col in ("", "measured", "estimated", "ratio"):
+        table.add_column(col, justify="left" if not col else "right")
+    table.add_row("step time s", f"{summary['measured_step_time_s']:.4f}", f"{summary['estimated_step_time_s']:.4f}",
+                  f"{summary['step_time_ratio']:.2f}")
+    table.add_row("tokens/s", f"{summary['measured_tokens_per_s']:,.0f}", f"{summary['estimated_tokens_per_s']:,.0f}",
+                  f"{summary['measured_tokens_per_s'] / summary['estimated_tokens_per_s']:.2f}")
+    measured, estimated = summary["measured_peak_memory_bytes"], summary["estimated_peak_memory_bytes"]
+    table.add_row(f"peak memory GiB ({summary['memory_kind']})", f"{measured / GIB:.3f}", f"{estimated / GIB:.3f}",
+                  f"{measured / estimated:.2f}")
+    table.add_row("loss first -> last", f"{summary['first_loss']:.4f} -> {summary['last_loss']:.4f}", "", "")
+    console.print(table)
+
+
+def record(metrics: StepMetrics) -> dict:
+    return asdict(metrics)
+
+
+# -- the training loop ----------------------------------------------------------------
+
 def train(job: RunJob, args: argparse.Namespace, source, device: torch.device, rank: int,
           placement: RankGroup) -> None:
     training = job.training
@@ -304,7 +397,7 @@ def train(job: RunJob, args: argparse.Namespace, source, device: torch.device, r
                          grad_clip=args.grad_clip, seed=args.seed,
                          dtype=torch.float64 if args.fp64 else torch.float32)
     # The trainer autocasts to the plan's bf16 / fp16 itself, and not at all in float64
-    # (Trainer.autocast).
+    # (executor.step.autocast_dtype).
     trainer = Trainer(job.model, training, job.strategy, config, device)
     # Each rank says where it runs, as it resolved it from the plan: the summary shows
     # that rank r ran in the group the plan declares.

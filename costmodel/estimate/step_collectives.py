@@ -1,8 +1,8 @@
 """The collectives one rank issues in a training step, as the cost model charges them:
-kind, group, bytes per call (the convention of `comm.collective_time_s`) and calls per
-step. `estimate.unit_costs` and `estimate.dp_sync_s` price exactly these; this listing
+kind, group, bytes per call (the convention of `costmodel.terms.comm.collective_time_s`)
+and calls per step. `uniform.unit_costs` and `uniform.dp_sync_s` price exactly these; this listing
 names them one by one so that a run can be checked against it (the executor's
-`CommCounter`, tests/executor/test_executor_comms.py).
+`CommCounter`, tests/executor/test_collective_log.py).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Estimates for traced layer graphs (`costmodel.trace`): any nn.Module, planned over
 data and pipeline parallelism, ZeRO stages, micro-batching and full recomputation of
-nodes. Transformers the specs describe go through `costmodel.estimate` instead, whose
+nodes. Transformers the specs describe go through `costmodel.estimate.uniform` instead, whose
 terms know their layers; here nothing is known of a node but what its trace measured.
 
 A node is one block of the module (`trace.blocks`); a pipeline stage is a contiguous
@@ -23,7 +23,7 @@ saved for backward and bytes handed on along each edge. From them:
   gradient back, through each stage in between (torch.distributed.pipelining passes
   activations only to the next stage);
 - data parallelism, ZeRO, optimizer, in-flight micro-batches and buffers: the same
-  terms as `costmodel.estimate`, summed over the rank's nodes instead of its layers.
+  terms as `costmodel.estimate.uniform`, summed over the rank's nodes instead of its layers.
 """
 
 from __future__ import annotations

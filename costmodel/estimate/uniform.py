@@ -1,5 +1,7 @@
-"""`estimate()`: step time, throughput, MFU/HFU and peak memory of a strategy, with
-breakdowns. Per-layer unit costs (`unit_costs`) are shared with the planner's partition
+"""The estimate of a transformer the specs describe on one kind of GPU: step time,
+throughput, MFU/HFU and peak memory of a strategy, with breakdowns, from the terms of
+`costmodel.terms`. Mixed clusters price each group with these functions
+(`costmodel.estimate.mixed`). Per-layer unit costs (`unit_costs`) are shared with the planner's partition
 solver, so the solver optimises exactly the figures reported here.
 """
 
@@ -117,7 +119,7 @@ def unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
     # The embedding's output is all-reduced (with SP reduce-scattered forward and its
     # gradient all-gathered backward); the head's input gradient is all-reduced backward
     # (with SP its input all-gathered forward and the gradient reduce-scattered back).
-    # Counted from the executor's collectives (tests/executor/test_executor_comms.py).
+    # Counted from the executor's collectives (tests/executor/test_collective_log.py).
     emb_fwd = compute.embedding_compute_s(model, cluster, training, b)
     head_fwd = compute.head_compute_s(model, cluster, training, b, tp)
     emb_bwd, head_bwd = compute.BACKWARD_FACTOR * emb_fwd, compute.BACKWARD_FACTOR * head_fwd

@@ -324,7 +324,6 @@ def explain(plan_file, plot_file, html_file) -> None:
     print_explain(doc)
     if not (plot_file or html_file):
         return
-    from pathlib import Path
 
     from rich.console import Console
 
@@ -337,13 +336,7 @@ def explain(plan_file, plot_file, html_file) -> None:
                                ("--html", html_file, explain_html(doc, png).encode() if html_file else None)):
         if not path:
             continue
-        tmp = Path(path + ".tmp")   # write aside, then rename: never half a file
-        try:
-            tmp.write_bytes(data)
-            tmp.replace(path)
-        except OSError as err:
-            tmp.unlink(missing_ok=True)
-            _fail(EXIT_BAD_INPUT, f"{option}: cannot write {path}: {err.strerror}")
+        _write_aside(option, path, data)
         click.echo(f"{option.removeprefix('--')} written to {path}")
 
 

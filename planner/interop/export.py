@@ -1,13 +1,10 @@
-"""Exports: a plan's strategy as another engine's configuration. torchtitan's
-command-line overrides (its Python-config releases, 0.3) or job TOML (0.2), Megatron-LM's
-command-line arguments, or a DeepSpeed config JSON. Each exporter returns the text and
-warnings for what the engine cannot express, in the engine's own terms; then the text is
-read back with `planner.interop.importers` and any difference from the plan is a warning too,
+"""Exports: a plan's strategy as another engine's configuration, by target: torchtitan's
+command-line overrides (its Python-config releases, 0.3) or job TOML (0.2)
+(`interop.torchtitan`), Megatron-LM's command-line arguments (`interop.megatron`), or a
+DeepSpeed config JSON (`interop.deepspeed`). Each exporter returns the text and warnings
+for what the engine cannot express, in the engine's own terms; then the text is read
+back with `planner.interop.importers` and any difference from the plan is a warning too,
 so nothing is dropped silently.
-
-Option names come from the engines' sources, cited at each constant in
-`planner.interop.importers` (which owns what an engine's options mean); the mapping choices are
-explained here where they are made.
 """
 
 from __future__ import annotations

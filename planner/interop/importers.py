@@ -1,22 +1,13 @@
-"""What a training engine's configuration means, as a Shardwise Strategy: torchtitan's
-command-line overrides (its Python-config releases, 0.3) or job TOML (0.2), Megatron-LM's
-command-line arguments, and a DeepSpeed config JSON. Each reader returns the strategy
+"""Reading a training engine's configuration as a Shardwise Strategy, by engine:
+torchtitan's command-line overrides or job TOML (`interop.torchtitan`), Megatron-LM's
+command-line arguments (`interop.megatron`), a DeepSpeed config JSON (`interop.deepspeed`),
+quoted on the command line or in a file. Each reader returns the strategy
 with its stages, the batch, sequence and precision the config states, and warnings for
 what it had to assume; a config that is malformed or contradicts itself, the model or the
 cluster raises SpecError naming the engine's own field (exit code 2).
 
-This module also owns the engines' own stage partitions (`torchtitan_split`,
-`megatron_split`, `megatron_layout_sizes`), which `planner.interop.export` inverts. Files are read
-with tomllib and json only. Every option name below cites the engine source file it comes
-from: torchtitan 0.3.0 `torchtitan/config/configs.py` (ParallelismConfig, TrainingConfig)
-and `torchtitan/trainer.py`, torchtitan 0.2.2 `torchtitan/config/job_config.py`,
-DeepSpeed 0.19.8 `deepspeed/runtime/config.py`, `runtime/zero/config.py`,
-`runtime/tensor_parallel/config.py`, `runtime/pipe/engine.py`,
-`runtime/activation_checkpointing/config.py`; Megatron-LM's `megatron/training/arguments.py`
-is not on PyPI, so its names are those of megatron-core 0.16.1's config fields
-(`ModelParallelConfig`, `TransformerConfig`, `DistributedDataParallelConfig`, which
-Megatron-LM fills from its arguments of the same names with dashes) and, where an
-argument is spelled differently from its field, Megatron-LM's arguments.py as we know it.
+The engine modules own what each option means and cite the engine source it comes
+from; files are read with tomllib and json only.
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ shape is placed on the groups two ways:
 
 Every group of a set is used whole. A set of one group is the homogeneous search on
 that group, so the result is never worse than the best plan on its fastest group alone.
-Candidates are ranked as `planner.search` ranks them (objective, budgets, Pareto front)
-and pruned as it prunes them: in order of a lower bound, stopping at the first bound no
+Candidates are ranked and pruned as on one GPU type (`planner.search.result`: objective,
+budgets, Pareto front, `solve_in_bound_order`): in order of a lower bound, stopping at the first bound no
 better than the K-th best plan. The bound is `planner.search.bounds.quick` on unit costs that
 take, term by term, the cheapest of the groups a placement uses (`fastest_units`), and
 on the largest of their memories; no rank of any placement can do better than that.

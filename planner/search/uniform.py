@@ -1,4 +1,4 @@
-"""The search: enumerate the space, bound every candidate (`planner.search.bounds`), and solve
+"""The search for a transformer on one kind of GPU: enumerate the space, bound every candidate (`planner.search.bounds`), and solve
 the partition program (`planner.search.partition`) only for candidates whose bound can still
 beat the K-th best plan found. Candidates are taken in order of their quick bound, so
 the search stops at the first quick bound no better than the K-th best; on the way, a

@@ -1,10 +1,10 @@
 """Fixtures the executor's torchrun tests share."""
 
 import pytest
-
 from executor_test_helpers import GLOBAL_BATCH, SEQ_LEN
+
 from planner.api import plan
-from planner.plan import write_plan
+from planner.plan_file import write_plan
 
 
 @pytest.fixture(scope="module")

@@ -1,22 +1,26 @@
 """Shared helpers for the executor tests: plans, data, the rank body of a parallel run
-(launched with executor.launch.run_local) and the single-process reference training loop, written with plain PyTorch pieces (one unsplit model,
-torch.optim, clip_grad_norm_) so the parallel runs are compared with something they do
-not share code with beyond the model and its initial weights.
+(launched with executor.launch.run_local), the single-process reference training loop,
+written with plain PyTorch pieces (one unsplit model, torch.optim, clip_grad_norm_) so
+the parallel runs are compared with something they do not share code with beyond the
+model and its initial weights, and the tolerances of the comparison. For
+auto_parallelize: tiny Hugging Face models built from configs, and their
+single-process reference.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import torch
 
-from costmodel.loading import load_model
 from costmodel.specs import TrainingSpec
+from costmodel.specs.loading import load_model
 from costmodel.strategy import Strategy, even_stages
 from executor.data import SyntheticTokens
-from executor.launch import run_local as run_ranks
-from executor.models import build_model, materialize
-from executor.train import TrainConfig, Trainer, cross_entropy, lr_factor
+from executor.launch import run_local
+from executor.models import build_model, cross_entropy, materialize
+from executor.train import TrainConfig, Trainer, lr_factor
 
 SEQ_LEN = 16
 GLOBAL_BATCH = 8
@@ -145,3 +149,92 @@ def assert_matches_reference(results, ref_losses, ref_params, config: TrainConfi
         assert gathered[name].dtype == ref_params[name].dtype == config.dtype, name
         torch.testing.assert_close(gathered[name], ref_params[name], rtol=0, atol=weight_atol(config.dtype, config.lr),
                                    msg=name)
+
+
+@functools.cache
+def cached_reference(model_name: str, steps: int = STEPS, global_batch: int = GLOBAL_BATCH,
+                     config: TrainConfig = PARITY, precision: str = "fp32"):
+    """reference_run, computed once per test process for each set of arguments."""
+    return reference_run(model_name, steps=steps, global_batch=global_batch, config=config, precision=precision)
+
+
+def check_parity(model_name: str, strat: Strategy, steps: int = STEPS, global_batch: int = GLOBAL_BATCH) -> None:
+    """`strat`, run on its ranks in float64, trains `model_name` as one process does."""
+    ref_losses, ref_params = cached_reference(model_name, steps, global_batch)
+    results = run_local(parallel_run, strat.num_gpus, model_name, strat, "adamw", steps, global_batch, PARITY)
+    assert_matches_reference(results, ref_losses, ref_params)
+
+
+# -- auto_parallelize: tiny Hugging Face models against one process ---------------------
+
+# Layouts auto_parallelize plans for (its `fix`).
+AUTO_LAYOUTS = {
+    "dp2": {"dp": 2, "tp": 1, "pp": 1, "zero": 0},
+    "tp2": {"dp": 1, "tp": 2, "pp": 1},
+    "pp2": {"dp": 1, "tp": 1, "pp": 2, "schedule": "1f1b"},
+    "dp2xtp2": {"dp": 2, "tp": 2, "pp": 1, "zero": 0},
+    "tp2xpp2": {"dp": 1, "tp": 2, "pp": 2, "schedule": "gpipe"},
+    "zero3-dp2": {"dp": 2, "tp": 1, "pp": 1, "zero": 3},
+    "tp2-recompute": {"dp": 1, "tp": 2, "pp": 1, "recompute": "full"},
+}
+
+
+def causal_lm_loss(logits, labels):
+    """The next-token loss in the logits' dtype (Hugging Face's own upcasts to float32)."""
+    return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+
+
+def hf_config(family: str):
+    import transformers
+
+    if family in ("mistral", "qwen2"):   # Qwen2's q/k/v carry biases
+        config = {"mistral": transformers.MistralConfig, "qwen2": transformers.Qwen2Config}[family]
+        return config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=SEQ_LEN, tie_word_embeddings=False)
+    if family == "llama":
+        return transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ_LEN,
+                                        tie_word_embeddings=False)
+    return transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=4, n_head=4, n_positions=SEQ_LEN,
+                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+
+def hf_model(family: str, dtype: torch.dtype = PARITY.dtype):
+    import transformers
+
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(hf_config(family), attn_implementation="eager").to(dtype)
+
+
+def token_batches():
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 64, (GLOBAL_BATCH, SEQ_LEN), generator=generator) for _ in range(STEPS)]
+
+
+def hf_reference(family: str):
+    """One process, plain torch.optim: the losses and the final weights."""
+    model = hf_model(family)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=PARITY.lr)
+    losses = []
+    for ids in token_batches():
+        loss = causal_lm_loss(model(input_ids=ids).logits, ids)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def assert_trains_as_the_model(results, reference_losses, reference_state) -> None:
+    """Every rank's losses, and the weights the trainer gives back under the model's own
+    names, equal the single-process run's within the float64 tolerances above."""
+    import pytest
+
+    dtype = PARITY.dtype
+    for result in results:
+        assert result["losses"].tolist() == pytest.approx(reference_losses, rel=loss_rtol(dtype))
+    state = results[0]["state"]
+    assert set(state) == set(reference_state)
+    for name, value in reference_state.items():
+        assert state[name].dtype == dtype, name
+        torch.testing.assert_close(state[name], value, atol=weight_atol(dtype, PARITY.lr), rtol=0, msg=name)

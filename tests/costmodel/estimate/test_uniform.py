@@ -12,7 +12,6 @@ from costmodel_test_helpers import (
     A100_HBM,
     A100_PEAK_BF16,
     CALIBRATION_FILE,
-    GIB,
     IB_BW,
     IB_LAT,
     NVLINK_BW,
@@ -46,6 +45,7 @@ from costmodel.terms.counts import (
     total_parameters,
 )
 from costmodel.terms.memory import layer_activation_bytes
+from costmodel.units import GIB
 
 MIB = 1 << 20
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from costmodel_test_helpers import GIB, HF_DIR
+from costmodel_test_helpers import HF_DIR
 
 from costmodel.specs import ModelSpec
 from costmodel.specs.loading import (
@@ -21,6 +21,7 @@ from costmodel.specs.loading import (
     model_from_dict,
     parse_overrides,
 )
+from costmodel.units import GIB
 
 TINY_GPT_YAML = """\
 model_type: gpt

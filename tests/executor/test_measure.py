@@ -5,12 +5,11 @@ that `plan --profile` then uses, and --extend merges measurements by shape."""
 import json
 
 import pytest
-import yaml
 from click.testing import CliRunner
 
-from costmodel.loading import load_cluster
-from executor.profile import extend
-from planner.cli import main as cli
+from costmodel.specs.loading import load_cluster
+from executor.measure import extend
+from planner.console.cli import main as cli
 
 
 def test_quick_profile_fits_a_loadable_cluster(tmp_path):

@@ -8,28 +8,28 @@ import json
 
 import pytest
 import torch
-
-from costmodel.loading import load_model
-from executor import checkpoint
-from executor.train import Trainer
 from executor_test_helpers import (
     PARITY,
     STEPS,
     batches,
     loss_rtol,
     reference_run,
-    run_ranks,
     strategy,
     training,
     weight_atol,
 )
+
+from costmodel.specs.loading import load_model
+from executor import checkpoint
+from executor.launch import run_local
+from executor.train import Trainer
 
 SAVED_AT = 2
 PLAN_STUB = {"model_fingerprint": "sha256:test"}
 
 
 def plan_of(strat) -> dict:
-    from planner.plan import strategy_dict
+    from planner.plan_file import strategy_dict
 
     return {**PLAN_STUB, "model": {"name": "tiny-gpt"}, "strategy": strategy_dict(strat)}
 
@@ -73,10 +73,10 @@ def world(layout):
 def test_a_checkpoint_resumes_under_other_plans_with_the_uninterrupted_losses(saved, tmp_path):
     reference, final = reference_run("tiny-gpt", config=PARITY)
     rtol, atol = loss_rtol(PARITY.dtype), weight_atol(PARITY.dtype, PARITY.lr)
-    first = run_ranks(save_rank, world(saved), strategy(**LAYOUTS[saved]), str(tmp_path))
+    first = run_local(save_rank, world(saved), strategy(**LAYOUTS[saved]), str(tmp_path))
     assert first[0].tolist() == pytest.approx(reference[:SAVED_AT], rel=rtol)
     for resumed in RESUMES[saved]:
-        out = run_ranks(resume_rank, world(resumed), strategy(**LAYOUTS[resumed]), str(tmp_path))
+        out = run_local(resume_rank, world(resumed), strategy(**LAYOUTS[resumed]), str(tmp_path))
         assert int(out[0]["step"]) == SAVED_AT
         assert out[-1]["losses"].tolist() == pytest.approx(reference[SAVED_AT:], rel=rtol), resumed
         state = out[0]["state"]
@@ -85,7 +85,7 @@ def test_a_checkpoint_resumes_under_other_plans_with_the_uninterrupted_losses(sa
 
 
 def test_an_altered_file_is_refused_by_name(tmp_path):
-    run_ranks(save_rank, 2, strategy(dp=2), str(tmp_path))
+    run_local(save_rank, 2, strategy(dp=2), str(tmp_path))
     found = checkpoint.latest(tmp_path, log=lambda *a: None)
     data = sorted(p for p in found.path.iterdir() if p.suffix == ".distcp")[0]
     raw = bytearray(data.read_bytes())
@@ -96,7 +96,7 @@ def test_an_altered_file_is_refused_by_name(tmp_path):
 
 
 def test_a_save_that_did_not_finish_is_skipped_with_a_message(tmp_path):
-    run_ranks(save_rank, 2, strategy(dp=2), str(tmp_path))
+    run_local(save_rank, 2, strategy(dp=2), str(tmp_path))
     # What a save killed before its publish leaves: a partial directory of DCP files
     # and no manifest (the worker's crash hook produces the same under torchrun).
     partial = tmp_path / ".step-00000004.partial"
@@ -110,7 +110,7 @@ def test_a_save_that_did_not_finish_is_skipped_with_a_message(tmp_path):
 
 
 def test_the_manifest_carries_the_plan_and_checksums(tmp_path):
-    run_ranks(save_rank, 2, strategy(dp=2), str(tmp_path))
+    run_local(save_rank, 2, strategy(dp=2), str(tmp_path))
     manifest = json.loads((tmp_path / "step-00000002" / "manifest.json").read_text())
     assert manifest["step"] == 2 and manifest["model_fingerprint"] == "sha256:test"
     assert manifest["plan"]["strategy"]["dp"] == 2

@@ -1,7 +1,7 @@
 """Mixed clusters: the executor runs a plan whose ranks sit on groups of different
 hardware. Replica groups, whose dp replicas run their own number of micro-batches,
 and stage groups, whose pipeline ranks hold uneven stages, train the tiny models as
-one process does (test_executor_parity's tolerances); `shardwise run` reports each
+one process does (test_step.py's tolerances); `shardwise run` reports each
 rank in the group the plan declares; bad group fields are refused by name.
 
 On CPU every group is CPU hardware, declared as different types: configs/hardware/
@@ -17,28 +17,27 @@ import pytest
 import torch
 import yaml
 from click.testing import CliRunner
-
-from costmodel.loading import load_cluster, load_model
-from costmodel.strategy import Stage, Strategy, even_stages
-from executor.comms import CommCounter
-from executor.data import SyntheticTokens, replica_shard
-from executor.parallelize import UnsupportedPlan, check_supported
-from executor.run import is_cpu_hardware, rank_group
-from executor.train import Trainer
 from executor_test_helpers import (
     CONFIG,
     PARITY,
-    assert_matches_reference,
     batches,
+    cached_reference,
+    check_parity,
     loss_rtol,
-    parallel_run,
-    reference_run,
-    run_ranks,
     training,
 )
+
+from costmodel.specs.loading import load_cluster, load_model
+from costmodel.strategy import Stage, Strategy, even_stages
+from executor.collective_log import CommCounter
+from executor.data import SyntheticTokens, replica_shard
+from executor.launch import run_local
+from executor.parallelize import UnsupportedPlan, check_supported
+from executor.run import is_cpu_hardware, rank_group
+from executor.train import Trainer
 from planner.api import plan
-from planner.cli import main as cli
-from planner.plan import cluster_dict, strategy_dict, write_plan
+from planner.console.cli import main as cli
+from planner.plan_file import cluster_dict, strategy_dict, write_plan
 
 STEPS = 3
 BATCH = 4          # replica shares 3 + 1 micro-batches of one sequence
@@ -71,27 +70,9 @@ REPLICA_PLANS = {
 }
 STAGE_PLANS = {"pp2-3+1": staged(), "pp2-3+1-gpipe": staged(schedule="gpipe"), "dp2-pp2-3+1": staged(dp=2)}
 
-_references = {}
-
-
-def reference(model, config=PARITY):
-    """One process's losses and weights: float64 for the parity checks, float32 for
-    what `shardwise run` trains."""
-    key = (model, config.dtype)
-    if key not in _references:
-        _references[key] = reference_run(model, steps=STEPS, global_batch=BATCH, config=config)
-    return _references[key]
-
-
-def check_parity(model, strat):
-    ref_losses, ref_params = reference(model)
-    results = run_ranks(parallel_run, strat.num_gpus, model, strat, "adamw", STEPS, BATCH, PARITY)
-    assert_matches_reference(results, ref_losses, ref_params)
-
-
 @pytest.mark.parametrize("plan_name", sorted(REPLICA_PLANS))
 def test_replica_shares_train_as_one_process(plan_name):
-    check_parity("tiny-gpt", REPLICA_PLANS[plan_name])
+    check_parity("tiny-gpt", REPLICA_PLANS[plan_name], STEPS, BATCH)
 
 
 def test_each_replica_takes_its_share_of_the_global_batch():
@@ -118,21 +99,21 @@ def issued_in_order(rank, world, strat):
 def test_replicas_of_unequal_shares_issue_the_same_collectives(plan_name):
     # Three micro-batches on one replica, one on the other: gradients are reduced once,
     # on each replica's last micro-batch, and ZeRO-2 gathers each weight once, on its first.
-    fast, slow = run_ranks(issued_in_order, 2, REPLICA_PLANS[plan_name])
+    fast, slow = run_local(issued_in_order, 2, REPLICA_PLANS[plan_name])
     assert fast == slow and len(fast) > 1   # the gradients' reduction, besides the norm's all-reduce
 
 
 def test_replica_shares_train_a_llama_as_one_process():
-    check_parity("tiny-llama", REPLICA_PLANS["ddp"])
+    check_parity("tiny-llama", REPLICA_PLANS["ddp"], STEPS, BATCH)
 
 
 @pytest.mark.parametrize("plan_name", sorted(STAGE_PLANS))
 def test_uneven_stage_groups_train_as_one_process(plan_name):
-    check_parity("tiny-gpt", STAGE_PLANS[plan_name])
+    check_parity("tiny-gpt", STAGE_PLANS[plan_name], STEPS, BATCH)
 
 
 def test_uneven_stage_groups_train_a_llama_as_one_process():
-    check_parity("tiny-llama", STAGE_PLANS["pp2-3+1"])
+    check_parity("tiny-llama", STAGE_PLANS["pp2-3+1"], STEPS, BATCH)
 
 
 def test_a_share_the_executor_cannot_run_is_refused_by_name():
@@ -206,7 +187,7 @@ def run_plan_file(path, tmp_path):
     """`shardwise run --fp64 --deterministic` of a plan file in a fresh process: its
     result and metrics lines (float64, so the losses compare with the parity tolerance)."""
     metrics = tmp_path / "metrics.jsonl"
-    cmd = [sys.executable, "-m", "planner.cli", "run", str(path), "--steps", str(STEPS), "--lr", str(PARITY.lr),
+    cmd = [sys.executable, "-m", "planner.console.cli", "run", str(path), "--steps", str(STEPS), "--lr", str(PARITY.lr),
            "--metrics-out", str(metrics), "--fp64", "--deterministic"]
     done = subprocess.run(cmd, capture_output=True, text=True, env={"OMP_NUM_THREADS": "1", **os.environ}, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -226,7 +207,8 @@ def test_run_reports_each_rank_in_its_declared_group(mode, cpu_plan, mixed_clust
     declared = ["fast", "slow"] if mode == "replica" else ["slow", "fast"]
     gpu = {"fast": "CPU", "slow": "cpu-slow"}
     assert summary["ranks"] == [{"rank": r, "group": g, "gpu": gpu[g], "device": "cpu"} for r, g in enumerate(declared)]
-    assert [s["loss"] for s in lines[:-1]] == pytest.approx(reference("tiny-gpt")[0], rel=loss_rtol(PARITY.dtype))
+    reference_losses = cached_reference("tiny-gpt", STEPS, BATCH)[0]
+    assert [s["loss"] for s in lines[:-1]] == pytest.approx(reference_losses, rel=loss_rtol(PARITY.dtype))
     assert "groups: " in done.stdout
 
 
@@ -293,4 +275,5 @@ def test_a_plan_the_planner_made_for_a_mixed_cluster_runs_as_one_process(fix, mi
     path = tmp_path / "plan.json"
     write_plan(doc, path)
     done, lines = run_plan_file(path, tmp_path)
-    assert [s["loss"] for s in lines[:-1]] == pytest.approx(reference("tiny-gpt")[0], rel=loss_rtol(PARITY.dtype))
+    reference_losses = cached_reference("tiny-gpt", STEPS, BATCH)[0]
+    assert [s["loss"] for s in lines[:-1]] == pytest.approx(reference_losses, rel=loss_rtol(PARITY.dtype))

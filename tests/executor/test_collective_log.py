@@ -1,15 +1,17 @@
 """The collectives the executor issues in a step equal, kind by kind, in calls and in
-bytes, the ones the cost model charges for the same plan (costmodel.collectives)."""
+bytes, the ones the cost model charges for the same plan (costmodel.estimate.step_collectives)."""
 
-import pytest
 from collections import Counter
 
-from costmodel.collectives import group_sizes, step_collectives
-from costmodel.loading import load_cluster, load_model
-from costmodel.specs import Problem
-from executor.comms import CommCounter
+import pytest
+from executor_test_helpers import CONFIG, batches, strategy, training
+
+from costmodel.estimate.step_collectives import group_sizes, step_collectives
+from costmodel.problem import Problem
+from costmodel.specs.loading import load_cluster, load_model
+from executor.collective_log import CommCounter
+from executor.launch import run_local
 from executor.train import Trainer
-from executor_test_helpers import CONFIG, batches, run_ranks, strategy, training
 
 PLANS = {
     "dp2": ("tiny-llama", strategy(dp=2)),
@@ -35,7 +37,7 @@ def issued(rank, world, model, strat):
     trainer.step(*warm_again)
     with CommCounter() as counter:
         trainer.train_step(*measured)
-    return {(c.kind, c.group_size, c.bytes): n for c, n in Counter(counter.issued).items()}, trainer.pp_rank
+    return {(c.kind, c.group_size, c.bytes): n for c, n in Counter(counter.issued).items()}, trainer.mesh.pp_rank
 
 
 def charged(model, strat, pp_rank):
@@ -52,7 +54,7 @@ def test_collectives_match_cost_model(plan):
     model, strat = PLANS[plan]
     spec = load_model(model)
     routed_measured = routed_charged = 0
-    for measured, pp_rank in run_ranks(issued, strat.num_gpus, model, strat):
+    for measured, pp_rank in run_local(issued, strat.num_gpus, model, strat):
         charge = charged(model, strat, pp_rank)
         if strat.ep > 1:
             # Each MoE layer first exchanges its per-expert row counts (ep x local experts

@@ -7,8 +7,12 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from costmodel.graph import head_forward_flops, layer_forward_flops, total_parameters
-from costmodel.loading import load_model
+from costmodel.specs.loading import load_model
+from costmodel.terms.counts import (
+    head_forward_flops,
+    layer_forward_flops,
+    total_parameters,
+)
 from executor.models import build_model, initial_value, materialize, num_parameters
 
 # The tiny built-ins and every built-in family shrunk to a few small layers (the

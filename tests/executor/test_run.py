@@ -1,0 +1,196 @@
+"""`shardwise run` (executor.run): a plan file trained under torchrun gives the
+single-process losses, writes its metrics, and every bad input is refused before any
+process trains.
+
+Crash recovery under torchrun: when a rank is killed at a chosen step, `shardwise run
+--max-restarts` starts the group again and it resumes from the newest checkpoint, ending
+with parameters and optimizer states bitwise equal to an uninterrupted run; a save
+killed before its publish leaves the previous checkpoint to resume from; a rank that
+hangs makes its peer fail naming the rank, step and operation; a non-finite loss stops
+the run, or is skipped when asked."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from click.testing import CliRunner
+from executor_test_helpers import (
+    CONFIG,
+    GLOBAL_BATCH,
+    SEQ_LEN,
+    STEPS,
+    loss_rtol,
+    reference_run,
+)
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from executor.launch import plan_launch, torchrun_command
+from executor.run import main as worker_main
+from planner.api import plan
+from planner.console.cli import main as cli
+from planner.plan_file import write_plan
+
+
+def run_cli(*args):
+    result = CliRunner().invoke(cli, ["run", *map(str, args)])
+    return result.exit_code, result.output
+
+
+def test_corrupt_plan_is_refused(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"schema_version": 1, "model": ')
+    code, out = run_cli(bad)
+    assert code == 2 and "plan: " in out and "not valid JSON" in out
+    assert len(out.strip().splitlines()) == 1
+
+
+def test_tampered_plan_is_refused(plan_file, tmp_path):
+    doc = json.loads(plan_file.read_text())
+    doc["model"]["hidden_size"] = 128    # the fingerprint no longer matches
+    tampered = tmp_path / "tampered.json"
+    tampered.write_text(json.dumps(doc))
+    code, out = run_cli(tampered)
+    assert code == 2 and "plan.model_fingerprint" in out
+
+
+def test_plan_for_another_model_is_refused(plan_file):
+    code, out = run_cli(plan_file, "--model", "tiny-llama")
+    assert code == 2 and out.startswith("error: --model: tiny-llama is not the model this plan was made for")
+
+
+def test_world_size_mismatch_is_refused(plan_file, monkeypatch):
+    code, out = run_cli(plan_file, "--nproc-per-node", "3")
+    assert code == 2 and "--nproc-per-node: the plan needs 2 processes" in out
+    # The worker checks again, before it joins a process group.
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "0")
+    assert worker_main([str(plan_file), "--steps", "1"]) == 2
+
+
+def test_torchrun_command_for_nodes():
+    one = torchrun_command(plan_launch(8, None, 1, 0, None), ["p.json"])
+    assert one[one.index("--nproc-per-node") + 1] == "8" and "--standalone" in one
+    two = torchrun_command(plan_launch(16, None, 2, 1, "node0:29500"), ["p.json"])
+    assert two[two.index("--nproc-per-node") + 1] == "8"
+    assert two[two.index("--node-rank") + 1] == "1" and two[two.index("--rdzv-endpoint") + 1] == "node0:29500"
+    assert two[-3:] == ["-m", "executor.run", "p.json"]
+
+
+def test_run_trains_like_one_process(plan_file, tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    env = {"OMP_NUM_THREADS": "1", **os.environ}
+    cmd = [sys.executable, "-m", "planner.console.cli", "run", str(plan_file), "--steps", str(STEPS), "--lr", str(CONFIG.lr),
+           "--metrics-out", str(metrics)]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    steps, summary = lines[:-1], lines[-1]["summary"]
+    assert [s["step"] for s in steps] == list(range(STEPS))
+    ref_losses, _ = reference_run("tiny-gpt")
+    assert [s["loss"] for s in steps] == pytest.approx(ref_losses, rel=loss_rtol(CONFIG.dtype))
+    assert all(s["step_time_s"] > 0 and s["peak_memory_bytes"] > 0 for s in steps)
+    assert summary["steps"] == STEPS and summary["estimated_step_time_s"] > 0
+    # The workers inherit this process's setting (.ci/settings.py turns it on in every process).
+    assert summary["numerics"] == {"dtype": "float32", "autocast": "none",
+                                   "deterministic": torch.are_deterministic_algorithms_enabled()}
+    assert "Run against the plan" in done.stdout
+
+
+def test_plans_the_executor_cannot_build_are_refused(plan_file, tmp_path):
+    doc = json.loads(plan_file.read_text())
+    for change, field in (({"vpp": 2, "schedule": "1f1b"}, "strategy.vpp"),
+                          ({"tp": 2, "dp": 1, "micro_batch_size": 8, "sequence_parallel": True}, None)):
+        bad = json.loads(json.dumps(doc))
+        bad["strategy"].update(change)
+        if field is None:   # SP over a sequence tp does not divide
+            bad["training"]["seq_len"] = 15
+            field = "strategy.sequence_parallel"
+        path = tmp_path / "bad.json"
+        path.write_text(json.dumps(bad))
+        code, out = run_cli(path)
+        assert code == 2 and field in out, out
+
+
+# -- crash recovery ------------------------------------------------------------------
+
+RESTART_STEPS = 6   # each run of the recovery tests, checkpointed every 2 steps
+
+
+def shardwise_run(plan_file, checkpoints, *extra, crash=None):
+    env = dict(os.environ)
+    env.pop("SHARDWISE_TEST_CRASH_AT", None)
+    if crash:
+        env["SHARDWISE_TEST_CRASH_AT"] = crash
+    return subprocess.run([sys.executable, "-m", "planner.console.cli", "run", str(plan_file),
+                           "--steps", str(RESTART_STEPS), "--checkpoint-dir", str(checkpoints),
+                           "--checkpoint-every", "2", *extra],
+                          capture_output=True, text=True, timeout=300, env=env)
+
+
+def tensors(checkpoint_dir, tmp_path, name):
+    out = tmp_path / f"{name}.pt"
+    dcp_to_torch_save(str(checkpoint_dir), str(out))
+    state = torch.load(out, weights_only=True)
+    return {k: v for k, v in state.items() if k.startswith(("model.", "optim."))}
+
+
+def test_a_killed_rank_is_restarted_and_ends_bitwise_equal(plan_file, tmp_path):
+    clean = shardwise_run(plan_file, tmp_path / "clean")
+    assert clean.returncode == 0, clean.stderr[-2000:]
+    crashed = shardwise_run(plan_file, tmp_path / "crashed", "--max-restarts", "1", crash="1:3")
+    assert crashed.returncode == 0, crashed.stderr[-2000:]
+    assert "checkpoint: resumed from" in crashed.stdout and "(step 2)" in crashed.stdout
+    final = f"step-{RESTART_STEPS:08d}"
+    a = tensors(tmp_path / "clean" / final, tmp_path, "a")
+    b = tensors(tmp_path / "crashed" / final, tmp_path, "b")
+    assert set(a) == set(b) and any(k.startswith("optim.") for k in a)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def test_a_save_killed_halfway_leaves_the_previous_checkpoint(plan_file, tmp_path):
+    killed = shardwise_run(plan_file, tmp_path / "ckpt", crash="save:4")
+    assert killed.returncode != 0
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == [".step-00000004.partial", "step-00000002"]
+    resumed = shardwise_run(plan_file, tmp_path / "ckpt")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert f"checkpoint: ignoring {tmp_path / 'ckpt' / '.step-00000004.partial'}: a save that did not finish" \
+        in resumed.stdout
+    final = tmp_path / "ckpt" / f"step-{RESTART_STEPS:08d}"
+    assert "(step 2)" in resumed.stdout and (final / "manifest.json").is_file()
+
+
+def test_a_hung_rank_makes_its_peer_time_out_naming_the_rank_the_step_and_the_operation(plan_file, tmp_path):
+    result = shardwise_run(plan_file, tmp_path / "ckpt", "--timeout-s", "5", crash="hang:1:2")
+    assert result.returncode != 0
+    line = next(l for l in result.stderr.splitlines() if l.startswith("error: rank 0: step 3:"))
+    assert "a collective failed or timed out (--timeout-s 5)" in line and "Timed out" in line
+
+
+def test_a_non_finite_loss_stops_the_run_or_is_skipped(plan_file, tmp_path):
+    stopped = shardwise_run(plan_file, tmp_path / "a", "--lr", "1e30", "--max-restarts", "2")
+    assert stopped.returncode == 4 and "restart" not in stopped.stdout + stopped.stderr   # not worth a restart
+    assert any(l.startswith("error: rank 0: step ") and "not finite; nothing was updated" in l
+               for l in stopped.stderr.splitlines())
+    skipped = shardwise_run(plan_file, tmp_path / "b", "--lr", "1e30", "--on-nonfinite", "skip")
+    assert skipped.returncode == 0, skipped.stderr[-2000:]
+    assert "not finite, skipped (no update)" in skipped.stdout
+
+
+def test_a_new_plan_resumes_a_checkpoint_of_the_old_one(plan_file, tmp_path):
+    import re
+
+    doc = plan("tiny-gpt", "cpu", GLOBAL_BATCH, gpus=2, seq_len=SEQ_LEN, precision="fp32", fix={"dp": 1, "tp": 2})
+    write_plan(doc, tmp_path / "tp2.json")
+    whole = shardwise_run(plan_file, tmp_path / "dp2")
+    # Resume from step 4 of the same run (the schedule spans its 6 steps).
+    shutil.rmtree(tmp_path / "dp2" / f"step-{RESTART_STEPS:08d}")
+    second = shardwise_run(tmp_path / "tp2.json", tmp_path / "tp2", "--resume", str(tmp_path / "dp2"))
+    assert whole.returncode == second.returncode == 0, second.stderr[-2000:]
+    assert f"checkpoint: resumed from {tmp_path / 'dp2' / 'step-00000004'} (step 4)" in second.stdout
+    losses = lambda out: re.findall(r"step (\d)/6  loss ([0-9.]+)", out)  # noqa: E731
+    assert losses(second.stdout) == losses(whole.stdout)[4:]

@@ -1,0 +1,181 @@
+"""Parity of the one training step (executor.step), through both paths that train with
+it: every parallel layout trains as one process does.
+
+- The plan runner (executor.train.Trainer, what `shardwise run` builds): five AdamW
+  steps of the tiny models on fixed synthetic data in float64, where a layout's other
+  summation order cannot move a result past the tolerances executor_test_helpers
+  derives (losses 2.8e-13 relative, weights 8.5e-8): per-step losses and the gathered
+  weights equal the single-process run's. The production paths keep a loss check each:
+  float32 (its summation-order bound) and bf16 autocast (its rounding bound).
+- auto_parallelize (executor.auto): tiny Hugging Face Llama and GPT-2 models built from
+  configs, and a built-in model, planned on the spot for each layout, train five AdamW
+  steps in float64 with the losses of the unparallelized model and give back the full
+  weights under the model's own names equal to the reference's, within the same float64
+  tolerances (the model's dtype is the trainer's).
+"""
+
+import importlib.util
+
+import pytest
+import torch
+from executor_test_helpers import (
+    AUTO_LAYOUTS,
+    CONFIG,
+    GLOBAL_BATCH,
+    PARITY,
+    SEQ_LEN,
+    STEPS,
+    assert_trains_as_the_model,
+    bf16_loss_rtol,
+    cached_reference,
+    causal_lm_loss,
+    check_parity,
+    hf_model,
+    hf_reference,
+    loss_rtol,
+    parallel_run,
+    strategy,
+    token_batches,
+    weight_atol,
+)
+
+from costmodel.specs.loading import load_model
+from costmodel.strategy import Stage
+from executor.launch import run_local
+from executor.models import build_model, cross_entropy, materialize
+
+needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
+                                        reason="transformers is not installed")
+
+UNEVEN = (Stage(0, 0, 0, 1), Stage(1, 1, 1, 3))
+
+PLANS = {
+    "dp2": strategy(dp=2),
+    "tp2": strategy(tp=2),
+    "tp2-sp": strategy(tp=2, sp=True),
+    "pp2-gpipe": strategy(pp=2, schedule="gpipe"),
+    "pp2-1f1b": strategy(pp=2),
+    "pp2-interleaved": strategy(pp=2, vpp=2, schedule="interleaved"),
+    "dp2-tp2": strategy(dp=2, tp=2),
+    "dp2-pp2": strategy(dp=2, pp=2),
+    "tp2-pp2": strategy(tp=2, pp=2, sp=True),
+    "zero1": strategy(dp=2, zero=1),
+    "zero2": strategy(dp=2, zero=2, m=2),
+    "zero3": strategy(dp=2, zero=3, m=2),
+    "zero3-tp2": strategy(dp=2, tp=2, zero=3),
+    "zero3-pp2": strategy(dp=2, pp=2, zero=3),
+    "recompute-selective": strategy(dp=2, recompute="selective"),
+    "recompute-full": strategy(pp=2, recompute="full"),
+    "pp2-uneven": strategy(pp=2, stages=UNEVEN),
+    "dp2-accumulate": strategy(dp=2, m=2),
+}
+# Llama-style: the layouts where GQA, RoPE and SwiGLU meet tensor and pipeline splits.
+LLAMA_PLANS = ["tp2", "tp2-sp", "pp2-1f1b", "dp2-tp2", "zero3-tp2", "recompute-full", "pp2-uneven"]
+MOE_PLANS = {"ep2": strategy(dp=2, ep=2), "ep2-zero3": strategy(dp=2, ep=2, zero=3), "ep2-pp2": strategy(dp=2, ep=2, pp=2)}
+
+# The production dtypes' loss checks: one layout of each kind of split, and ZeRO with
+# accumulation (where autocast's cache of weight casts once broke the gradients).
+PRODUCTION_PLANS = ["dp2-tp2", "tp2-pp2", "pp2-interleaved", "zero3", "zero3-tp2"]
+
+@pytest.mark.parametrize("plan", sorted(PLANS))
+def test_gpt_parity(plan):
+    check_parity("tiny-gpt", PLANS[plan])
+
+
+@pytest.mark.parametrize("plan", LLAMA_PLANS)
+def test_llama_parity(plan):
+    check_parity("tiny-llama", PLANS[plan])
+
+
+@pytest.mark.parametrize("plan", sorted(MOE_PLANS))
+def test_moe_parity(plan):
+    check_parity("tiny-moe", MOE_PLANS[plan])
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("plan", PRODUCTION_PLANS)
+def test_production_precisions_keep_the_losses(plan, precision):
+    """float32 weights, and bf16 autocast over them (the trainer's own autocast, as
+    on a GPU): the losses of one process within the bound for that precision."""
+    strat = PLANS[plan]
+    ref_losses, _ = cached_reference("tiny-gpt", config=CONFIG, precision=precision)
+    results = run_local(parallel_run, strat.num_gpus, "tiny-gpt", strat, "adamw", STEPS, GLOBAL_BATCH, CONFIG,
+                        precision)
+    rtol = bf16_loss_rtol() if precision == "bf16" else loss_rtol(torch.float32)
+    for rank, (losses, params) in enumerate(results):
+        assert losses == pytest.approx(ref_losses, rel=rtol), f"rank {rank}"
+        assert all(p.dtype == torch.float32 for p in params.values())
+
+
+def test_the_tolerances_are_the_bounds_their_derivations_state():
+    """The figures the docstrings and the README quote, from the formulas."""
+    assert loss_rtol(torch.float64) == pytest.approx(2.84e-13, rel=1e-2)
+    assert weight_atol(torch.float64, PARITY.lr) == pytest.approx(8.53e-8, rel=1e-2)
+    assert loss_rtol(torch.float32) == pytest.approx(1.53e-4, rel=1e-2)
+    assert weight_atol(torch.float32, CONFIG.lr) == pytest.approx(45.8, rel=1e-2)
+    assert bf16_loss_rtol() == pytest.approx(1.73e-3, rel=1e-2)
+
+
+# -- auto_parallelize ---------------------------------------------------------------------
+
+
+def hf_rank(rank, world, family, fix):
+    from executor import auto_parallelize
+
+    trainer = auto_parallelize(hf_model(family), cluster="cpu", global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN, fix=fix,
+                               loss_fn=causal_lm_loss,
+                               optimizer=lambda params: torch.optim.AdamW(params, lr=PARITY.lr))
+    losses = [trainer.step({"input_ids": ids, "labels": ids}) for ids in token_batches()]
+    return {"losses": torch.tensor(losses, dtype=torch.float64), "state": trainer.state_dict()}
+
+
+@needs_transformers
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("layout", list(AUTO_LAYOUTS))
+def test_hf_models_train_as_the_unparallelized_model(family, layout):
+    fix = AUTO_LAYOUTS[layout]
+    world = fix["dp"] * fix["tp"] * fix["pp"]
+    assert_trains_as_the_model(run_local(hf_rank, world, family, fix), *hf_reference(family))
+
+
+@needs_transformers
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+@pytest.mark.parametrize("layout", ["tp2", "pp2"])
+def test_other_decoder_families_split_by_the_same_roles(family, layout):
+    assert_trains_as_the_model(run_local(hf_rank, 2, family, AUTO_LAYOUTS[layout]), *hf_reference(family))
+
+
+def builtin_model():
+    return materialize(build_model(load_model("tiny-gpt"), SEQ_LEN, dtype=PARITY.dtype), "cpu", seed=3)
+
+
+def shifted_batches():
+    generator = torch.Generator().manual_seed(1)
+    tokens = [torch.randint(0, 256, (GLOBAL_BATCH, SEQ_LEN + 1), generator=generator) for _ in range(STEPS)]
+    return [(t[:, :-1], t[:, 1:]) for t in tokens]
+
+
+def builtin_rank(rank, world, fix):
+    from executor import auto_parallelize
+
+    trainer = auto_parallelize(builtin_model(), cluster="cpu", global_batch=GLOBAL_BATCH, seq_len=SEQ_LEN, fix=fix,
+                               optimizer=lambda params: torch.optim.AdamW(params, lr=PARITY.lr))
+    losses = [trainer.step(batch) for batch in shifted_batches()]
+    return {"losses": torch.tensor(losses, dtype=torch.float64), "state": trainer.state_dict()}
+
+
+@needs_transformers
+@pytest.mark.parametrize("layout", ["dp2", "tp2xpp2"])
+def test_a_builtin_model_trains_with_the_users_weights(layout):
+    model = builtin_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=PARITY.lr)
+    losses = []
+    for x, y in shifted_batches():
+        loss = cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    fix = AUTO_LAYOUTS[layout]
+    reference = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    assert_trains_as_the_model(run_local(builtin_rank, fix["dp"] * fix["tp"] * fix["pp"], fix), losses, reference)

@@ -1,0 +1,64 @@
+"""The trainer (executor.train): its learning-rate schedule, the forms a batch may take,
+the full weights it gathers across pipeline stages, and the refusal of a plan made for
+another number of processes. What it trains to is test_step.py's parity."""
+
+import pytest
+import torch
+from executor_test_helpers import CONFIG, SEQ_LEN, batches, strategy, training
+
+from costmodel.specs.loading import load_model
+from executor.launch import run_local
+from executor.models import build_model, materialize
+from executor.parallelize import UnsupportedPlan
+from executor.train import Trainer, lr_factor
+
+
+def test_the_schedule_warms_up_then_decays_to_its_floor():
+    assert [lr_factor(CONFIG, step) for step in (0, 1, 2)] == [0.5, 1.0, 1.0]
+    assert lr_factor(CONFIG, CONFIG.total_steps) == pytest.approx(CONFIG.min_lr_ratio)
+
+
+def one_step_per_batch_form(rank, world):
+    """One step from the same weights with the batch as (inputs, targets), as a pair,
+    and as a dict: the losses and the weights after it."""
+    spec = load_model("tiny-gpt")
+    x, y = batches(spec, 1)[0]
+    out = []
+    for step in (lambda t: t.step(x, y), lambda t: t.step((x, y)), lambda t: t.step({"input_ids": x, "labels": y})):
+        trainer = Trainer(spec, training(), strategy(), CONFIG, "cpu")
+        loss = step(trainer)
+        out.append({"loss": torch.tensor(loss, dtype=torch.float64), "state": trainer.full_state_dict()})
+    return out
+
+
+def test_a_batch_is_inputs_and_targets_a_pair_or_a_dict():
+    plain, pair, mapping = run_local(one_step_per_batch_form, 1)[0]
+    for other in (pair, mapping):
+        assert torch.equal(other["loss"], plain["loss"])
+        for name, value in plain["state"].items():
+            assert torch.equal(other["state"][name], value), name
+
+
+def gathered_weights(rank, world):
+    trainer = Trainer(load_model("tiny-gpt"), training(), strategy(pp=2), CONFIG, "cpu")
+    return trainer.state_dict()
+
+
+def test_state_dict_gives_every_stage_on_every_rank_under_the_models_names():
+    expected = materialize(build_model(load_model("tiny-gpt"), SEQ_LEN), "cpu", CONFIG.seed).state_dict()
+    for state in run_local(gathered_weights, 2):
+        assert set(state) == set(expected)   # the tied head under its own name too
+        for name, value in expected.items():
+            assert torch.equal(state[name], value), name
+
+
+def refused(rank, world):
+    try:
+        Trainer(load_model("tiny-gpt"), training(), strategy(dp=2), CONFIG, "cpu")
+    except UnsupportedPlan as err:
+        return str(err)
+    return "no error"
+
+
+def test_a_plan_for_another_number_of_processes_is_refused():
+    assert run_local(refused, 1)[0] == "plan.strategy: the plan needs 2 processes (dp 2 x tp 1 x pp 1), 1 were started"
