@@ -50,10 +50,9 @@ from planner.search.result import (
     Infeasible,
     Kept,
     SearchResult,
-    SearchStats,
     check_specs,
+    finish,
     order_key,
-    pareto_front,
     score,
     solve_in_bound_order,
     time_bound_scale,
@@ -259,14 +258,9 @@ def search_mixed(problem: Problem, rules: Rules, top: int = 3,
                 Candidate(solution.strategy, estimate_ranks(problem, solution.strategy, rank_costs), solution.gap))
 
     solves, infeasible, _ = solve_in_bound_order(problem, rules, scored, kept, top, pareto,
-                                                 scale=lambda s: time_bound_scale(problem, s, objective),
                                                  refine=refine, solve=solve, progress=progress)
     kept.check_budgets(rules)
     if not found:
         raise Infeasible(f"no placement of {len(placed)} strategies on the groups of {cluster.name} fits "
                          f"device memory (memory_headroom {rules.memory_headroom:g}) and the rules")
-    stats = SearchStats(candidates=len(placed), pruned_memory=pruned_memory,
-                        pruned_bound=len(scored) - solves, ilp_solves=solves,
-                        ilp_infeasible=infeasible, gap=found[0].gap, seconds=time.perf_counter() - started)
-    front = pareto_front(problem, kept.evaluated) if pareto else ()
-    return SearchResult(found[0], tuple(found[1:]), stats, front)
+    return finish(problem, kept, pareto, len(placed), pruned_memory, len(scored), solves, infeasible, started)

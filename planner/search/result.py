@@ -6,6 +6,7 @@ rules' objective and budgets, kept (`Kept`: the best K, the Pareto front) and pr
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -244,13 +245,13 @@ def pareto_front(problem: Problem, candidates: list[Candidate]) -> tuple[Candida
 
 
 def solve_in_bound_order(problem: Problem, rules: Rules, scored: list[tuple[float, tuple, Strategy]], kept: Kept,
-                         top: int, pareto: bool, scale: Callable[[Strategy], float],
+                         top: int, pareto: bool,
                          refine: Callable[[Strategy], float], solve: Callable[[Strategy, float | None], Candidate | None],
                          progress: Callable[[int, int], None] | None) -> tuple[int, int, Strategy | None]:
     """The loop every search runs: solve the candidates in order of their bound
     (`scored`: (bound of the objective, order key, strategy), sorted) and keep the best,
-    until no bound can beat the K-th best kept. `scale(s)` turns a step-time bound into
-    a bound of the objective (`time_bound_scale`); `refine(s)` is a tighter step-time
+    until no bound can beat the K-th best kept. `time_bound_scale` turns a step-time
+    bound into a bound of the objective; `refine(s)` is a tighter step-time
     bound, tried before solving once there are K plans; `solve(s, cutoff_s)` is the
     candidate, or None when no partition fits (or none runs faster than `cutoff_s`: a
     partition slower than kth / scale has an objective of at least kth). Returns the
@@ -266,7 +267,7 @@ def solve_in_bound_order(problem: Problem, rules: Rules, scored: list[tuple[floa
         prune = kth is not None
         if prune and primary >= kth:
             break
-        k = scale(s) if objective != "memory" else 1.0
+        k = time_bound_scale(problem, s, objective) if objective != "memory" else 1.0
         if prune and objective != "memory" and k > 0 and refine(s) * k >= kth:
             continue
         solves += 1
@@ -280,3 +281,16 @@ def solve_in_bound_order(problem: Problem, rules: Rules, scored: list[tuple[floa
     if progress:
         progress(len(scored), len(scored))
     return solves, infeasible, unsolved
+
+
+def finish(problem: Problem, kept: Kept, pareto: bool, candidates: int, pruned_memory: int, bounded: int,
+           solves: int, infeasible: int, started_s: float) -> SearchResult:
+    """The result of a bound-ordered search: the best plan kept, the runners-up, the
+    counts (`bounded` candidates passed the memory bound; those not solved were pruned
+    by the time bound) and, on request, the Pareto front of all evaluated."""
+    found = kept.found
+    stats = SearchStats(candidates=candidates, pruned_memory=pruned_memory, pruned_bound=bounded - solves,
+                        ilp_solves=solves, ilp_infeasible=infeasible, gap=found[0].gap,
+                        seconds=time.perf_counter() - started_s)
+    front = pareto_front(problem, kept.evaluated) if pareto else ()
+    return SearchResult(found[0], tuple(found[1:]), stats, front)

@@ -23,10 +23,9 @@ from planner.search.result import (
     Infeasible,
     Kept,
     SearchResult,
-    SearchStats,
     check_specs,
+    finish,
     order_key,
-    pareto_front,
     score,
     solve_in_bound_order,
     time_bound_scale,
@@ -85,7 +84,6 @@ def search_uniform(problem: Problem, rules: Rules, top: int = 3,
 
     solves, infeasible, unsolved = solve_in_bound_order(
         problem, rules, scored, kept, top, pareto,
-        scale=lambda s: time_bound_scale(problem, s, objective),
         refine=lambda s: bounds.balanced(problem, cache[unit_key(s)], s, modes, usable),
         solve=solve, progress=progress)
     if closest is None and unsolved is not None:
@@ -94,13 +92,7 @@ def search_uniform(problem: Problem, rules: Rules, top: int = 3,
     if not found:
         raise Infeasible(_memory_reason(problem, rules, closest[1] if closest else space[0], modes),
                          closest[1] if closest else space[0])
-    stats = SearchStats(
-        candidates=len(space), pruned_memory=pruned_memory, pruned_bound=len(scored) - solves,
-        ilp_solves=solves, ilp_infeasible=infeasible, gap=found[0].gap,
-        seconds=time.perf_counter() - started,
-    )
-    front = pareto_front(problem, kept.evaluated) if pareto else ()
-    return SearchResult(found[0], tuple(found[1:]), stats, front)
+    return finish(problem, kept, pareto, len(space), pruned_memory, len(scored), solves, infeasible, started)
 
 
 def _memory_reason(problem: Problem, rules: Rules, strategy: Strategy, modes: tuple[str, ...]) -> str:
