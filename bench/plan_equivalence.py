@@ -9,7 +9,7 @@ Each request is a `shardwise` command line (run in-process through click, in one
 working folder so written files and the paths in messages agree between runs) or a
 `plan_model` call on a traced torch module. What is recorded per request: the exit
 code, stdout, stderr and every file it wrote; the comparison masks the search's wall
-time, the one figure that differs between two runs of the same code. The requests cover the built-in models
+time and the checkout's folder, what differs between two runs of the same code. The requests cover the built-in models
 x clusters x rule sets x `--fix` knobs, precisions, objectives and budgets, Hugging
 Face configs, mixed clusters, infeasible and bad input, replan, sweep, every export
 target, evaluate, explain and traced modules.
@@ -224,16 +224,20 @@ def run_all(out: Path) -> int:
     return 0
 
 
-# The one figure that differs between two runs of the same code: the search's wall time.
+# What differs between two runs of the same code: the search's wall time, and the
+# checkout's folder in the paths of the repository's test files (before and after are
+# often two checkouts).
 _SECONDS = re.compile(r"(gap [0-9.]+%, )[0-9.]+ s")
+_CHECKOUT = re.compile(r"(?:/[\w.-]+)+?/(tests|configs)/")
 
 
 def _digests(folder: Path) -> dict[str, str]:
-    """Each request's digest, its search wall time masked."""
+    """Each request's digest, its search wall time and checkout folder masked."""
     out = {}
     for path in sorted(folder.glob("*.json")):
         if path.name != "digests.json":
             text = _SECONDS.sub(r"\1<seconds> s", path.read_text())
+            text = _CHECKOUT.sub(r"<checkout>/\1/", text)
             out[path.stem] = hashlib.sha256(text.encode()).hexdigest()[:16]
     return out
 
