@@ -111,6 +111,10 @@ def plan(model_name, cluster_name, nodes, gpus, global_batch, seq, precision, op
         hint = f"; would fit if you {relax}" if relax else "; no relaxation up to 16x the GPUs helps"
         _fail(EXIT_INFEASIBLE, f"no feasible plan: {err.reason}{hint}")
     doc = plan_document(problem, rules.name, result)
+    if result.stats.solver_timeouts:
+        click.echo(f"warning: the solver's time limit ended {result.stats.solver_timeouts} partition "
+                   f"program(s) before they were proven optimal; the best plan is within "
+                   f"{result.stats.gap:.2%} of the best of the space (the reported gap)", err=True)
     if problem.measured_times is not None:
         best = result.best.strategy
         click.echo(f"profile {profile_file}: {problem.measured_times.describe()}", err=True)

@@ -55,8 +55,14 @@ def print_plan(doc: dict, seconds: float, console: Console | None = None) -> Non
     console.print(table)
     st = doc["search"]
     console.print(f"search: {st['candidates']} candidates, {st['pruned_memory']} pruned by memory, "
-                  f"{st['pruned_bound']} by bound, {st['ilp_solves']} ILP solves, gap {st['gap']:.2%}, "
-                  f"{seconds:.2f} s")
+                  f"{st['pruned_bound']} by bound, {st['ilp_solves']} ILP solves, gap {st['gap']:.2%}"
+                  f"{_timeouts(st)}, {seconds:.2f} s")
+
+
+def _timeouts(stats: dict) -> str:
+    # Plans written before solver_timeouts was recorded have none to show.
+    count = stats.get("solver_timeouts", 0)
+    return f" ({count} solver time-outs)" if count else ""
 
 
 def explain_tables(doc: dict) -> tuple[list[str], list[tuple[str, list[str], list[list[str]]]]]:

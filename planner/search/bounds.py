@@ -16,6 +16,14 @@ sync and optimizer time are at least zero. Both parts are bounded separately:
 
 Recomputation is relaxed to its best price: every byte of activations saved below the
 fastest mode costs at least the cheapest seconds-per-byte a slower mode offers.
+
+The memory counted is what `costmodel.estimate.uniform.rank_memory` counts at the least:
+model states and activations, less what it frees. With one micro-batch per step a
+layer holds the larger of its activations and its gradients at the peak, so a layer
+adds max(activations - gradients, 0) beyond its states, and under ZeRO-3 one more
+layer's activations are gone by FSDP2's peak. Other terms (logits, buffers, working
+activations) only add, so leaving them out keeps the bounds low. tests/planner/search/
+test_bounds.py checks both bounds against the full estimate of every candidate.
 """
 
 from __future__ import annotations
@@ -50,6 +58,7 @@ class _Terms:
     states_bytes: float       # all model states on all ranks of one pp column
     rank_s: tuple[float, ...]  # fixed work per rank: embedding, head, p2p
     in_flight: tuple[float, ...]
+    rank_credit_bytes: float  # activations a rank may free beyond its layers' count (ZeRO-3, one micro-batch)
 
 
 def _terms(problem: Problem, units: UnitCosts, strategy: Strategy, modes: tuple[str, ...]) -> _Terms:
@@ -59,7 +68,15 @@ def _terms(problem: Problem, units: UnitCosts, strategy: Strategy, modes: tuple[
     layer_states = (sum(memory.sharded_state_bytes(dense_layer, training, zero, dp))
                     + sum(memory.sharded_state_bytes(expert_layer, training, zero, dp // strategy.ep)))
     ends = sum(memory.sharded_state_bytes(units.first_parameters + units.last_parameters, training, zero, dp))
-    act = units.layer_activation_bytes
+    act = {mode: units.layer_activation_bytes[mode] for mode in modes}
+    credit = 0.0
+    if strategy.num_microbatches == 1:
+        # rank_memory: a layer's activations and gradients do not coexist at the peak.
+        layer_gradients = (memory.sharded_state_bytes(dense_layer, training, zero, dp)[1]
+                           + memory.sharded_state_bytes(expert_layer, training, zero, dp // strategy.ep)[1])
+        if zero == 3 and dp > 1:
+            credit = max(act.values())
+        act = {mode: max(a - layer_gradients, 0.0) for mode, a in act.items()}
     work = {mode: units.layer_work[mode].total_s for mode in modes}
     fastest = min(modes, key=lambda m: (work[m], act[m]))
     prices = [(work[m] - work[fastest]) / (act[fastest] - act[m]) for m in modes if act[m] < act[fastest]]
@@ -70,14 +87,15 @@ def _terms(problem: Problem, units: UnitCosts, strategy: Strategy, modes: tuple[
                                                     strategy.vpp) for r in range(pp))
     return _Terms(work[fastest], layer_states, act[fastest], min(act[m] for m in modes),
                   min(prices) if prices else float("inf"), layers * layer_states + ends,
-                  tuple(rank_s), in_flight)
+                  tuple(rank_s), in_flight, credit)
 
 
 def quick(problem: Problem, units: UnitCosts, strategy: Strategy, modes: tuple[str, ...],
           usable_bytes: float) -> Bounds:
     layers, pp = problem.model.num_hidden_layers, strategy.pp
     x = _terms(problem, units, strategy, modes)
-    memory_bytes = memory.RUNTIME_RESERVE_BYTES + (x.states_bytes + layers * x.min_act_bytes) / pp
+    memory_bytes = (memory.RUNTIME_RESERVE_BYTES
+                    + max(x.states_bytes + layers * x.min_act_bytes - pp * x.rank_credit_bytes, 0.0) / pp)
     a, c = pipeline_coefficients(strategy.schedule, strategy.num_microbatches, strategy.vpp)
     return Bounds((a + c * pp) * _total_s(x, layers, pp, usable_bytes) / pp, memory_bytes)
 
@@ -85,7 +103,8 @@ def quick(problem: Problem, units: UnitCosts, strategy: Strategy, modes: tuple[s
 def _total_s(x: _Terms, layers: int, pp: int, usable_bytes: float) -> float:
     """Lower bound on sum_r t_r. Summed over ranks, states and one micro-batch of
     activations must fit pp devices; the excess is recomputed at the best price."""
-    excess = x.states_bytes + layers * x.layer_act_bytes - pp * (usable_bytes - memory.RUNTIME_RESERVE_BYTES)
+    excess = (x.states_bytes + layers * x.layer_act_bytes
+              - pp * (usable_bytes - memory.RUNTIME_RESERVE_BYTES + x.rank_credit_bytes))
     extra_s = excess * x.s_per_byte if excess > 0 else 0.0
     return layers * x.layer_s + extra_s + sum(x.rank_s)
 
@@ -115,7 +134,7 @@ def balanced(problem: Problem, units: UnitCosts, strategy: Strategy, modes: tupl
     with sum_r floor(N_r(T)) >= L."""
     layers, pp = problem.model.num_hidden_layers, strategy.pp
     x = _terms(problem, units, strategy, modes)
-    free = usable_bytes - memory.RUNTIME_RESERVE_BYTES
+    free = usable_bytes - memory.RUNTIME_RESERVE_BYTES + x.rank_credit_bytes
     total_s = _total_s(x, layers, pp, usable_bytes)
 
     def holds(time_s: float) -> bool:

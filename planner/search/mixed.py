@@ -44,13 +44,15 @@ from costmodel.specs import ClusterSpec, MixedClusterSpec
 from costmodel.strategy import Strategy, even_stages
 from planner.rules import BUDGETS, Rules
 from planner.search import bounds
-from planner.search.partition import solve_partition, usable_memory_bytes
+from planner.search.partition import TimedOut, solve_partition, usable_memory_bytes
 from planner.search.result import (
     Candidate,
     Infeasible,
     Kept,
     SearchResult,
+    as_candidate,
     check_specs,
+    check_timeouts,
     finish,
     order_key,
     score,
@@ -247,20 +249,20 @@ def search_mixed(problem: Problem, rules: Rules, top: int = 3,
         units, usable = _relaxed(problem, rules, s, cache)
         return bounds.balanced(problem, units, s, modes, usable)
 
-    def solve(s: Strategy, cutoff_s: float | None) -> Candidate | None:
+    def solve(s: Strategy, cutoff_s: float | None) -> Candidate | TimedOut | None:
         if s.replica_groups:
             return solve_replicas(problem, rules, s, modes)
         rank_costs = stage_rank_costs(problem, s, cache)
         solution = solve_partition(problem, rank_costs[0][1], s, modes, rules.memory_headroom,
                                    rules.max_stage_imbalance, "memory" if objective == "memory" else "time",
                                    cutoff_s, rank_costs)
-        return (None if solution is None else
-                Candidate(solution.strategy, estimate_ranks(problem, solution.strategy, rank_costs), solution.gap))
+        return as_candidate(solution, lambda staged: estimate_ranks(problem, staged, rank_costs))
 
-    solves, infeasible, _ = solve_in_bound_order(problem, rules, scored, kept, top, pareto,
-                                                 refine=refine, solve=solve, progress=progress)
+    solved = solve_in_bound_order(problem, rules, scored, kept, top, pareto,
+                                  refine=refine, solve=solve, progress=progress)
     kept.check_budgets(rules)
+    check_timeouts(kept, solved)
     if not found:
         raise Infeasible(f"no placement of {len(placed)} strategies on the groups of {cluster.name} fits "
                          f"device memory (memory_headroom {rules.memory_headroom:g}) and the rules")
-    return finish(problem, kept, pareto, len(placed), pruned_memory, len(scored), solves, infeasible, started)
+    return finish(problem, rules, kept, pareto, len(placed), pruned_memory, len(scored), solved, started)

@@ -16,6 +16,14 @@ times and (a, c) the schedule's coefficients (`costmodel.terms.pipeline`):
 
 Rank r's layers are split as evenly as possible over its vpp model chunks afterwards;
 the cost model charges a rank by its totals, so this loses nothing.
+
+The affine memory is a relaxation: the cost model's memory is affine in the counts
+except where it frees a layer's activations at the peak, which the finite differences
+read at their largest (tests/planner/search/test_partition.py checks that the affine
+memory never exceeds the full one), and coefficients are rounded down. So the program
+keeps every partition that fits, and its bound is a bound of every partition; a
+partition it returns is then costed in full, and one that does not fit is cut off and
+the program solved again. A plan therefore never needs more than the usable memory.
 """
 
 from __future__ import annotations
@@ -38,13 +46,18 @@ from costmodel.terms.pipeline import pipeline_coefficients
 from costmodel.units import MIB
 
 # Integer scales: time in units of 1/TIME_RESOLUTION of one plain layer's micro-batch
-# time, memory in MiB (rounded up: never optimistic). Coarse units keep CP-SAT's
+# time, memory in MiB (rounded down, so the program drops no partition that fits; the
+# full check after the solve drops those that do not). Coarse units keep CP-SAT's
 # coefficients small, which makes it 10-100x faster on memory-bound candidates than
 # with KiB; the chosen partition is re-costed exactly by `costmodel.estimate`.
 TIME_RESOLUTION = 1_000
 MEMORY_UNIT_BYTES = MIB
 # CP-SAT effort per solve in deterministic seconds (reproducible, unlike wall time).
 DETERMINISTIC_TIME_LIMIT = 5.0
+# Partitions cut off after the full memory check before the program stops on a
+# candidate and reports it unsettled, with its bound (each cut removes one rank's layer
+# counts; a handful is the usual need).
+MAX_MEMORY_CUTS = 64
 
 
 @dataclass(frozen=True)
@@ -71,9 +84,19 @@ class Solution:
     strategy: Strategy   # with stages
     objective_s: float   # the program's objective, seconds
     gap: float           # proven relative gap of the objective (0 when optimal)
+    timed_out: bool = False   # the solver's time limit ended the search (gap > 0 then)
 
 
-def _rank_stages(strategy: Strategy, pp_rank: int, layers: int, full: int, selective: int) -> tuple[Stage, ...]:
+@dataclass(frozen=True)
+class TimedOut:
+    """The solver's time limit passed before it found a partition or proved that none
+    fits (or, rarely, MAX_MEMORY_CUTS did); `bound_s` is its proven lower bound on the
+    objective (0 when it has none)."""
+
+    bound_s: float
+
+
+def rank_stages(strategy: Strategy, pp_rank: int, layers: int, full: int, selective: int) -> tuple[Stage, ...]:
     """Rank `pp_rank`'s chunks with `layers` layers, as `split_rank` lays them out.
     Layer offsets are placeholders: the cost model only counts layers per rank."""
     counts = _split(layers, strategy.vpp)
@@ -103,7 +126,7 @@ def rank_model(problem: Problem, units: UnitCosts, strategy: Strategy, pp_rank: 
     v = strategy.vpp
 
     def at(layers: int, full: int = 0, selective: int = 0):
-        s = replace(strategy, stages=_rank_stages(strategy, pp_rank, layers, full, selective))
+        s = replace(strategy, stages=rank_stages(strategy, pp_rank, layers, full, selective))
         window = layers * units.layer_backward_s
         return (rank_work(units, s, pp_rank).total_s,
                 rank_memory(problem, units, s, pp_rank).total_bytes,
@@ -129,9 +152,10 @@ def usable_memory_bytes(problem: Problem, headroom: float) -> float:
 def solve_partition(problem: Problem, units: UnitCosts, strategy: Strategy, modes: tuple[str, ...],
                     headroom: float, max_imbalance: float, objective: str = "time",
                     cutoff_s: float | None = None,
-                    rank_costs: list[tuple[Problem, UnitCosts]] | None = None) -> Solution | None:
+                    rank_costs: list[tuple[Problem, UnitCosts]] | None = None) -> Solution | TimedOut | None:
     """The best partition of `strategy`, or None when no partition fits memory and the
-    imbalance rule (or, given `cutoff_s`, none is faster than that). `modes` are the
+    imbalance rule (or, given `cutoff_s`, none is faster than that), or TimedOut when
+    the solver's time limit passed before it found one or proved so. `modes` are the
     recompute modes layers may use. `rank_costs`: each pipeline rank's own (problem,
     unit costs), on a mixed cluster (costmodel.estimate.mixed): each rank's time, memory and
     device capacity are then its group's, so a slower or smaller group takes fewer layers."""
@@ -145,7 +169,7 @@ def solve_partition(problem: Problem, units: UnitCosts, strategy: Strategy, mode
         return round(x / time_unit)
 
     def b(x: float) -> int:
-        return math.ceil(x / MEMORY_UNIT_BYTES)
+        return math.floor(x / MEMORY_UNIT_BYTES)
 
     model = cp_model.CpModel()
     # A safe upper bound for every time variable, with slack for per-term rounding.
@@ -197,25 +221,64 @@ def solve_partition(problem: Problem, units: UnitCosts, strategy: Strategy, mode
         # lets CP-SAT discard most candidates without searching.
         model.Add(time_objective <= math.floor(cutoff_s * vpp / time_unit))
 
+    # Each rank time's rounding error is at most half a unit per term, so the program's
+    # bound, less this, bounds the objective of the unrounded times.
+    rounding = (a_int + c_int * pp + 2 * vpp) * (1 + 3 * layers) / 2
+
+    def seconds(units_: float) -> float:
+        return units_ * time_unit / vpp
+
+    for _ in range(MAX_MEMORY_CUTS):
+        solved = _solve(model, n_vars, objective, peak_mem, time_objective)
+        if isinstance(solved, str):
+            return None if solved == "infeasible" else TimedOut(0.0)
+        status, value, bound, counts = solved
+        over = [r for r, (p, u) in enumerate(rank_costs)
+                if rank_bytes(p, u, strategy, r, counts[r]) > usable_memory_bytes(p, headroom)]
+        if not over:
+            break
+        for r in over:   # the affine memory under-counted this rank's layer counts
+            model.AddForbiddenAssignments(list(n_vars[r]), [counts[r]])
+    else:
+        # Still a relaxation after the cuts, so its bound holds: unsettled, not infeasible.
+        return TimedOut(seconds(max(0.0, bound - rounding)))
+    timed_out = status != cp_model.OPTIMAL
+    bound = max(0.0, bound - rounding)
+    gap = 0.0 if not timed_out or value <= 0 else max(0.0, (value - bound) / value)
+    return Solution(strategy.with_stages(layout(strategy, counts)), seconds(value), gap, timed_out)
+
+
+def _solve(model: cp_model.CpModel, n_vars: list, objective: str, peak_mem, time_objective):
+    """(status, objective value, objective bound, per-rank counts) of one solve, or
+    "infeasible" / "timeout". The memory objective first finds the least peak memory,
+    then the fastest partition at it."""
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = 1
     solver.parameters.random_seed = 0
     solver.parameters.max_deterministic_time = DETERMINISTIC_TIME_LIMIT
+    extra = []
     if objective == "memory":
         model.Minimize(peak_mem)
         status = solver.Solve(model)
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-            return None
-        model.Add(peak_mem <= int(solver.Value(peak_mem)))
+            return "infeasible" if status == cp_model.INFEASIBLE else "timeout"
+        extra.append(model.Add(peak_mem <= int(solver.Value(peak_mem))))
     model.Minimize(time_objective)
     status = solver.Solve(model)
+    for constraint in extra:   # a later solve (after a memory cut) starts from the full program
+        constraint.Proto().Clear()
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return None
-    value, bound = solver.ObjectiveValue(), solver.BestObjectiveBound()
-    gap = 0.0 if status == cp_model.OPTIMAL or value <= 0 else max(0.0, (value - bound) / value)
+        return "infeasible" if status == cp_model.INFEASIBLE else "timeout"
     counts = [tuple(solver.Value(x) for x in triple) for triple in n_vars]
-    stages = layout(strategy, counts)
-    return Solution(strategy.with_stages(stages), value * time_unit / vpp, gap)
+    return status, solver.ObjectiveValue(), solver.BestObjectiveBound(), counts
+
+
+def rank_bytes(problem: Problem, units: UnitCosts, strategy: Strategy, pp_rank: int,
+                counts: tuple[int, int, int]) -> float:
+    """The full cost model's peak memory of rank `pp_rank` holding `counts` (layers,
+    full, selective)."""
+    s = replace(strategy, stages=rank_stages(strategy, pp_rank, *counts))
+    return rank_memory(problem, units, s, pp_rank).total_bytes
 
 
 def layout(strategy: Strategy, counts: list[tuple[int, int, int]]) -> tuple[Stage, ...]:
@@ -224,7 +287,7 @@ def layout(strategy: Strategy, counts: list[tuple[int, int, int]]) -> tuple[Stag
     pp = strategy.pp
     chunks = {}
     for r, (layers, full, selective) in enumerate(counts):
-        for stage in _rank_stages(strategy, r, layers, full, selective):
+        for stage in rank_stages(strategy, r, layers, full, selective):
             chunks[stage.index] = stage
     stages, first = [], 0
     for index in range(strategy.num_virtual_stages):

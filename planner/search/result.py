@@ -22,6 +22,8 @@ from costmodel.problem import Problem
 from costmodel.specs import MixedClusterSpec
 from costmodel.strategy import Strategy
 from planner.rules import BUDGETS, Rules
+from planner.search import partition
+from planner.search.partition import Solution, TimedOut
 from planner.search.space import describe
 
 
@@ -30,7 +32,17 @@ class Candidate:
     strategy: Strategy     # with stages
     estimate: Estimate
     gap: float             # the partition program's proven gap
+    timed_out: bool = False   # the solver's time limit ended its partition program
 
+
+
+def as_candidate(solution: Solution | TimedOut | None,
+                 cost: Callable[[Strategy], Estimate]) -> Candidate | TimedOut | None:
+    """A partition program's answer as a search candidate, its strategy costed in full
+    by `cost`."""
+    if solution is None or isinstance(solution, TimedOut):
+        return solution
+    return Candidate(solution.strategy, cost(solution.strategy), solution.gap, solution.timed_out)
 
 
 @dataclass(frozen=True)
@@ -40,8 +52,9 @@ class SearchStats:
     pruned_bound: int      # never solved: their time bound could not beat the K-th best
     ilp_solves: int
     ilp_infeasible: int    # solved, but no partition fits
-    gap: float             # proven gap of the best plan's partition program
+    gap: float             # proven gap of the best plan to the best of the whole space
     seconds: float         # wall time; shown on the console, kept out of plan files
+    solver_timeouts: int = 0   # partition programs the solver's time limit ended
 
 
 
@@ -244,22 +257,40 @@ def pareto_front(problem: Problem, candidates: list[Candidate]) -> tuple[Candida
     return tuple(c for _, c in front)
 
 
+@dataclass(frozen=True)
+class Solved:
+    """What the bound-ordered loop did: solves, those that proved no partition fits,
+    those the solver's time limit ended, the first strategy that did not solve, and the
+    least proven lower bound of the objective among the candidates it could not settle
+    (solved with a gap, or timed out; inf when it settled every one)."""
+
+    solves: int
+    infeasible: int
+    timeouts: int
+    unsolved: Strategy | None
+    least_bound: float
+
+
 def solve_in_bound_order(problem: Problem, rules: Rules, scored: list[tuple[float, tuple, Strategy]], kept: Kept,
                          top: int, pareto: bool,
-                         refine: Callable[[Strategy], float], solve: Callable[[Strategy, float | None], Candidate | None],
-                         progress: Callable[[int, int], None] | None) -> tuple[int, int, Strategy | None]:
+                         refine: Callable[[Strategy], float],
+                         solve: Callable[[Strategy, float | None], Candidate | TimedOut | None],
+                         progress: Callable[[int, int], None] | None) -> Solved:
     """The loop every search runs: solve the candidates in order of their bound
     (`scored`: (bound of the objective, order key, strategy), sorted) and keep the best,
     until no bound can beat the K-th best kept. `time_bound_scale` turns a step-time
-    bound into a bound of the objective; `refine(s)` is a tighter step-time
-    bound, tried before solving once there are K plans; `solve(s, cutoff_s)` is the
-    candidate, or None when no partition fits (or none runs faster than `cutoff_s`: a
-    partition slower than kth / scale has an objective of at least kth). Returns the
-    number of solves, of those that proved no partition fits, and the first strategy
-    that did not solve."""
+    bound into a bound of the objective; `refine(s)` is a tighter step-time bound, tried
+    before solving once there are K plans; `solve(s, cutoff_s)` is the candidate, None
+    when no partition fits (or none runs faster than `cutoff_s`: a partition slower than
+    kth / scale has an objective of at least kth), or TimedOut.
+
+    Every candidate skipped has a bound no better than the K-th best, so the best kept
+    is the best of the space up to the candidates the solver did not settle; their
+    bounds make the gap that `finish` reports."""
     objective = rules.objective
-    solves = infeasible = 0
+    solves = infeasible = timeouts = 0
     unsolved = None
+    least_bound = math.inf
     for done, (primary, _, s) in enumerate(scored):
         if progress:
             progress(done, len(scored))
@@ -273,24 +304,50 @@ def solve_in_bound_order(problem: Problem, rules: Rules, scored: list[tuple[floa
         solves += 1
         cutoff = kth / k if prune and objective != "memory" and k > 0 else None
         candidate = solve(s, cutoff)
+        if isinstance(candidate, TimedOut):
+            timeouts += 1
+            unsolved = unsolved or s
+            if objective != "memory":
+                least_bound = min(least_bound, k * max(candidate.bound_s, refine(s)))
+            continue
         if candidate is None:
             infeasible += cutoff is None
             unsolved = unsolved or s
             continue
+        timeouts += candidate.timed_out
+        if candidate.gap > 0 and objective != "memory":
+            least_bound = min(least_bound, metric(problem, candidate, objective) * (1 - candidate.gap))
         kept.add(problem, rules, candidate)
     if progress:
         progress(len(scored), len(scored))
-    return solves, infeasible, unsolved
+    return Solved(solves, infeasible, timeouts, unsolved, least_bound)
 
 
-def finish(problem: Problem, kept: Kept, pareto: bool, candidates: int, pruned_memory: int, bounded: int,
-           solves: int, infeasible: int, started_s: float) -> SearchResult:
+def check_timeouts(kept: Kept, solved: Solved) -> None:
+    """Infeasible saying so when no plan was found and the solver's time limit ended a
+    program: a plan may exist; that is not the memory or the rules binding."""
+    if not kept.found and solved.timeouts:
+        raise Infeasible(f"the solver's time limit ({partition.DETERMINISTIC_TIME_LIMIT:g} deterministic s per partition "
+                         f"program) ended {solved.timeouts} of {solved.solves} programs before any found a plan; "
+                         f"narrow the space with --fix", solved.unsolved)
+
+
+def finish(problem: Problem, rules: Rules, kept: Kept, pareto: bool, candidates: int, pruned_memory: int,
+           bounded: int, solved: Solved, started_s: float) -> SearchResult:
     """The result of a bound-ordered search: the best plan kept, the runners-up, the
     counts (`bounded` candidates passed the memory bound; those not solved were pruned
-    by the time bound) and, on request, the Pareto front of all evaluated."""
+    by the time bound), the gap of the best plan to the best of the whole space, and,
+    on request, the Pareto front of all evaluated. Under the memory objective the gap
+    is the best plan's own partition gap."""
     found = kept.found
-    stats = SearchStats(candidates=candidates, pruned_memory=pruned_memory, pruned_bound=bounded - solves,
-                        ilp_solves=solves, ilp_infeasible=infeasible, gap=found[0].gap,
-                        seconds=time.perf_counter() - started_s)
+    best = found[0]
+    gap = best.gap
+    if rules.objective != "memory":
+        value = metric(problem, best, rules.objective)
+        lower = min(value * (1 - best.gap), solved.least_bound)
+        gap = max(0.0, (value - lower) / value) if value > 0 else 0.0
+    stats = SearchStats(candidates=candidates, pruned_memory=pruned_memory, pruned_bound=bounded - solved.solves,
+                        ilp_solves=solved.solves, ilp_infeasible=solved.infeasible, gap=gap,
+                        seconds=time.perf_counter() - started_s, solver_timeouts=solved.timeouts)
     front = pareto_front(problem, kept.evaluated) if pareto else ()
     return SearchResult(found[0], tuple(found[1:]), stats, front)

@@ -17,13 +17,15 @@ from costmodel.strategy import Strategy, even_stages
 from costmodel.units import GIB
 from planner.rules import BUDGETS, Rules
 from planner.search import bounds
-from planner.search.partition import solve_partition, usable_memory_bytes
+from planner.search.partition import TimedOut, solve_partition, usable_memory_bytes
 from planner.search.result import (
     Candidate,
     Infeasible,
     Kept,
     SearchResult,
+    as_candidate,
     check_specs,
+    check_timeouts,
     finish,
     order_key,
     score,
@@ -74,25 +76,26 @@ def search_uniform(problem: Problem, rules: Rules, top: int = 3,
     kept = Kept(top, lambda c: score(problem, c, objective), budgeted or pareto)
     found = kept.found
 
-    def solve(strategy: Strategy, cutoff_s: float | None) -> Candidate | None:
+    def solve(strategy: Strategy, cutoff_s: float | None) -> Candidate | TimedOut | None:
         units = cache[unit_key(strategy)]
         solution = solve_partition(problem, units, strategy, modes, rules.memory_headroom,
                                    rules.max_stage_imbalance, "memory" if objective == "memory" else "time",
                                    cutoff_s)
-        return None if solution is None else Candidate(solution.strategy, estimate(problem, solution.strategy, units),
-                                                       solution.gap)
+        return as_candidate(solution, lambda s: estimate(problem, s, units))
 
-    solves, infeasible, unsolved = solve_in_bound_order(
+    solved = solve_in_bound_order(
         problem, rules, scored, kept, top, pareto,
         refine=lambda s: bounds.balanced(problem, cache[unit_key(s)], s, modes, usable),
         solve=solve, progress=progress)
-    if closest is None and unsolved is not None:
-        closest = (float("inf"), unsolved)
+    if solved.unsolved is not None:
+        # It passed the memory bound, so it came nearer than any candidate pruned by it.
+        closest = (0.0, solved.unsolved)
     kept.check_budgets(rules)
+    check_timeouts(kept, solved)
     if not found:
         raise Infeasible(_memory_reason(problem, rules, closest[1] if closest else space[0], modes),
                          closest[1] if closest else space[0])
-    return finish(problem, kept, pareto, len(space), pruned_memory, len(scored), solves, infeasible, started)
+    return finish(problem, rules, kept, pareto, len(space), pruned_memory, len(scored), solved, started)
 
 
 def _memory_reason(problem: Problem, rules: Rules, strategy: Strategy, modes: tuple[str, ...]) -> str:

@@ -3,10 +3,15 @@
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
+
 import pytest
 from click.testing import CliRunner
 
 from planner.console.cli import main
+from planner.search import partition
+from planner.search.partition import Solution
 
 
 @pytest.mark.parametrize("args, code, text", [
@@ -32,3 +37,56 @@ def test_cli_infeasible_exits_3_naming_memory():
                                     "--nodes", "2", "--global-batch", "64", "--seq", "2048"])
     assert out.exit_code == 3
     assert "needs" in out.output and "GiB" in out.output and "would fit if you use" in out.output
+
+
+# The two requests issue 19 found the search wrong on.
+GPT3_16_LAYERS = ["plan", "--model", "gpt3-175b", "--set", "num_hidden_layers=16", "--cluster", "dgx-a100-80gb",
+                  "--gpus", "32", "--global-batch", "64", "--seq", "2048", "--rules", "megatron", "--format", "json"]
+LLAMA2_40_LAYERS = ["plan", "--model", "llama2-70b", "--set", "num_hidden_layers=40", "--cluster", "dgx-a100-80gb",
+                    "--gpus", "8", "--global-batch", "32", "--seq", "4096", "--fix", "dp=8,mbs=4"]
+
+
+def test_the_search_finds_the_plan_its_bounds_once_pruned():
+    """dp 16, tp 2, mbs 4 (one micro-batch: activations and gradients never coexist)
+    runs in 3.0954 s; the bounds once pruned it and returned dp 8 tp 4 at 3.2033 s."""
+    best = json.loads(CliRunner().invoke(main, GPT3_16_LAYERS).output)
+    pinned = json.loads(CliRunner().invoke(main, GPT3_16_LAYERS + ["--fix", "dp=16,tp=2,mbs=4"]).output)
+    assert best["estimate"]["step_time_s"] <= pinned["estimate"]["step_time_s"]
+    assert best["estimate"]["step_time_s"] == pytest.approx(3.0954, abs=1e-4)
+    assert best["search"]["gap"] == 0.0 and best["search"]["solver_timeouts"] == 0
+
+
+def test_a_plan_over_the_memory_limit_exits_3():
+    """Its only fitting candidate, ZeRO-3 with every layer recomputed, needs 78.1 GiB in
+    full where 76 GiB are usable: exit 3 naming both, not a plan."""
+    out = CliRunner().invoke(main, LLAMA2_40_LAYERS)
+    assert out.exit_code == 3
+    assert "needs 78.1 GiB" in out.output and "76.0 GiB usable" in out.output and "zero3" in out.output
+
+
+def test_a_solver_time_out_is_reported_in_the_plan_and_on_stderr(monkeypatch):
+    """A partition program ended by the time limit: the plan records it with the gap it
+    leaves, and stderr says so."""
+    from planner.search import uniform
+
+    real = uniform.solve_partition
+
+    def timing_out(*args, **kwargs):
+        solution = real(*args, **kwargs)
+        return replace(solution, timed_out=True, gap=0.02) if isinstance(solution, Solution) else solution
+
+    monkeypatch.setattr(uniform, "solve_partition", timing_out)
+    out = CliRunner().invoke(main, GPT3_16_LAYERS)
+    assert out.exit_code == 0
+    doc = json.loads(out.stdout)
+    assert 1 <= doc["search"]["solver_timeouts"] <= doc["search"]["ilp_solves"]
+    assert doc["search"]["gap"] == pytest.approx(0.02)
+    assert "time limit ended" in out.stderr
+
+
+def test_no_plan_for_want_of_solver_time_says_so(monkeypatch):
+    monkeypatch.setattr(partition, "DETERMINISTIC_TIME_LIMIT", 0.0)
+    out = CliRunner().invoke(main, ["plan", "--model", "gpt3-1.3b", "--cluster", "dgx-a100-40gb", "--gpus", "8",
+                                    "--global-batch", "32", "--seq", "2048"])
+    assert out.exit_code == 3
+    assert "time limit" in out.output and "--fix" in out.output

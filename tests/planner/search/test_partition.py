@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
 
@@ -12,7 +13,16 @@ from costmodel.estimate.uniform import rank_memory, unit_costs
 from costmodel.problem import Problem
 from costmodel.specs.loading import load_cluster, load_model, make_training
 from costmodel.strategy import Strategy
-from planner.search.partition import layout, solve_partition, usable_memory_bytes
+from planner.rules import load_rules
+from planner.search.partition import (
+    Solution,
+    layout,
+    rank_bytes,
+    rank_model,
+    solve_partition,
+    usable_memory_bytes,
+)
+from planner.search.space import enumerate_space, recompute_modes
 
 
 def problem(model="gpt3-1.3b", cluster="dgx-a100-40gb", gpus=8, batch=32, seq=2048):
@@ -55,3 +65,67 @@ def test_partition_matches_exhaustive_enumeration(strategy):
         s = strategy.with_stages(layout(strategy, [(n, f, 0) for n, f in zip(counts, choice)]))
         best = min(best, estimate(p, s, units).step_time_s)
     assert estimate(p, sol.strategy, units).step_time_s == pytest.approx(best, rel=1e-3)
+
+
+def llama_40_layers_fsdp():
+    """The issue's case: 40 Llama 2 70B layers on 8 A100 80GB, dp 8, micro-batch 4, one
+    micro-batch per step: ZeRO-3 with every layer recomputed needs 78.07 GiB, 2 GiB over."""
+    m = replace(load_model("llama2-70b"), num_hidden_layers=40)
+    c = load_cluster("dgx-a100-80gb", gpus=8)
+    p = Problem(m, c, make_training(m, c, 32, 4096))
+    return p, Strategy(dp=8, tp=1, pp=1, micro_batch_size=4, num_microbatches=1, zero_stage=3)
+
+
+@pytest.mark.parametrize("strategy", [
+    Strategy(dp=8, tp=1, pp=1, micro_batch_size=4, num_microbatches=1, zero_stage=3),
+    Strategy(dp=4, tp=1, pp=2, micro_batch_size=1, num_microbatches=8, zero_stage=3),
+    Strategy(dp=2, tp=2, pp=2, micro_batch_size=2, num_microbatches=8, zero_stage=1, schedule="interleaved", vpp=2),
+])
+def test_affine_memory_never_exceeds_the_full_memory(strategy):
+    """The program's memory is a relaxation of the cost model's: at every layer count and
+    recompute mix of a rank, the affine memory (rounded down, as the program rounds it)
+    is at most the full memory, so no partition that fits is lost."""
+    p, _ = llama_40_layers_fsdp()
+    units = unit_costs(p, strategy)
+    layers = p.model.num_hidden_layers
+    for r in range(strategy.pp):
+        affine = rank_model(p, units, strategy, r).memory
+        for n in range(strategy.vpp, layers + 1, 3):
+            for f in range(n + 1):
+                for s in range(0, n - f + 1, 2):
+                    full = rank_bytes(p, units, strategy, r, (n, f, s))
+                    linear = (affine.const + affine.per_layer * n + affine.per_full * f
+                              + affine.per_selective * s + (affine.if_recompute if f else 0.0))
+                    assert linear <= full * (1 + 1e-12), (r, n, f, s, linear - full)
+
+
+def test_a_partition_that_does_not_fit_is_never_returned():
+    """Only every layer recomputed fits below 76 GiB at all, and it needs 78.07 GiB in
+    full: the affine memory once under-counted it and the program returned it."""
+    p, strategy = llama_40_layers_fsdp()
+    units = unit_costs(p, strategy)
+    usable = usable_memory_bytes(p, 0.05)
+    everything_full = strategy.with_stages(layout(strategy, [(40, 40, 0)]))
+    assert estimate(p, everything_full, units).peak_memory_bytes == pytest.approx(78.07 * 2**30, rel=1e-3)
+    assert estimate(p, everything_full, units).peak_memory_bytes > usable
+    assert solve_partition(p, units, strategy, ("none", "selective", "full"), 0.05, 0.25) is None
+
+
+def test_returned_partitions_fit_in_full():
+    """Over a space whose memory binds, every partition the program returns fits the
+    usable memory by the full estimate."""
+    m = replace(load_model("llama2-70b"), num_hidden_layers=40)
+    c = load_cluster("dgx-a100-80gb", gpus=16)
+    p = Problem(m, c, make_training(m, c, 32, 4096))
+    usable = usable_memory_bytes(p, 0.05)
+    rules = load_rules("fsdp")
+    modes = recompute_modes(p, rules)
+    space, _ = enumerate_space(p, rules)
+    returned = 0
+    for strategy in space:
+        units = unit_costs(p, strategy)
+        sol = solve_partition(p, units, strategy, modes, 0.05, rules.max_stage_imbalance)
+        if isinstance(sol, Solution):
+            assert estimate(p, sol.strategy, units).peak_memory_bytes <= usable
+            returned += 1
+    assert returned >= 1

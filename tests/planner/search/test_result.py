@@ -20,11 +20,20 @@ from costmodel.specs.loading import (
     load_model,
     make_training,
 )
+from costmodel.strategy import even_stages
 from planner.console.cli import main
 from planner.plan_file import plan_document
 from planner.rules import load_rules, rules_from_dict
 from planner.search import search
-from planner.search.partition import solve_partition
+from planner.search.partition import TimedOut, solve_partition
+from planner.search.result import (
+    Candidate,
+    Kept,
+    finish,
+    order_key,
+    score,
+    solve_in_bound_order,
+)
 from planner.search.space import enumerate_space, recompute_modes
 
 BUSY_W, IDLE_W, PRICE = 100.0, 20.0, 1.0
@@ -168,3 +177,29 @@ def test_rules_files_take_objectives_and_budgets():
     with pytest.raises(SpecError) as err:
         rules_from_dict({"max_cost_per_step_usd": 0}, "x")
     assert err.value.field == "rules.max_cost_per_step_usd"
+
+
+def test_the_gap_covers_every_candidate_the_solver_did_not_settle():
+    """Three candidates: one solved optimally at 1.0 s, one timed out with a solution at
+    1.2 s and a 25% gap (its partitions may run in 0.9 s), one timed out without a
+    solution whose bound is 0.95 s. The best kept is 1.0 s, and the gap is what the
+    unsettled bounds leave: (1.0 - 0.9) / 1.0."""
+    p = Problem(load_model("gpt3-1.3b"), load_cluster("dgx-a100-40gb", gpus=8),
+                make_training(load_model("gpt3-1.3b"), load_cluster("dgx-a100-40gb", gpus=8), 32, 2048))
+    rules = load_rules()
+    space, _ = enumerate_space(p, rules)
+    a, b, c = space[:3]
+    base = estimate(p, a.with_stages(even_stages(24, a.pp, a.vpp)))
+    answers = {a: Candidate(a, replace(base, step_time_s=1.0), 0.0),
+               b: Candidate(b, replace(base, step_time_s=1.2), 0.25, timed_out=True),
+               c: TimedOut(0.95)}
+    kept = Kept(1, lambda cand: score(p, cand, "time"), False)
+    scored = [(0.5, order_key(s), s) for s in (a, b, c)]
+    solved = solve_in_bound_order(p, rules, scored, kept, 1, False, refine=lambda s: 0.5,
+                                  solve=lambda s, cutoff: answers[s], progress=None)
+    assert (solved.solves, solved.timeouts, solved.unsolved) == (3, 2, c)
+    assert solved.least_bound == pytest.approx(0.9)
+    result = finish(p, rules, kept, False, 3, 0, 3, solved, 0.0)
+    assert result.best.strategy == a
+    assert result.stats.gap == pytest.approx(0.1)
+    assert result.stats.solver_timeouts == 2
