@@ -10,30 +10,42 @@ evaluate, so a fitted spec reproduces the measurements it came from.
 from __future__ import annotations
 
 import math
-import statistics
 
 from costmodel.measured import PROFILE_SCHEMA_VERSION  # noqa: F401  (the profile format's version, kept importable here)
 from costmodel.terms.compute import MEMORY_BOUND_EFFICIENCY
+
+# How far above the fastest GEMM measured a fitted curve's asymptote may reach. The
+# curve extrapolates to the large GEMMs of big models, and at the roofline sweep's
+# largest square (executor.measure.measure_roofline) its shape term prod(d / (d + half))
+# is what separates the two: 1.10 admits half up to 0.032 d (66 at d = 2048, 262 at
+# 8192; the built-in curves use 5 on CPU ranks and 128 on GPUs, costmodel.terms.compute).
+# A fit that wants more rests on shapes too small to say where the rate stops.
+MAX_PEAK_EXTRAPOLATION = 1.10
 
 
 def fit_gemm_curve(points: list[dict]) -> dict:
     """Fit efficiency = best * prod(d / (d + half)) over measured GEMMs, each point
     {"m", "n", "k", "seconds"}, relative to the fastest measurement: `best` and `half`
     minimise the squared error of the efficiency, `half` searched on a log grid and
-    `best` solved in closed form for each."""
+    `best` solved in closed form for each, at most MAX_PEAK_EXTRAPOLATION (then `half`
+    is fitted again with `best` held there)."""
     rates = [2 * p["m"] * p["n"] * p["k"] / p["seconds"] for p in points]
     peak = max(rates)
     efficiency = [r / peak for r in rates]
 
-    def fit(half: float) -> tuple[float, float, float]:
+    def fit(half: float, held: float | None = None) -> tuple[float, float, float]:
         shape = [math.prod(d / (d + half) for d in (p["m"], p["n"], p["k"])) for p in points]
-        best = sum(e * s for e, s in zip(efficiency, shape)) / sum(s * s for s in shape)
+        best = held or sum(e * s for e, s in zip(efficiency, shape)) / sum(s * s for s in shape)
         return sum((e - best * s) ** 2 for e, s in zip(efficiency, shape)), best, half
 
-    # A log grid from 1 to 1000, then a finer one around its best point.
-    coarse = min(fit(10 ** (step / 40)) for step in range(121))
-    fine = min(fit(coarse[2] * 10 ** (step / 4000)) for step in range(-100, 101))
-    _, best, half = fine
+    def search(held: float | None = None) -> tuple[float, float, float]:
+        # A log grid from 1 to 1000, then a finer one around its best point.
+        coarse = min(fit(10 ** (step / 40), held) for step in range(121))
+        return min(fit(coarse[2] * 10 ** (step / 4000), held) for step in range(-100, 101))
+
+    _, best, half = search()
+    if best > MAX_PEAK_EXTRAPOLATION:
+        _, best, half = search(MAX_PEAK_EXTRAPOLATION)
     # Only peak x best matters; keep best a fraction (the fastest GEMM measured is
     # itself below the curve's asymptote).
     if best > 1.0:
@@ -42,9 +54,31 @@ def fit_gemm_curve(points: list[dict]) -> dict:
 
 
 def fit_bandwidth(points: list[dict]) -> float:
-    """Median achieved bytes/s of elementwise passes ({"bytes", "seconds"}), as the
-    `hbm_bandwidth_bytes_per_s` that costmodel.terms.compute derates by its efficiency."""
-    return statistics.median(p["bytes"] / p["seconds"] for p in points) / MEMORY_BOUND_EFFICIENCY
+    """Achieved bytes/s of the largest elementwise pass ({"bytes", "seconds"}), as the
+    `hbm_bandwidth_bytes_per_s` that costmodel.terms.compute derates by its efficiency.
+    The largest: small passes are launch-bound on a GPU (a 4 MiB copy reaches an eighth
+    of an H200's bandwidth) and cache-bound on a CPU, while a model's tensors are large."""
+    largest = max(points, key=lambda p: p["bytes"])
+    return largest["bytes"] / largest["seconds"] / MEMORY_BOUND_EFFICIENCY
+
+
+def roofline_notes(profile: dict) -> list[str]:
+    """What a fitted spec cannot vouch for: a GEMM or bandwidth rate still rising at the
+    largest size measured (`executor.measure.measure_roofline` stopped at its time
+    limit), so the spec's figure is what was measured, below the device's own."""
+    roofline = profile.get("roofline")
+    if roofline is None:
+        return ["this profile predates the roofline sweep: its peak and bandwidth rest on small shapes only; "
+                "measure again"]
+    notes = []
+    if not roofline["gemm_settled"]:
+        dim = max(p["m"] for p in profile["gemm"] if p["m"] == p["n"] == p["k"])
+        notes.append(f"the GEMM rate was still rising at {dim}^3: the fitted peak is a floor of the device's")
+    if not roofline["bandwidth_settled"]:
+        size = max(p["bytes"] for p in profile["elementwise"])
+        notes.append(f"the elementwise rate was still changing at {size >> 20} MiB: the fitted bandwidth is "
+                     f"that size's")
+    return notes
 
 
 def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:

@@ -35,6 +35,12 @@ ELEMENTWISE_BYTES = [1 << 22, 1 << 24, 1 << 26]
 COLLECTIVE_BYTES = [1 << 12, 1 << 16, 1 << 20, 1 << 22, 1 << 24]
 QUICK_COLLECTIVE_BYTES = [1 << 16, 1 << 20, 1 << 22]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# The roofline sweep: a rate that changes by less than this between two sizes has settled.
+ROOFLINE_SETTLED = 0.03
+MAX_ROOFLINE_DIM = 16384          # 16384^3 in bf16: 8.8 TFLOP, ~11 ms on an H200
+MAX_ROOFLINE_BYTES = 1 << 30
+# Longest single call the sweep grows to (quick: for tests).
+ROOFLINE_SECONDS, QUICK_ROOFLINE_SECONDS = 0.5, 0.05
 
 
 def _sync(device: torch.device) -> None:
@@ -60,6 +66,40 @@ def measure_gemm(device: torch.device, dtype: torch.dtype, shapes=GEMM_SHAPES, r
         a, b = torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype)
         out.append({"m": m, "n": n, "k": k, "seconds": _best_s(lambda: a @ b, device, reps)})
     return out
+
+
+def measure_roofline(device: torch.device, dtype: torch.dtype, reps: int, max_seconds: float) -> tuple[list, list, dict]:
+    """Square GEMMs and elementwise passes, each doubled in size until its rate settles
+    (changes by less than ROOFLINE_SETTLED between two sizes) or one call would take
+    longer than `max_seconds`: the small shapes a layer asks for never reach a chip's
+    peak (on an H200 a 4096 x 256 x 256 GEMM runs at a third of it, a 4 MiB copy at an
+    eighth of its bandwidth), and a fitted spec must rest on measurements that did.
+    Returns the GEMM points, the elementwise points and whether each settled."""
+    gemm, settled_gemm = [], False
+    dim = 256
+    while dim <= MAX_ROOFLINE_DIM:
+        point = measure_gemm(device, dtype, [(dim, dim, dim)], reps)[0]
+        gemm.append(point)
+        rates = [2 * p["m"] ** 3 / p["seconds"] for p in gemm]
+        if len(rates) > 1 and abs(rates[-1] / rates[-2] - 1) < ROOFLINE_SETTLED:
+            settled_gemm = True
+            break
+        if point["seconds"] * 8 > max_seconds:   # the next size does 8x the work
+            break
+        dim *= 2
+    elementwise, settled_bandwidth = [], False
+    size = ELEMENTWISE_BYTES[0]
+    while size <= MAX_ROOFLINE_BYTES:
+        point = measure_elementwise(device, dtype, [size], reps)[0]
+        elementwise.append(point)
+        rates = [p["bytes"] / p["seconds"] for p in elementwise]
+        if len(rates) > 1 and abs(rates[-1] / rates[-2] - 1) < ROOFLINE_SETTLED:
+            settled_bandwidth = True
+            break
+        if point["seconds"] * 4 > max_seconds:
+            break
+        size *= 4
+    return gemm, elementwise, {"gemm_settled": settled_gemm, "bandwidth_settled": settled_bandwidth}
 
 
 def measure_elementwise(device: torch.device, dtype: torch.dtype, sizes=ELEMENTWISE_BYTES, reps: int = 5,
@@ -315,6 +355,11 @@ def profile(device_type: str = "cpu", nproc: int = 2, precision: str = "fp32", q
     gemm = measure_gemm(device, dtype, shapes, reps)
     progress("elementwise bandwidth")
     elementwise = measure_elementwise(device, dtype, ELEMENTWISE_BYTES[:1] if quick else ELEMENTWISE_BYTES, reps)
+    progress("roofline: GEMM and elementwise sizes grown until their rates settle")
+    square, passes, roofline = measure_roofline(device, dtype, reps,
+                                                QUICK_ROOFLINE_SECONDS if quick else ROOFLINE_SECONDS)
+    gemm = _merge(gemm, square, lambda p: (p["m"], p["n"], p["k"]))
+    elementwise = _merge(elementwise, passes, lambda p: p["bytes"])
     progress(f"collectives over {len(sizes)} sizes on {nproc} processes")
     backend = "nccl" if device_type == "cuda" else "gloo"
     collectives = run_local(_collectives, nproc, sizes, reps, device_type, backend=backend)[0] if nproc > 1 else {}
@@ -330,7 +375,14 @@ def profile(device_type: str = "cpu", nproc: int = 2, precision: str = "fp32", q
         name, memory = "CPU", 8 << 30
     return {"schema_version": PROFILE_SCHEMA_VERSION, "device": device_type, "device_name": name,
             "precision": precision, "ranks": nproc, "memory_bytes": memory,
-            "gemm": gemm, "elementwise": elementwise, "collectives": collectives, "layers": layers}
+            "gemm": gemm, "elementwise": elementwise, "collectives": collectives, "layers": layers,
+            "roofline": roofline}
+
+
+def _merge(points: list[dict], more: list[dict], key) -> list[dict]:
+    """Points of both lists, one per key (the later measurement wins), sorted by key."""
+    merged = {key(p): p for p in points} | {key(p): p for p in more}
+    return [merged[k] for k in sorted(merged)]
 
 
 def extend(old: dict, new: dict) -> dict:
@@ -341,10 +393,8 @@ def extend(old: dict, new: dict) -> dict:
     if (old.get("device"), old.get("precision"), old.get("ranks")) != (new["device"], new["precision"], new["ranks"]):
         raise ValueError("profile: can only extend a profile of the same device, precision and process count")
     merged = dict(new)
-    gemm = {(p["m"], p["n"], p["k"]): p for p in old["gemm"]} | {(p["m"], p["n"], p["k"]): p for p in new["gemm"]}
-    merged["gemm"] = [gemm[k] for k in sorted(gemm)]
-    elem = {p["bytes"]: p for p in old["elementwise"]} | {p["bytes"]: p for p in new["elementwise"]}
-    merged["elementwise"] = [elem[k] for k in sorted(elem)]
+    merged["gemm"] = _merge(old["gemm"], new["gemm"], lambda p: (p["m"], p["n"], p["k"]))
+    merged["elementwise"] = _merge(old["elementwise"], new["elementwise"], lambda p: p["bytes"])
     merged["collectives"] = {}
     for kind in sorted(set(old["collectives"]) | set(new["collectives"])):
         points = {p["bytes"]: p for p in old["collectives"].get(kind, [])} | \

@@ -632,7 +632,7 @@ def profile(device, nproc, precision, model_name, overrides, seq, micro_batch_si
 
     import yaml
 
-    from costmodel.calibrate import cluster_spec
+    from costmodel.calibrate import cluster_spec, roofline_notes
     from costmodel.measured import READABLE_SCHEMA_VERSIONS
     from costmodel.specs.loading import load_model
     from executor.measure import check_tp
@@ -681,9 +681,13 @@ def profile(device, nproc, precision, model_name, overrides, seq, micro_batch_si
     click.echo(f"profile written to {output}")
     if spec_out:
         spec_doc = json.loads(json.dumps(cluster_spec(result, Path(spec_out).stem)))   # no shared objects: no YAML anchors
+        notes = roofline_notes(result)
         Path(spec_out).write_text("# Fitted by shardwise profile from " + output + "\n"
+                                  + "".join(f"# note: {note}\n" for note in notes)
                                   + yaml.safe_dump(spec_doc, sort_keys=False))
         click.echo(f"cluster spec written to {spec_out}")
+        for note in notes:
+            click.echo(f"note: {note}", err=True)
 
 
 def _int_list(text: str | None, field: str) -> list[int] | None:

@@ -6,10 +6,17 @@ import math
 import pytest
 import yaml
 
-from costmodel.calibrate import cluster_spec, fit_collective, fit_gemm_curve
+from costmodel.calibrate import (
+    MAX_PEAK_EXTRAPOLATION,
+    cluster_spec,
+    fit_bandwidth,
+    fit_collective,
+    fit_gemm_curve,
+    roofline_notes,
+)
 from costmodel.specs.loading import load_cluster
 from costmodel.terms.comm import collective_time_s, placement
-from costmodel.terms.compute import gemm_time_s
+from costmodel.terms.compute import MEMORY_BOUND_EFFICIENCY, gemm_time_s
 
 SHAPES = [(m, n, k) for m in (16, 64, 256, 1024, 4096) for n, k in ((256, 256), (1024, 1024), (4096, 1024))]
 
@@ -55,3 +62,30 @@ def test_fitted_cluster_spec_loads_and_reproduces_the_profile(tmp_path):
     for kind, points in collectives.items():
         for p in points:
             assert collective_time_s(kind, p["bytes"], pair, cluster) == pytest.approx(p["seconds"], rel=1e-3)
+
+
+def test_a_fit_on_small_shapes_claims_no_peak_it_did_not_measure():
+    """GEMMs of at most 256 on a chip whose curve has half = 500: the unconstrained fit
+    would put the asymptote ~7x above the fastest measurement. The fitted spec stops at
+    MAX_PEAK_EXTRAPOLATION times it."""
+    small = [(m, n, k) for m in (16, 64, 256) for n, k in ((64, 64), (256, 256))]
+    eff = lambda m, n, k: math.prod(d / (d + 500.0) for d in (m, n, k))  # noqa: E731
+    points = [{"m": m, "n": n, "k": k, "seconds": 2 * m * n * k / (1e15 * eff(m, n, k))} for m, n, k in small]
+    fastest = max(2 * p["m"] * p["n"] * p["k"] / p["seconds"] for p in points)
+    fit = fit_gemm_curve(points)
+    assert fit["peak_flops_per_s"] * fit["gemm_efficiency_max"] == pytest.approx(MAX_PEAK_EXTRAPOLATION * fastest)
+
+
+def test_bandwidth_is_the_largest_pass():
+    """A 4 MiB pass that ran from cache at 3x the rate of a 256 MiB one does not count."""
+    points = [{"bytes": 4 << 20, "seconds": (4 << 20) / 3e10}, {"bytes": 256 << 20, "seconds": (256 << 20) / 1e10}]
+    assert fit_bandwidth(points) == pytest.approx(1e10 / MEMORY_BOUND_EFFICIENCY)
+
+
+def test_a_profile_whose_rates_had_not_settled_says_so():
+    profile = {"gemm": [{"m": 512, "n": 512, "k": 512, "seconds": 1.0}, {"m": 16, "n": 256, "k": 256, "seconds": 1.0}],
+               "elementwise": [{"bytes": 64 << 20, "seconds": 1.0}],
+               "roofline": {"gemm_settled": False, "bandwidth_settled": True}}
+    assert roofline_notes(profile) == ["the GEMM rate was still rising at 512^3: the fitted peak is a floor of "
+                                       "the device's"]
+    assert "predates the roofline sweep" in roofline_notes({"gemm": [], "elementwise": []})[0]

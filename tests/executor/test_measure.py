@@ -86,3 +86,19 @@ def test_extend_merges_layer_kinds_by_key():
     assert [(p["seq_len"], p["micro_batch_size"], p["forward_s"]) for p in merged] == [(64, 1, 0.5), (64, 2, 1.0),
                                                                                        (128, 1, 1.0)]
     assert extend(dict(base), dict(base, layers=[]))["layers"] == []   # a version 1 profile has none
+
+
+def test_the_roofline_sweep_grows_until_its_time_limit():
+    """With no time to spare the sweep measures one size of each and says neither
+    settled; with time it grows the GEMM by doubling its side."""
+    import torch
+
+    from executor.measure import measure_roofline
+
+    cpu = torch.device("cpu")
+    gemm, passes, settled = measure_roofline(cpu, torch.float32, reps=1, max_seconds=0.0)
+    assert [p["m"] for p in gemm] == [256] and len(passes) == 1
+    assert settled == {"gemm_settled": False, "bandwidth_settled": False}
+    gemm, _, _ = measure_roofline(cpu, torch.float32, reps=1, max_seconds=0.05)
+    dims = [p["m"] for p in gemm]
+    assert dims == [256 * 2 ** i for i in range(len(dims))] and all(p["m"] == p["n"] == p["k"] for p in gemm)
