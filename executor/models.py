@@ -35,13 +35,17 @@ ROPE_THETA = 10000.0
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-5):
+    """x / rms(x) * w; with `unit_offset` Gemma's x / rms(x) * (1 + w), w starting at 0."""
+
+    def __init__(self, dim: int, eps: float = 1e-5, unit_offset: bool = False):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.unit_offset = unit_offset
+        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        scale = 1 + self.weight if self.unit_offset else self.weight
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * scale
 
 
 def rope_tables(seq_len: int, head_dim: int, device=None,
@@ -80,7 +84,7 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flash: boo
 
 def make_norm(spec: ModelSpec, dim: int | None = None) -> nn.Module:
     dim = dim or spec.hidden_size
-    return nn.LayerNorm(dim) if spec.norm == "layernorm" else RMSNorm(dim)
+    return nn.LayerNorm(dim) if spec.norm == "layernorm" else RMSNorm(dim, unit_offset=spec.norm == "rmsnorm_unit_offset")
 
 
 class Attention(nn.Module):

@@ -18,7 +18,7 @@ import yaml
 
 from costmodel.specs.hardware import ClusterSpec, GPUSpec, LinkSpec, MixedClusterSpec
 from costmodel.specs.model import FAMILIES, MLP_KINDS, NORM_KINDS, POSITION_KINDS, ModelSpec
-from costmodel.specs.training import OPTIMIZERS, PRECISIONS, TrainingSpec
+from costmodel.specs.training import MIXED_PRECISION, OPTIMIZERS, PRECISIONS, TrainingSpec
 
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 
@@ -51,7 +51,7 @@ _HF_ARCHITECTURE = {
     # Qwen3Attention: q_norm / k_norm, RMSNorm over head_dim.
     "qwen3": ({"qk_norm": True}, False),
     # GemmaMLP: gate/up/down with gelu_pytorch_tanh (GeGLU, Shazeer 2020).
-    "gemma": ({"mlp": "geglu"}, True),
+    "gemma": ({"mlp": "geglu", "norm": "rmsnorm_unit_offset"}, True),
     # PhiDecoderLayer: one input_layernorm feeding attention and MLP in parallel;
     # dense / fc1 / fc2 / lm_head with biases; partial rotary (no parameters).
     "phi": ({"position_embedding": "rope", "parallel_block": True, "norms_per_layer": 1,
@@ -421,7 +421,8 @@ def mixed_cluster_from_dict(data: dict, name: str) -> MixedClusterSpec:
 
 
 def make_training(model: ModelSpec, cluster: ClusterSpec | MixedClusterSpec, global_batch: Any, seq_len: Any = None,
-                  precision: str = "bf16", optimizer: str = "adamw", flash_attention: bool = True) -> TrainingSpec:
+                  precision: str = "bf16", optimizer: str = "adamw", flash_attention: bool = True,
+                  mixed_precision: str = "autocast") -> TrainingSpec:
     batch = as_int(global_batch, "--global-batch")
     seq = model.max_position_embeddings if seq_len is None else as_int(seq_len, "--seq")
     if precision not in PRECISIONS:
@@ -432,7 +433,9 @@ def make_training(model: ModelSpec, cluster: ClusterSpec | MixedClusterSpec, glo
             raise SpecError("--precision", f"{group.gpu.name} has no {precision} peak (has: {have})")
     if optimizer not in OPTIMIZERS:
         raise SpecError("--optimizer", f"unknown {optimizer!r} (known: {', '.join(OPTIMIZERS)})")
-    return TrainingSpec(batch, seq, precision, optimizer, flash_attention)
+    if mixed_precision not in MIXED_PRECISION:
+        raise SpecError("--mixed-precision", f"unknown {mixed_precision!r} (known: {', '.join(MIXED_PRECISION)})")
+    return TrainingSpec(batch, seq, precision, optimizer, flash_attention, mixed_precision)
 
 
 def _check_keys(data: dict, allowed: set[str], field: str) -> None:

@@ -18,7 +18,8 @@ from dataclasses import asdict, dataclass, fields
 
 FAMILIES = ("gpt", "llama", "mixtral")
 MLP_KINDS = ("gelu", "geglu", "swiglu")
-NORM_KINDS = ("layernorm", "rmsnorm")
+# rmsnorm_unit_offset: Gemma's RMSNorm, x * (1 + w) multiplied in fp32 (same parameters).
+NORM_KINDS = ("layernorm", "rmsnorm", "rmsnorm_unit_offset")
 POSITION_KINDS = ("learned", "rope")
 
 # The architecture fields' values when left unset (None), by family: GPT-2 / GPT-3

@@ -22,8 +22,11 @@ def dgx():
     return load_cluster("dgx-a100-80gb")
 
 
-def training(model, cluster, flash=False, precision="bf16", optimizer="adamw", seq=None):
-    return make_training(model, cluster, 8, seq, precision=precision, optimizer=optimizer, flash_attention=flash)
+def training(model, cluster, flash=False, precision="bf16", optimizer="adamw", seq=None, mixed_precision="megatron"):
+    """Korthikanti et al.'s and ZeRO's counts are Megatron-LM's recipe ("megatron");
+    PyTorch's own 16-bit training is tested below with "autocast" / "param_dtype"."""
+    return make_training(model, cluster, 8, seq, precision=precision, optimizer=optimizer, flash_attention=flash,
+                         mixed_precision=mixed_precision)
 
 
 # ------------------------------------------------------------------ model states
