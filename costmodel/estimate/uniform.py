@@ -309,9 +309,11 @@ def rank_memory(problem: Problem, units: UnitCosts, strategy: Strategy, pp_rank:
                       units.last_parameters, 0.0 if root_held else units.first_parameters)
         buffers += largest * (2 * copy + reduce_bytes)
         temporaries += largest * copy
-        # At the loss no gradient has been reduced yet: the head's unit and its
-        # all-gather output only.
-        loss_buffers = largest * 2 * copy
+        # At the loss no unit is gathered: the head's unit was resharded after its
+        # forward and is gathered again after the loss's backward; a tied root unit
+        # stays gathered (FSDPMemTracker, bench/memory_tracker.py bf16 cases: comm
+        # buffers 0 at the peak untied, one copy of the embedding tied).
+        loss_buffers = 0.0
         if root_held:
             buffers += units.first_parameters * copy
             temporaries += units.first_parameters * copy

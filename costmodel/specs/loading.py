@@ -99,6 +99,17 @@ def _hf_architecture(model_type: str, raw: dict, lenient: bool) -> dict:
         out["attention_bias"] = out["attention_out_bias"] = out["mlp_bias"] = raw["use_bias"]
     if model_type == "phi" and raw.get("qk_layernorm"):
         raise SpecError("qk_layernorm", "Phi's per-head LayerNorm on q and k is not modelled (RMSNorm q/k norm is: qk_norm)")
+    if lenient:
+        # Memory-only fields, read as transformers reads them.
+        out["sliding_window"] = None
+        if model_type == "mistral" or (model_type in ("qwen2", "qwen3") and raw.get("use_sliding_window")):
+            out["sliding_window"] = raw.get("sliding_window")
+        # Kept only where it changes what is saved for backward (transformers'
+        # NewGELUActivation is an elementwise formula); other names are the mlp kind.
+        act = raw.get("hidden_act", raw.get("activation_function"))
+        out["hidden_act"] = "gelu_new" if act == "gelu_new" else None
+        drop = raw.get("resid_pdrop", raw.get("hidden_dropout"))
+        out["resid_dropout"] = drop if drop is not None else 0.0
     if lenient and raw.get("tie_word_embeddings") is None:
         out["tie_word_embeddings"] = tie_default
     return out
@@ -260,6 +271,14 @@ def model_from_dict(data: dict, name: str, overrides: dict[str, str] | None = No
         values["norms_per_layer"] = as_int(raw["norms_per_layer"], "norms_per_layer")
         if values["norms_per_layer"] > 2:
             raise SpecError("norms_per_layer", f"1 or 2, got {values['norms_per_layer']}")
+    if raw.get("sliding_window") is not None:
+        values["sliding_window"] = as_int(raw["sliding_window"], "sliding_window")
+    if raw.get("hidden_act") is not None:
+        values["hidden_act"] = str(raw["hidden_act"])
+    if raw.get("resid_dropout") is not None:
+        values["resid_dropout"] = as_float(raw["resid_dropout"], "resid_dropout", exclusive=False)
+        if values["resid_dropout"] >= 1:
+            raise SpecError("resid_dropout", f"must be below 1, got {values['resid_dropout']}")
     if raw.get("head_dim") is not None:
         values["head_dim"] = as_int(raw["head_dim"], "head_dim")
     elif hidden % heads:

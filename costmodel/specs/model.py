@@ -65,6 +65,10 @@ class ModelSpec:
     parallel_block: bool = False            # x + attn(norm(x)) + mlp(norm'(x)) (GPT-J, NeoX, Phi)
     norms_per_layer: int = 2                # 1: one norm feeds attention and MLP (Phi, GPT-J)
     lm_head_bias: bool = False              # Phi
+    # How Hugging Face runs it (memory only; no parameter or FLOP changes):
+    sliding_window: int | None = None       # Mistral: a mask is built once seq_len reaches it
+    hidden_act: str | None = None           # HF's name; "gelu_new" is an elementwise formula
+    resid_dropout: float = 0.0              # dropout on the attention and MLP outputs (Phi, GPT-2)
 
     def __post_init__(self):
         family = FAMILY_DEFAULTS.get(self.model_type, _LLAMA)
@@ -111,4 +115,5 @@ class ModelSpec:
 
 
 _ARCHITECTURE_FIELDS = ("head_dim", "mlp", "norm", "position_embedding", "attention_bias", "attention_out_bias",
-                        "mlp_bias", "qk_norm", "parallel_block", "norms_per_layer", "lm_head_bias")
+                        "mlp_bias", "qk_norm", "parallel_block", "norms_per_layer", "lm_head_bias",
+                        "sliding_window", "hidden_act", "resid_dropout")

@@ -171,12 +171,36 @@ def pytorch_layer_activation_bytes(model: ModelSpec, training: TrainingSpec, mic
         a_h, a_t = norm_saved_bytes(model, training, attention_consumers)
         m_h, m_t = norm_saved_bytes(model, training, mlp_consumers)
         norm_h, norm_t = a_h + m_h, a_t + m_t
-    replicated = (norm_h * h + norm_t) * tokens
+    # Dropout on the attention and MLP outputs keeps a mask each (in the activations'
+    # dtype on CPU; measured: Phi-2, resid_pdrop 0.1).
+    dropout_masks = 2 * v if model.resid_dropout > 0 else 0.0
+    replicated = ((norm_h + dropout_masks) * h + norm_t) * tokens
     attention = v * (q + 2 * kv) + v * q + 4.0 * model.num_attention_heads
+    if autocast:
+        # executor.models.attention_core repeats K and V to every query head
+        # (grouped-query attention): the repeated copies are saved in their place
+        # (measured: the executor's Llama-3-8B, 3 bytes per s*h more than its MHA count).
+        # Not counted: on CPU, SDPA's output is head-major, so the executor's
+        # `out.transpose(1, 2).reshape(b, t, -1)` copies it (one q-wide tensor more:
+        # 57.65 bytes per s*h for Llama-2-7B under FakeTensorMode); CUDA's flash kernels
+        # write it token-major and the reshape is a view (the H200 runs of
+        # executor_runs.json are 2-10% over the estimate with it counted).
+        attention += 2 * v * (q - kv)
     if model.qk_norm:
         attention += 6.0 * (q + kv) + 4.0 * (model.num_attention_heads + model.num_key_value_heads)
+    if model.sliding_window is not None and s >= model.sliding_window and not autocast:
+        # With a mask (Mistral's sliding window) transformers repeats K and V to every
+        # head before SDPA (repeat_kv: GQA kernels take no mask) and SDPA's output is
+        # copied: 6q - 4kv bytes per token more (measured: Mistral-7B at seq 4096,
+        # 54.03 against 49.03 bytes per s*h at seq 1024).
+        attention += 6.0 * q - 4.0 * kv
     rope_tables = 4.0 * hd if autocast and model.position_embedding == "rope" else 0.0
-    mlp = v * (4 if gated else 2) * f * model.num_experts_per_tok
+    mlp_tensors = 4 if gated else 2
+    if model.hidden_act == "gelu_new":
+        # transformers' NewGELUActivation is an elementwise formula: the tanh, 0.5 x and
+        # 1 + tanh are kept beside its input (measured: Phi-2, 5 tensors of f).
+        mlp_tensors += 3
+    mlp = v * mlp_tensors * f * model.num_experts_per_tok
     split = (attention + mlp) * tokens / tp + rope_tables * tokens
     router = 4 * tokens * model.num_local_experts if model.is_moe else 0
     weight_copies = 0.0
@@ -268,13 +292,18 @@ def loss_peak_bytes(model: ModelSpec, training: TrainingSpec, micro_batch_size: 
     Hugging Face's loss alike) and keeps log_softmax's fp32 output; its backward makes
     the fp32 gradient of the loss and of log_softmax beside that output: 12 bytes per
     logit (3 fp32 tensors of b*s*V/tp); the forward peak, the bf16 logits with their
-    fp32 copy and log_softmax's output, is 10. In fp32: the same three tensors.
+    fp32 copy and log_softmax's output, is 10. In fp32: the same three tensors. Exact
+    for Hugging Face Llama-2-7B, Llama-3-8B and Qwen2-7B under FSDPMemTracker (the
+    logits' activations and temporaries at the peak).
     Measured: the H200 run of executor_runs.json (Llama-3-8B, 4 layers, seq 8192, mbs 8)
     ran out of memory asking 31.31 GiB = 4 x 8 x 8192 x 128256 bytes in cross-entropy;
     FSDPMemTracker, bench/memory_tracker.py (Temp + logits at the loss's peak)."""
     if training.precision != "fp32" and training.mixed_precision == "megatron":
         # Megatron-LM's vocab-parallel cross-entropy works in place on its fp32 logits.
         return logits_bytes(model, training, micro_batch_size, tp)
+    # Under autocast on CPU (FakeTensorMode) the bf16 logits stay alive to the end of
+    # cross-entropy's backward (2 bytes per logit more); on the H200 they do not (the
+    # runs of executor_runs.json are 4-7% over the estimate with them counted).
     return 12.0 * micro_batch_size * training.seq_len * model.vocab_size / tp
 
 
