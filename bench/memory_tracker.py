@@ -39,6 +39,7 @@ model's runtime reserve (CUDA context, allocator slack) is not a tensor and is l
 
     python bench/memory_tracker.py            # all cases, prints and writes bench/results/
     python bench/memory_tracker.py bf16       # the bf16 cases and the H200 runs only
+    python bench/memory_tracker.py saved      # bytes per s*h one layer saves, by family
 """
 
 from __future__ import annotations
@@ -429,7 +430,81 @@ def h200_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+SAVED_CASES = (
+    ("llama-2-7b", "param_dtype"), ("llama-3-8b", "param_dtype"), ("mistral-7b", "param_dtype"),
+    ("qwen3-1.7b", "param_dtype"), ("gemma-2b", "param_dtype"), ("phi-2", "param_dtype"),
+    ("pythia-1.4b", "param_dtype"), ("llama2-7b", "autocast"), ("llama3-8b", "autocast"),
+)
+
+
+def saved_bytes_per_layer(name: str, mixed_precision: str, seq_len: int = 1024) -> tuple[float, float]:
+    """(measured, estimated) bytes per s*h that one layer keeps for backward in bf16:
+    every tensor torch.autograd.graph.saved_tensors_hooks sees in a forward of 2 layers
+    less 1 layer, one count per storage, parameters and buffers left out; a Hugging
+    Face config in bf16 weights (param_dtype) or a built-in model under autocast, the
+    bf16 weight copies of autocast left out of both figures."""
+    from costmodel.specs.hf import _meta_masks, build_hf_model
+    from costmodel.terms.counts import attention_parameters, expert_parameters
+    from costmodel.terms.memory import pytorch_layer_activation_bytes
+
+    def saved(layers: int):
+        if mixed_precision == "param_dtype":
+            import transformers
+            data = json.loads(Path(_hf(name)).read_text())
+            data["num_hidden_layers"] = layers
+            data.pop("torch_dtype", None)
+            with tempfile.TemporaryDirectory() as folder:
+                path = Path(folder) / "config.json"
+                path.write_text(json.dumps(data))
+                torch.set_default_dtype(torch.bfloat16)
+                try:
+                    model = build_hf_model(path)
+                finally:
+                    torch.set_default_dtype(torch.float32)
+            model.config._attn_implementation = "sdpa"
+            spec = load_model(_hf(name))
+            context, masks = nullcontext(), _meta_masks(transformers)
+        else:
+            spec = load_model(name)
+            model = build_model(load_model(name, {"num_hidden_layers": str(layers)}), seq_len)
+            context, masks = torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False), nullcontext()
+        seen: dict[int, int] = {}
+
+        def pack(t):
+            storage = t.untyped_storage()
+            seen[storage._cdata] = storage.nbytes()
+            return t
+        with FakeTensorMode(allow_non_fake_inputs=True), masks:
+            model.to_empty(device="cpu")
+            own = {t.untyped_storage()._cdata for t in (*model.parameters(), *model.buffers())}
+            with context, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = model(torch.zeros(1, seq_len, dtype=torch.long))
+                del out
+        return sum(n for k, n in seen.items() if k not in own), spec
+
+    one, spec = saved(1)
+    two, _ = saved(2)
+    cluster = load_cluster("dgx-h100", gpus=1)
+    training = make_training(spec, cluster, 1, seq_len, precision="bf16", mixed_precision=mixed_precision)
+    estimated = pytorch_layer_activation_bytes(spec, training, 1, 1, False, "none")
+    copies = 2.0 * (attention_parameters(spec) + expert_parameters(spec)) if mixed_precision == "autocast" else 0.0
+    sh = seq_len * spec.hidden_size
+    return (two - one - copies) / sh, (estimated - copies) / sh
+
+
+def saved_table(seq_len: int = 1024) -> str:
+    lines = [f"bytes per s*h one layer saves (bf16, seq {seq_len}, micro-batch 1)",
+             f"{'model':14s} {'precision':12s} {'measured':>9s} {'estimated':>10s}"]
+    for name, mixed in SAVED_CASES:
+        measured, estimated = saved_bytes_per_layer(name, mixed, seq_len)
+        lines.append(f"{name:14s} {mixed:12s} {measured:9.3f} {estimated:10.3f}")
+    return "\n".join(lines)
+
+
 def main(which: str = "all") -> None:
+    if which == "saved":
+        print(saved_table())
+        return
     cases = (CASES if which in ("all", "fp32") else ()) + (BF16_CASES if which in ("all", "bf16") else ())
     rows = []
     for case in cases:

@@ -120,8 +120,8 @@ def norm_saved_bytes(model: ModelSpec, training: TrainingSpec, consumers: int) -
     the fp32 upcast, the bf16 normalised value the weight multiplies, the bf16 output
     once; Gemma's `x * (1 + w)` multiplies in fp32 (4 in place of 2); a bf16
     nn.LayerNorm keeps its input and its output. Per token: fp32 rsqrt / mean and rstd.
-    Measured with saved_tensors_hooks under FakeTensorMode (bench/memory_tracker.py
-    --saved): Llama-2-7B 16, Gemma-2B 20, Llama executor 16 + 12 bytes per s*h of norms."""
+    Measured with saved_tensors_hooks under FakeTensorMode (`python bench/memory_tracker.py
+    saved`): Llama-2-7B 16, Gemma-2B 20, Llama executor 16 + 12 bytes per s*h of norms."""
     if training.mixed_precision == "param_dtype":
         per_h = {"rmsnorm": 8.0, "rmsnorm_unit_offset": 10.0, "layernorm": 4.0}[model.norm]
     else:
@@ -150,7 +150,8 @@ def pytorch_layer_activation_bytes(model: ModelSpec, training: TrainingSpec, mic
     Measured: saved_tensors_hooks under FakeTensorMode, bf16, seq 1024 (bf16
     bytes per s*h per layer): Hugging Face Llama-2-7B 45.5, Llama-3-8B 49.0, Qwen3-1.7B
     55.1, Gemma-2B 88.5 under param_dtype; the executor's Llama-2-7B 57.7 + weight copies
-    under autocast; checked against FSDPMemTracker in bench/memory_tracker.py.
+    under autocast (`python bench/memory_tracker.py saved` prints each family beside
+    this count); checked against FSDPMemTracker in bench/memory_tracker.py.
     Full recompute keeps the layer input only (the residual stream: fp32 under autocast).
     """
     b, s, h, f = micro_batch_size, training.seq_len, model.hidden_size, model.intermediate_size
