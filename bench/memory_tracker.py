@@ -1,14 +1,34 @@
 """Memory against PyTorch's own accounting: the cost model's peak memory per device
 (`costmodel.estimate.estimate(...).memory`) beside what `torch.distributed._tools`
-records for the same training step (forward, backward, AdamW step; fp32) of the same
-model, run under FakeTensorMode with the in-process fake process group, so a 7B model
-on 8 ranks needs neither a GPU nor memory.
+records for the same training step (forward, backward, AdamW step) of the same model,
+run under FakeTensorMode with the in-process fake process group, so a 7B model on 8
+ranks needs neither a GPU nor memory.
 
-Cases: the built-in Llama 2 7B and GPT-3 6.7B (executor.models, sharded by the
+fp32 cases: the built-in Llama 2 7B and GPT-3 6.7B (executor.models, sharded by the
 executor's own apply_fsdp / apply_tensor_parallel) and Llama 2 7B as transformers builds
 it from tests/data/hf/llama-2-7b.json, each ZeRO-3 over 8 ranks (FSDPMemTracker) and
-TP 8 (MemTracker). The second of two steps is measured (the first creates the optimizer
-states), as the trackers' own tests do.
+TP 8 (MemTracker), seq 2048.
+
+bf16 cases (BF16_CASES), what users run: published Hugging Face configs
+(tests/data/hf: Llama 2 7B, Mistral 7B, Llama 3 8B, Qwen2 7B, Gemma 2B, Qwen3 1.7B,
+Llama 3.2 1B, Phi-2, Pythia 1.4B) under FSDP2 over 8 with MixedPrecisionPolicy(
+param_dtype=bf16, reduce_dtype=fp32) as torchtitan runs it (SDPA attention, fp32
+master weights, AdamW), and the executor's own Llama 3 8B as the executor runs it
+(fp32 weights under torch.autocast(bf16, cache_enabled=False), executor/step.py)
+under ZeRO-3 over 8 and TP 8; seq 2048-8192, micro-batch 1. The second of two steps
+is measured (the first creates the optimizer states), as the trackers' own tests do.
+The H200 runs of our executor (shared/reference/h200/executor_runs.json) are printed
+beside their estimates too.
+
+Known differences between the tracker and a GPU, left in the figures:
+- TP under loss_parallel: DTensor's nll_loss backward handler propagates tensor metadata
+  by running the op on fake tensors of the global shape (torch/distributed/tensor/
+  parallel/loss.py, _propagate_tensor_meta); under FakeTensorMode the tracker counts
+  them as memory: two fp32 tensors of tokens x the whole vocabulary (7.83 GiB for
+  Llama-3-8B at seq 8192), which no GPU allocates (LOSS_PARALLEL_META_BYTES).
+- Pythia (GPT-NeoX): the fused query_key_value output stays alive through V's view
+  (4 bytes per s*h per layer more than separate projections); Phi-2: SDPA's head-major
+  output is copied on CPU and dropout masks are kept in bf16 (bool on CUDA).
 
 Kinds, tracker -> cost model: parameters (sharded params, buffers) -> weights;
 gradients live at the peak -> gradients; optimizer states -> optimizer; activations
@@ -17,7 +37,9 @@ activation gradients, unsharded gradients, the loss's copies) -> temporaries; FS
 unsharded parameters and all-gather / reduce-scatter buffers -> comm buffers. The cost
 model's runtime reserve (CUDA context, allocator slack) is not a tensor and is left out.
 
-    python bench/memory_tracker.py            # full models, seq 2048, prints and writes bench/results/
+    python bench/memory_tracker.py            # all cases, prints and writes bench/results/
+    python bench/memory_tracker.py bf16       # the bf16 cases and the H200 runs only
+    python bench/memory_tracker.py saved      # bytes per s*h one layer saves, by family
 """
 
 from __future__ import annotations
@@ -35,7 +57,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -68,10 +90,17 @@ class Case:
     name: str
     model: str        # a built-in name, or a Hugging Face config.json
     parallel: str     # "zero3" (dp 8) or "tp" (tp 8)
+    precision: str = "fp32"
+    seq_len: int | None = None   # None: the run's (main's) sequence length
 
     @property
     def hf(self) -> bool:
         return self.model.endswith(".json")
+
+    @property
+    def mixed_precision(self) -> str:
+        """Hugging Face models under FSDP2's MixedPrecisionPolicy, the executor under autocast."""
+        return "param_dtype" if self.hf else "autocast"
 
 
 CASES = (
@@ -81,6 +110,25 @@ CASES = (
     Case("gpt3-6.7b tp8", "gpt3-6.7b", "tp"),
     Case("hf llama-2-7b zero3 dp8", str(HF_LLAMA), "zero3"),
     Case("hf llama-2-7b tp8", str(HF_LLAMA), "tp"),
+)
+
+
+def _hf(name: str) -> str:
+    return str(ROOT / "tests" / "data" / "hf" / f"{name}.json")
+
+
+BF16_CASES = (
+    Case("Llama-2-7B fsdp8 bf16", _hf("llama-2-7b"), "zero3", "bf16", 4096),
+    Case("Mistral-7B fsdp8 bf16", _hf("mistral-7b"), "zero3", "bf16", 4096),
+    Case("Llama-3-8B fsdp8 bf16", _hf("llama-3-8b"), "zero3", "bf16", 8192),
+    Case("Qwen2-7B fsdp8 bf16", _hf("qwen2-7b"), "zero3", "bf16", 4096),
+    Case("Gemma-2B fsdp8 bf16", _hf("gemma-2b"), "zero3", "bf16", 8192),
+    Case("Qwen3-1.7B fsdp8 bf16", _hf("qwen3-1.7b"), "zero3", "bf16", 4096),
+    Case("Llama-3.2-1B fsdp8 bf16", _hf("llama-3.2-1b"), "zero3", "bf16", 2048),
+    Case("Phi-2 fsdp8 bf16", _hf("phi-2"), "zero3", "bf16", 2048),
+    Case("Pythia-1.4B fsdp8 bf16", _hf("pythia-1.4b"), "zero3", "bf16", 2048),
+    Case("executor llama3-8b zero3 dp8 autocast", "llama3-8b", "zero3", "bf16", 4096),
+    Case("executor llama3-8b tp8 autocast", "llama3-8b", "tp", "bf16", 8192),
 )
 
 # Tracker reference types by the cost model's kinds (FSDPMemTracker's _FSDPRefType and
@@ -113,8 +161,10 @@ def problem_and_strategy(case: Case, seq_len: int, layers: int | None) -> tuple[
     dp, tp = (WORLD, 1) if case.parallel == "zero3" else (1, WORLD)
     # Flash attention as the model runs it: the executor calls SDPA (fused on CPU, the
     # s x s scores never stored); transformers is built with eager attention.
-    training = make_training(spec, cluster, dp, seq_len, precision="fp32", optimizer="adamw",
-                             flash_attention=not case.hf)
+    # bf16 Hugging Face models run SDPA (flash attention); fp32 ones eager.
+    training = make_training(spec, cluster, dp, seq_len, precision=case.precision, optimizer="adamw",
+                             flash_attention=not case.hf or case.precision != "fp32",
+                             mixed_precision=case.mixed_precision)
     strategy = Strategy(dp=dp, tp=tp, pp=1, micro_batch_size=1, num_microbatches=1,
                         zero_stage=3 if case.parallel == "zero3" else 0,
                         stages=even_stages(spec.num_hidden_layers, 1))
@@ -138,11 +188,13 @@ def _hf_module(case: Case, layers: int | None):
     data = json.loads(Path(case.model).read_text())
     if layers:
         data["num_hidden_layers"] = layers
-    data.pop("torch_dtype", None)   # fp32 training: transformers builds in fp32 without it
+    data.pop("torch_dtype", None)   # fp32 master weights: transformers builds in fp32 without it
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "config.json"
         path.write_text(json.dumps(data))
         model = build_hf_model(path)
+    if case.precision != "fp32":
+        model.config._attn_implementation = "sdpa"   # what bf16 training runs
     if any(p.dtype != torch.float32 for p in model.parameters()):
         raise ValueError(f"{case.model}: expected fp32 parameters")
     return model
@@ -152,13 +204,21 @@ def _shard_hf(model, case: Case, mesh) -> None:
     """The executor's layouts on transformers' module names: ZeRO-3 units per decoder
     layer, embedding and head; TP with q/k/v/gate/up column-wise, o/down row-wise, the
     embedding and head over the vocabulary."""
-    inner = model.model
+    inner = getattr(model, "model", None) or model.gpt_neox
     if case.parallel == "zero3":
-        for layer in inner.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(inner.embed_tokens, mesh=mesh)
-        fully_shard([inner.norm, model.lm_head], mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        # bf16: FSDP2's MixedPrecisionPolicy as torchtitan sets it.
+        mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+              if case.precision != "fp32" else MixedPrecisionPolicy())
+        layers = getattr(inner, "layers", None)
+        embed = getattr(inner, "embed_tokens", None) or getattr(inner, "embed_in", None)
+        norm = getattr(inner, "norm", None) or getattr(inner, "final_layernorm", None) or getattr(inner, "final_layer_norm", None)
+        head = getattr(model, "lm_head", None) or getattr(model, "embed_out", None)
+        for layer in layers:
+            fully_shard(layer, mesh=mesh, mp_policy=mp)
+        if not model.config.tie_word_embeddings:
+            fully_shard(embed, mesh=mesh, mp_policy=mp)
+            fully_shard([norm, head], mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
         return
     plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
             "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
@@ -176,7 +236,7 @@ def _build(case: Case, seq_len: int, layers: int | None, mesh):
     if case.hf:
         model = _hf_module(case, layers)
         _shard_hf(model, case, mesh)
-        return model, lambda x: model(x, use_cache=False).logits
+        return model, lambda x: model(x, use_cache=False).logits.float()   # transformers' loss upcasts
     spec = model_spec(case, layers)
     model = build_model(spec, seq_len)
     if case.parallel == "zero3":
@@ -230,9 +290,12 @@ def tracked(case: Case, seq_len: int, layers: int | None = None) -> dict:
             tracker = MemTracker()
             tracker.track_external(model, optimizer, x, y)
         states = {}
+        # The executor's mixed precision (executor/step.py TrainStep.autocast).
+        autocast = (torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False)
+                    if case.precision != "fp32" and not case.hf else nullcontext())
         with tracker:
             for step in range(2):
-                with loss_parallel() if case.parallel == "tp" else nullcontext():
+                with loss_parallel() if case.parallel == "tp" else nullcontext(), autocast:
                     loss = cross_entropy(forward(x), y)
                     loss.backward()
                 shard_gradients_as_parameters(model)
@@ -263,6 +326,8 @@ def compare(case: Case, seq_len: int, layers: int | None = None) -> dict:
     states = memory.sharded_state_bytes(sum_parameters(problem, strategy), problem.training,
                                         strategy.zero_stage, strategy.dp)
     return {"case": case.name, "seq_len": seq_len, "layers": problem.model.num_hidden_layers,
+            "precision": case.precision if case.precision == "fp32" else f"{case.precision} {case.mixed_precision}",
+            "vocab_size": problem.model.vocab_size,
             "tracker": measured["peak"], "predicted": predicted(case, seq_len, layers),
             "states_after_backward": {
                 "tracker": {k: measured["after_backward"][k] for k in ("parameters", "gradients", "optimizer")},
@@ -286,7 +351,8 @@ def table(rows: list[dict]) -> str:
     lines = []
     for row in rows:
         t, p = row["tracker"], row["predicted"]
-        lines.append(f"{row['case']}  (seq {row['seq_len']}, {row['layers']} layers, micro-batch 1, fp32, AdamW)")
+        lines.append(f"{row['case']}  (seq {row['seq_len']}, {row['layers']} layers, micro-batch 1, "
+                     f"{row.get('precision', 'fp32')}, AdamW)")
         lines.append(f"  {'kind':14s} {'tracker GiB':>12s} {'predicted GiB':>14s}")
         for kind in KINDS:
             lines.append(f"  {kind:14s} {t[kind] / GIB:12.2f} {p[kind] / GIB:14.2f}")
@@ -298,17 +364,162 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main(seq_len: int = 2048) -> None:
+def loss_parallel_meta_bytes(row: dict) -> float:
+    """What the tracker counts of loss_parallel's metadata propagation at the global
+    shape (two fp32 tensors of tokens x vocabulary), for a TP row; 0 otherwise."""
+    if "tp8" not in row["case"] or not row.get("vocab_size"):
+        return 0.0
+    return 2 * 4.0 * row["seq_len"] * row["vocab_size"]
+
+
+def summary(rows: list[dict]) -> str:
+    lines = [f"{'case':40s} {'seq':>5s} {'tracker GiB':>12s} {'estimate GiB':>13s} {'error':>7s}"]
+    for row in rows:
+        t, p = row["tracker"]["total"], row["predicted"]["total"]
+        line = f"{row['case']:40s} {row['seq_len']:5d} {t / GIB:12.2f} {p / GIB:13.2f} {100 * (p / t - 1):+6.1f}%"
+        meta = loss_parallel_meta_bytes(row) if row.get("precision", "fp32") != "fp32" else 0.0
+        if meta:
+            line += (f"   (tracker less loss_parallel's global-shape meta tensors, {meta / GIB:.2f} GiB: "
+                     f"{(t - meta) / GIB:.2f}, {100 * (p / (t - meta) - 1):+.1f}%)")
+        lines.append(line)
+    return "\n".join(lines)
+
+
+H200_RUNS = ROOT.parent / "shared" / "reference" / "h200" / "executor_runs.json"
+
+
+def h200_check(path: Path = H200_RUNS) -> list[dict]:
+    """The executor's real H200 runs (bf16 autocast, eager, SDPA) beside the estimate of
+    the same plan: peak memory allocated (the estimate without its runtime reserve,
+    which torch.cuda.max_memory_allocated does not count), and the run that ran out of
+    memory, which the estimate must refuse (above the GPU's memory)."""
+    from costmodel.specs.loading import parse_overrides
+    if not path.exists():
+        return []
+    out = []
+    for run in json.loads(path.read_text())["runs"]:
+        words = run["request"].split(": ", 1)[1].split()
+        overrides = parse_overrides(words[words.index("--set") + 1]) if "--set" in words else None
+        spec = load_model(words[0], overrides)
+        cluster = load_cluster("dgx-h200", gpus=1)
+        training = make_training(spec, cluster, int(words[words.index("--global-batch") + 1]),
+                                 int(words[words.index("--seq") + 1]), precision="bf16")
+        s = run["strategy"]
+        strategy = Strategy(dp=1, tp=1, pp=1, micro_batch_size=s["micro_batch_size"],
+                            num_microbatches=s["num_microbatches"], zero_stage=0,
+                            stages=even_stages(spec.num_hidden_layers, 1, recompute=s["recompute"]))
+        mem = estimate(Problem(spec, cluster, training), strategy).memory
+        allocated = mem.total_bytes - mem.runtime_reserve_bytes
+        measured = run.get("measured_peak_memory_allocated_bytes")
+        out.append({"request": run["request"], "estimate_bytes": allocated, "measured_bytes": measured,
+                    "gpu_bytes": cluster.gpu.memory_bytes, "outcome": run.get("outcome", "ran")})
+    return out
+
+
+def h200_table(rows: list[dict]) -> str:
+    lines = [f"{'H200 run (executor, bf16 autocast)':62s} {'measured GiB':>12s} {'estimate GiB':>13s} {'error':>7s}"]
+    for r in rows:
+        est = r["estimate_bytes"] / GIB
+        if r["measured_bytes"]:
+            lines.append(f"{r['request'][:62]:62s} {r['measured_bytes'] / GIB:12.2f} {est:13.2f} "
+                         f"{100 * (r['estimate_bytes'] / r['measured_bytes'] - 1):+6.1f}%")
+        else:
+            verdict = "refused" if r["estimate_bytes"] > r["gpu_bytes"] else "NOT refused"
+            lines.append(f"{r['request'][:62]:62s} {'OOM':>12s} {est:13.2f}   {verdict} "
+                         f"(GPU {r['gpu_bytes'] / GIB:.1f} GiB)")
+    return "\n".join(lines)
+
+
+SAVED_CASES = (
+    ("llama-2-7b", "param_dtype"), ("llama-3-8b", "param_dtype"), ("mistral-7b", "param_dtype"),
+    ("qwen3-1.7b", "param_dtype"), ("gemma-2b", "param_dtype"), ("phi-2", "param_dtype"),
+    ("pythia-1.4b", "param_dtype"), ("llama2-7b", "autocast"), ("llama3-8b", "autocast"),
+)
+
+
+def saved_bytes_per_layer(name: str, mixed_precision: str, seq_len: int = 1024) -> tuple[float, float]:
+    """(measured, estimated) bytes per s*h that one layer keeps for backward in bf16:
+    every tensor torch.autograd.graph.saved_tensors_hooks sees in a forward of 2 layers
+    less 1 layer, one count per storage, parameters and buffers left out; a Hugging
+    Face config in bf16 weights (param_dtype) or a built-in model under autocast, the
+    bf16 weight copies of autocast left out of both figures."""
+    from costmodel.specs.hf import _meta_masks, build_hf_model
+    from costmodel.terms.counts import attention_parameters, expert_parameters
+    from costmodel.terms.memory import pytorch_layer_activation_bytes
+
+    def saved(layers: int):
+        if mixed_precision == "param_dtype":
+            import transformers
+            data = json.loads(Path(_hf(name)).read_text())
+            data["num_hidden_layers"] = layers
+            data.pop("torch_dtype", None)
+            with tempfile.TemporaryDirectory() as folder:
+                path = Path(folder) / "config.json"
+                path.write_text(json.dumps(data))
+                torch.set_default_dtype(torch.bfloat16)
+                try:
+                    model = build_hf_model(path)
+                finally:
+                    torch.set_default_dtype(torch.float32)
+            model.config._attn_implementation = "sdpa"
+            spec = load_model(_hf(name))
+            context, masks = nullcontext(), _meta_masks(transformers)
+        else:
+            spec = load_model(name)
+            model = build_model(load_model(name, {"num_hidden_layers": str(layers)}), seq_len)
+            context, masks = torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False), nullcontext()
+        seen: dict[int, int] = {}
+
+        def pack(t):
+            storage = t.untyped_storage()
+            seen[storage._cdata] = storage.nbytes()
+            return t
+        with FakeTensorMode(allow_non_fake_inputs=True), masks:
+            model.to_empty(device="cpu")
+            own = {t.untyped_storage()._cdata for t in (*model.parameters(), *model.buffers())}
+            with context, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = model(torch.zeros(1, seq_len, dtype=torch.long))
+                del out
+        return sum(n for k, n in seen.items() if k not in own), spec
+
+    one, spec = saved(1)
+    two, _ = saved(2)
+    cluster = load_cluster("dgx-h100", gpus=1)
+    training = make_training(spec, cluster, 1, seq_len, precision="bf16", mixed_precision=mixed_precision)
+    estimated = pytorch_layer_activation_bytes(spec, training, 1, 1, False, "none")
+    copies = 2.0 * (attention_parameters(spec) + expert_parameters(spec)) if mixed_precision == "autocast" else 0.0
+    sh = seq_len * spec.hidden_size
+    return (two - one - copies) / sh, (estimated - copies) / sh
+
+
+def saved_table(seq_len: int = 1024) -> str:
+    lines = [f"bytes per s*h one layer saves (bf16, seq {seq_len}, micro-batch 1)",
+             f"{'model':14s} {'precision':12s} {'measured':>9s} {'estimated':>10s}"]
+    for name, mixed in SAVED_CASES:
+        measured, estimated = saved_bytes_per_layer(name, mixed, seq_len)
+        lines.append(f"{name:14s} {mixed:12s} {measured:9.3f} {estimated:10.3f}")
+    return "\n".join(lines)
+
+
+def main(which: str = "all") -> None:
+    if which == "saved":
+        print(saved_table())
+        return
+    cases = (CASES if which in ("all", "fp32") else ()) + (BF16_CASES if which in ("all", "bf16") else ())
     rows = []
-    for case in CASES:
-        rows.append(compare(case, seq_len))
+    for case in cases:
+        rows.append(compare(case, case.seq_len or 2048))
         rows[-1]["error"] = rows[-1]["predicted"]["total"] / rows[-1]["tracker"]["total"] - 1
         print(table(rows[-1:]), flush=True)
+    h200 = h200_check()
+    text = summary(rows) + "\n\n" + h200_table(h200)
+    print("\n" + text)
     out = Path(__file__).parent / "results"
     out.mkdir(exist_ok=True)
-    (out / "memory_tracker.json").write_text(json.dumps(rows, indent=2) + "\n")
-    (out / "memory_tracker.txt").write_text(table(rows) + "\n")
+    suffix = "" if which == "all" else f"_{which}"
+    (out / f"memory_tracker{suffix}.json").write_text(json.dumps({"cases": rows, "h200": h200}, indent=2) + "\n")
+    (out / f"memory_tracker{suffix}.txt").write_text(table(rows) + "\n\n" + text + "\n")
 
 
 if __name__ == "__main__":
-    main()
+    main(*sys.argv[1:2])

@@ -1,7 +1,10 @@
 """The built-in model families as plain PyTorch modules: GPT (LayerNorm, GELU MLP,
 learned positions, biases), Llama (RMSNorm, SwiGLU, grouped-query attention, RoPE) and
 Mixtral (Llama layers whose MLP is a top-k mixture of experts), and the next-token loss
-they train on.
+they train on. The spec's architecture fields shape each module: head_dim, biases,
+q/k norm, GELU / GeGLU / SwiGLU, LayerNorm / RMSNorm, parallel blocks with one or two
+norms, learned or rotary positions, an LM-head bias. Rotary embeddings rotate the whole
+head (a partial rotary factor changes no parameter or FLOP count and is not modelled).
 
 Parameter counts equal `costmodel.terms.counts`'s for the same spec and the forward FLOPs that
 `FlopCounterMode` counts equal `costmodel.terms.counts.layer_forward_flops` /
@@ -32,13 +35,17 @@ ROPE_THETA = 10000.0
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-5):
+    """x / rms(x) * w; with `unit_offset` Gemma's x / rms(x) * (1 + w), w starting at 0."""
+
+    def __init__(self, dim: int, eps: float = 1e-5, unit_offset: bool = False):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.unit_offset = unit_offset
+        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        scale = 1 + self.weight if self.unit_offset else self.weight
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * scale
 
 
 def rope_tables(seq_len: int, head_dim: int, device=None,
@@ -75,25 +82,36 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flash: boo
     return scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
 
 
+def make_norm(spec: ModelSpec, dim: int | None = None) -> nn.Module:
+    dim = dim or spec.hidden_size
+    return nn.LayerNorm(dim) if spec.norm == "layernorm" else RMSNorm(dim, unit_offset=spec.norm == "rmsnorm_unit_offset")
+
+
 class Attention(nn.Module):
-    """Q, K, V and output projections. Heads are read off the local projection width
-    (`view(B, T, -1, head_dim)`), so a column-wise split over tp ranks runs as it is."""
+    """Q, K, V and output projections (Q and output heads x head_dim wide), with the
+    spec's biases and per-head q/k RMSNorm (Qwen3). Heads are read off the local
+    projection width (`view(B, T, -1, head_dim)`), so a column-wise split over tp ranks
+    runs as it is."""
 
     def __init__(self, spec: ModelSpec):
         super().__init__()
-        h, kv, bias = spec.hidden_size, spec.kv_size, spec.is_gpt
+        h, q, kv, bias = spec.hidden_size, spec.q_size, spec.kv_size, spec.attention_bias
         self.head_dim = spec.head_dim
-        self.rope = not spec.is_gpt
-        self.wq = nn.Linear(h, h, bias=bias)
+        self.rope = spec.position_embedding == "rope"
+        self.wq = nn.Linear(h, q, bias=bias)
         self.wk = nn.Linear(h, kv, bias=bias)
         self.wv = nn.Linear(h, kv, bias=bias)
-        self.wo = nn.Linear(h, h, bias=bias)
+        self.wo = nn.Linear(q, h, bias=spec.attention_out_bias)
+        self.q_norm = RMSNorm(spec.head_dim) if spec.qk_norm else None
+        self.k_norm = RMSNorm(spec.head_dim) if spec.qk_norm else None
         self.flash = True
         self.recompute_core = False   # selective recompute: checkpoint the attention core
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         q, k, v = (w(x).view(b, t, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.rope:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if self.recompute_core:
@@ -104,20 +122,23 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """GPT: w2(gelu(w1 x)); Llama: w2(silu(w1 x) * w3 x) (Shazeer 2020, SwiGLU)."""
+    """GELU: w2(gelu(w1 x)); SwiGLU: w2(silu(w1 x) * w3 x); GeGLU: w2(gelu(w1 x) * w3 x)
+    (Shazeer 2020); every matrix with a bias when the spec's mlp_bias."""
 
     def __init__(self, spec: ModelSpec):
         super().__init__()
-        h, f = spec.hidden_size, spec.intermediate_size
-        self.gated = not spec.is_gpt
-        self.w1 = nn.Linear(h, f, bias=spec.is_gpt)
-        self.w2 = nn.Linear(f, h, bias=spec.is_gpt)
-        self.w3 = nn.Linear(h, f, bias=False) if self.gated else None
+        h, f, bias = spec.hidden_size, spec.intermediate_size, spec.mlp_bias
+        self.gated = spec.gated_mlp
+        self.silu = spec.mlp == "swiglu"
+        self.w1 = nn.Linear(h, f, bias=bias)
+        self.w2 = nn.Linear(f, h, bias=bias)
+        self.w3 = nn.Linear(h, f, bias=bias) if self.gated else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = F.silu(self.w1(x)) if self.silu else F.gelu(self.w1(x), approximate="tanh")
         if self.gated:
-            return self.w2(F.silu(self.w1(x)) * self.w3(x))
-        return self.w2(F.gelu(self.w1(x), approximate="tanh"))
+            gate = gate * self.w3(x)
+        return self.w2(gate)
 
 
 class MoE(nn.Module):
@@ -167,16 +188,18 @@ class MoE(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer layer. `recompute` is "none", "selective" (the attention
-    core) or "full" (the whole layer; Chen et al. 2016 checkpointing)."""
+    """Pre-norm transformer layer, sequential (x + attn, then + mlp) or parallel (GPT-J
+    / GPT-NeoX / Phi: x + attn(norm x) + mlp(norm' x), norm' = norm with one norm per
+    layer). `recompute` is "none", "selective" (the attention core) or "full" (the whole
+    layer; Chen et al. 2016 checkpointing)."""
 
     def __init__(self, spec: ModelSpec):
         super().__init__()
-        norm = (lambda: nn.LayerNorm(spec.hidden_size)) if spec.is_gpt else (lambda: RMSNorm(spec.hidden_size))
-        self.attention_norm = norm()
+        self.attention_norm = make_norm(spec)
         self.attention = Attention(spec)
-        self.ffn_norm = norm()
+        self.ffn_norm = make_norm(spec) if spec.norms_per_layer == 2 else None
         self.feed_forward = MoE(spec) if spec.is_moe else MLP(spec)
+        self.parallel = spec.parallel_block
         self.recompute = "none"
 
     def set_recompute(self, mode: str) -> None:
@@ -186,8 +209,12 @@ class Block(nn.Module):
         self.attention.recompute_core = mode == "selective"
 
     def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
-        return x + self.feed_forward(self.ffn_norm(x))
+        normed = self.attention_norm(x)
+        if self.parallel:
+            mlp_in = normed if self.ffn_norm is None else self.ffn_norm(x)
+            return x + self.attention(normed, cos, sin) + self.feed_forward(mlp_in)
+        x = x + self.attention(normed, cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x) if self.ffn_norm is not None else self.attention_norm(x))
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if self.recompute == "full":
@@ -206,10 +233,11 @@ class Transformer(nn.Module):
         self.seq_len = seq_len or spec.max_position_embeddings
         h = spec.hidden_size
         self.tok_embeddings = nn.Embedding(spec.vocab_size, h)
-        self.pos_embeddings = nn.Embedding(spec.max_position_embeddings, h) if spec.is_gpt else None
+        learned = spec.position_embedding == "learned"
+        self.pos_embeddings = nn.Embedding(spec.max_position_embeddings, h) if learned else None
         self.layers = nn.ModuleDict({str(i): Block(spec) for i in range(spec.num_hidden_layers)})
-        self.norm = nn.LayerNorm(h) if spec.is_gpt else RMSNorm(h)
-        self.output = nn.Linear(h, spec.vocab_size, bias=False)
+        self.norm = make_norm(spec)
+        self.output = nn.Linear(h, spec.vocab_size, bias=spec.lm_head_bias)
         cos, sin = rope_tables(self.seq_len, spec.head_dim)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)

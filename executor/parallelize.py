@@ -155,9 +155,16 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, sequence_para
         }
         if layer.feed_forward.w3 is not None:
             plan["feed_forward.w3"] = ColwiseParallel()
+        if layer.attention.q_norm is not None:
+            # Per-head q/k norms (Qwen3) see this rank's heads: their weights are
+            # replicated and their gradients summed over tp, as SequenceParallel does
+            # over the head dimension of [B, heads, T, head_dim].
+            plan["attention.q_norm"] = SequenceParallel(sequence_dim=1, use_local_output=True)
+            plan["attention.k_norm"] = SequenceParallel(sequence_dim=1, use_local_output=True)
         if sequence_parallel:
             plan["attention_norm"] = SequenceParallel()
-            plan["ffn_norm"] = SequenceParallel()
+            if layer.ffn_norm is not None:
+                plan["ffn_norm"] = SequenceParallel()
         parallelize_module(layer, tp_mesh, plan)
     ends = {}
     if model.tok_embeddings is not None:

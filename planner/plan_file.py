@@ -42,7 +42,10 @@ FLOAT_DIGITS = 6   # significant digits kept: far below the cost model's accurac
 def fingerprint(model: ModelSpec | TracedModel) -> str:
     """sha256 of the model's canonical JSON (a spec, or a traced module's graph): the
     executor refuses other models."""
-    text = json.dumps(asdict(model), sort_keys=True, separators=(",", ":"))
+    # A spec leaves out the architecture fields at its family's values, so plans
+    # written before those fields existed keep their fingerprint.
+    data = model.canonical_dict() if isinstance(model, ModelSpec) else asdict(model)
+    text = json.dumps(data, sort_keys=True, separators=(",", ":"))
     return "sha256:" + hashlib.sha256(text.encode()).hexdigest()
 
 

@@ -40,6 +40,7 @@ class UnitCosts:
     first_parameters: float
     last_parameters: float
     logits_bytes: float
+    loss_peak_bytes: float                 # the head and loss's own peak (memory.loss_peak_bytes + final norm)
     p2p_s: float                           # one activation (or gradient) send between stages
     p2p_bytes: float
     tied_sync_s: float = 0.0               # all-reduce of the tied embedding's gradient, first and last stage
@@ -178,6 +179,8 @@ def unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
         first_parameters=first_local,
         last_parameters=last_local,
         logits_bytes=memory.logits_bytes(model, training, b, tp),
+        loss_peak_bytes=(memory.loss_peak_bytes(model, training, b, tp)
+                         + memory.final_norm_bytes(model, training, b, tp, sp)),
         p2p_s=p2p_s,
         p2p_bytes=p2p_bytes,
         tied_sync_s=tied_sync_s,
@@ -252,8 +255,10 @@ def rank_memory(problem: Problem, units: UnitCosts, strategy: Strategy, pp_rank:
     w2, g2, o2 = memory.sharded_state_bytes(experts, training, zero, dp // strategy.ep)
     in_flight = memory.in_flight_microbatches(strategy.schedule, strategy.pp, pp_rank,
                                               strategy.num_microbatches, strategy.vpp)
-    activations = in_flight * sum(stage_activation_bytes(units, s) for s in stages)
+    all_activations = in_flight * sum(stage_activation_bytes(units, s) for s in stages)
+    activations = all_activations
     gradients = g1 + g2
+    head_in_backward = holds_head
     if strategy.num_microbatches == 1:
         # One forward and backward per step: backward frees each layer's activations as
         # it makes the layer's gradients, so at the peak a layer holds the larger of the
@@ -279,20 +284,22 @@ def rank_memory(problem: Problem, units: UnitCosts, strategy: Strategy, pp_rank:
             # the logits and the last layer's activations are freed by then (measured:
             # llama2-7b zero3 dp8 peaks in layer 30 of 32 holding 30.9 layers).
             activations -= in_flight * units.layer_activation_bytes[last_mode]
-            holds_head = False
-    if holds_head:
+            head_in_backward = False
+    if head_in_backward:
         activations += in_flight * units.logits_bytes
     if any(s.full_recompute_layers for s in stages):
         activations += units.layer_working_bytes
-    states = memory.state_bytes(training)
-    buffers = temporaries = 0.0
+    buffers = temporaries = loss_buffers = 0.0
+    copy, reduce_bytes = memory.compute_copy_bytes(training), memory.held_state_bytes(training).gradients
     if zero == 3 and dp > 1:
         # FSDP2 (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py): the unsharded
         # weights of the unit in use, the all-gather output kept for it (forward,
         # all_gather_state) or of the unit prefetched (backward), and the reduce-scatter
         # input of the previous unit, kept until the next reduce-scatter
         # (reduce_scatter_state); the unit's unsharded gradients live until that
-        # reduce-scatter. Measured: 3 x 772 MiB of buffers for llama2-7b zero3 dp8
+        # reduce-scatter. Gathered in the compute dtype under MixedPrecisionPolicy
+        # (param_dtype), in fp32 under autocast; reduced in fp32 (reduce_dtype).
+        # Measured: 3 x 772 MiB of buffers for llama2-7b zero3 dp8 in fp32
         # (bench/memory_tracker.py). A unit is a layer, or the embedding or head when larger.
         # A tied embedding and head (kept tied when tp = pp = 1) form the root unit
         # (executor.parallelize.apply_fsdp), gathered with its gradient from the head's
@@ -300,17 +307,37 @@ def rank_memory(problem: Problem, units: UnitCosts, strategy: Strategy, pp_rank:
         root_held = model.tie_word_embeddings and strategy.pp == 1 and strategy.tp == 1
         largest = max(units.layer_dense_parameters + units.layer_expert_parameters,
                       units.last_parameters, 0.0 if root_held else units.first_parameters)
-        buffers += largest * (2 * states.weights + states.gradients)
-        temporaries += largest * states.gradients
+        buffers += largest * (2 * copy + reduce_bytes)
+        temporaries += largest * copy
+        # At the loss no unit is gathered: the head's unit was resharded after its
+        # forward and is gathered again after the loss's backward; a tied root unit
+        # stays gathered (FSDPMemTracker, bench/memory_tracker.py bf16 cases: comm
+        # buffers 0 at the peak untied, one copy of the embedding tied).
+        loss_buffers = 0.0
         if root_held:
-            buffers += units.first_parameters * states.weights
-            temporaries += units.first_parameters * states.gradients
+            buffers += units.first_parameters * copy
+            temporaries += units.first_parameters * copy
+            loss_buffers += units.first_parameters * copy
     elif dp > 1:
         buffers += 2 * memory.DDP_BUCKET_BYTES
+        loss_buffers = buffers
     if strategy.pp > 1:
         buffers += 2 * units.p2p_bytes
-    return MemoryBreakdown(w1 + w2, gradients, o1 + o2, activations, buffers,
-                           float(memory.RUNTIME_RESERVE_BYTES), temporaries)
+        loss_buffers += 2 * units.p2p_bytes
+    reserve = float(memory.RUNTIME_RESERVE_BYTES)
+    backward_peak = MemoryBreakdown(w1 + w2, gradients, o1 + o2, activations, buffers, reserve, temporaries)
+    if not holds_head:
+        return backward_peak
+    # The loss's own peak (memory.loss_peak_bytes): every layer's activations of the
+    # micro-batch at the loss are still held, and no gradient exists yet in a step of one
+    # micro-batch (the optimizer sets them to None). Measured: the H200 run of
+    # executor_runs.json ran out of memory there; FSDPMemTracker peaks there in bf16
+    # for large vocabularies (bench/memory_tracker.py).
+    loss_gradients = 0.0 if strategy.num_microbatches == 1 else g1 + g2
+    loss_activations = all_activations + (in_flight - 1) * units.logits_bytes + units.loss_peak_bytes
+    loss_peak = MemoryBreakdown(w1 + w2, loss_gradients, o1 + o2, loss_activations, loss_buffers, reserve,
+                                0.0 if zero == 3 and dp > 1 else temporaries)
+    return loss_peak if loss_peak.total_bytes > backward_peak.total_bytes else backward_peak
 
 
 def _layers_by_mode(stages) -> dict[str, int]:

@@ -17,8 +17,8 @@ from typing import Any
 import yaml
 
 from costmodel.specs.hardware import ClusterSpec, GPUSpec, LinkSpec, MixedClusterSpec
-from costmodel.specs.model import FAMILIES, ModelSpec
-from costmodel.specs.training import OPTIMIZERS, PRECISIONS, TrainingSpec
+from costmodel.specs.model import FAMILIES, MLP_KINDS, NORM_KINDS, POSITION_KINDS, ModelSpec
+from costmodel.specs.training import MIXED_PRECISION, OPTIMIZERS, PRECISIONS, TrainingSpec
 
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 
@@ -33,9 +33,38 @@ class SpecError(ValueError):
 
 # Hugging Face model_type -> Shardwise family.
 _FAMILY_OF = {
-    "gpt": "gpt", "gpt2": "gpt", "gpt_neox": "gpt", "gptj": "gpt", "opt": "gpt",
-    "llama": "llama", "mistral": "llama", "qwen2": "llama",
+    "gpt": "gpt", "gpt2": "gpt", "gpt_neox": "gpt", "gptj": "gpt", "opt": "gpt", "phi": "gpt",
+    "starcoder2": "gpt",
+    "llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama", "gemma": "llama",
     "mixtral": "mixtral", "qwen2_moe": "mixtral",
+}
+# What each Hugging Face model_type builds beyond its family's defaults, read off the
+# modeling_*.py of transformers 5: (fixed fields, tie_word_embeddings when the config
+# leaves it out = the config class's default).
+_HF_ARCHITECTURE = {
+    "gpt2": ({}, True),
+    "opt": ({}, True),
+    "llama": ({}, False),
+    "mistral": ({}, False),
+    # Qwen2Attention: q/k/v projections with bias, o_proj without.
+    "qwen2": ({"attention_bias": True, "attention_out_bias": False}, False),
+    # Qwen3Attention: q_norm / k_norm, RMSNorm over head_dim.
+    "qwen3": ({"qk_norm": True}, False),
+    # GemmaMLP: gate/up/down with gelu_pytorch_tanh (GeGLU, Shazeer 2020).
+    "gemma": ({"mlp": "geglu", "norm": "rmsnorm_unit_offset"}, True),
+    # PhiDecoderLayer: one input_layernorm feeding attention and MLP in parallel;
+    # dense / fc1 / fc2 / lm_head with biases; partial rotary (no parameters).
+    "phi": ({"position_embedding": "rope", "parallel_block": True, "norms_per_layer": 1,
+             "lm_head_bias": True}, False),
+    # GPTNeoXLayer: input_layernorm and post_attention_layernorm, parallel when
+    # use_parallel_residual; partial rotary.
+    "gpt_neox": ({"position_embedding": "rope"}, False),
+    # GPTJBlock: one ln_1, attention without biases, MLP with, lm_head with bias.
+    "gptj": ({"position_embedding": "rope", "parallel_block": True, "norms_per_layer": 1,
+              "attention_bias": False, "attention_out_bias": False, "lm_head_bias": True}, False),
+    # Starcoder2: LayerNorm, GELU MLP (c_fc, c_proj), biases everywhere with use_bias.
+    "starcoder2": ({"position_embedding": "rope"}, True),
+    "mixtral": ({}, False),
 }
 # GPT-2 style key names -> Hugging Face Llama style key names.
 _ALIASES = {
@@ -48,6 +77,42 @@ _MODEL_INT_FIELDS = (
     "intermediate_size", "vocab_size", "max_position_embeddings",
     "num_local_experts", "num_experts_per_tok",
 )
+_MODEL_BOOL_FIELDS = ("attention_bias", "attention_out_bias", "mlp_bias", "qk_norm", "parallel_block", "lm_head_bias")
+_MODEL_CHOICE_FIELDS = {"mlp": MLP_KINDS, "norm": NORM_KINDS, "position_embedding": POSITION_KINDS}
+
+
+def _hf_architecture(model_type: str, raw: dict, lenient: bool) -> dict:
+    """The architecture fields a Hugging Face config of `model_type` implies (its keys
+    read as transformers reads them); own spec files set the fields directly."""
+    fixed, tie_default = _HF_ARCHITECTURE.get(model_type, ({}, False))
+    out = dict(fixed)
+    if model_type in ("llama", "qwen3") and raw.get("attention_bias") is not None:
+        # LlamaAttention / Qwen3Attention: attention_bias on q, k, v and o alike.
+        out["attention_bias"] = out["attention_out_bias"] = raw["attention_bias"]
+    if model_type == "llama" and raw.get("mlp_bias") is not None:
+        out["mlp_bias"] = raw["mlp_bias"]
+    if model_type == "gpt_neox":
+        out["parallel_block"] = raw.get("use_parallel_residual", True)
+        if raw.get("attention_bias") is not None:
+            out["attention_bias"] = out["attention_out_bias"] = raw["attention_bias"]
+    if model_type == "starcoder2" and raw.get("use_bias") is not None:
+        out["attention_bias"] = out["attention_out_bias"] = out["mlp_bias"] = raw["use_bias"]
+    if model_type == "phi" and raw.get("qk_layernorm"):
+        raise SpecError("qk_layernorm", "Phi's per-head LayerNorm on q and k is not modelled (RMSNorm q/k norm is: qk_norm)")
+    if lenient:
+        # Memory-only fields, read as transformers reads them.
+        out["sliding_window"] = None
+        if model_type == "mistral" or (model_type in ("qwen2", "qwen3") and raw.get("use_sliding_window")):
+            out["sliding_window"] = raw.get("sliding_window")
+        # Kept only where it changes what is saved for backward (transformers'
+        # NewGELUActivation is an elementwise formula); other names are the mlp kind.
+        act = raw.get("hidden_act", raw.get("activation_function"))
+        out["hidden_act"] = "gelu_new" if act == "gelu_new" else None
+        drop = raw.get("resid_pdrop", raw.get("hidden_dropout"))
+        out["resid_dropout"] = drop if drop is not None else 0.0
+    if lenient and raw.get("tie_word_embeddings") is None:
+        out["tie_word_embeddings"] = tie_default
+    return out
 
 
 def configs_dir(kind: str) -> Path:
@@ -166,8 +231,13 @@ def model_from_dict(data: dict, name: str, overrides: dict[str, str] | None = No
     model_type = str(raw.get("model_type", "")).lower()
     family = _FAMILY_OF.get(model_type)
     if family is None:
-        raise SpecError("model_type", f"unsupported {model_type or 'missing'!r} (families: {', '.join(FAMILIES)}, or a Hugging Face gpt2/llama/mistral/mixtral config)")
+        raise SpecError("model_type", f"unsupported {model_type or 'missing'!r} (families: {', '.join(FAMILIES)}, or a Hugging Face model_type: {', '.join(sorted(_FAMILY_OF))})")
     values: dict[str, Any] = {"model_type": family}
+    for key, value in _hf_architecture(model_type, raw, lenient).items():
+        # A Hugging Face config is read as transformers builds it; an own file's
+        # explicit fields and --set overrides win.
+        if key not in (overrides or {}) and (lenient or raw.get(key) is None):
+            raw[key] = value
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
         if raw.get(key) is None:
             raise SpecError(key, "missing")
@@ -189,7 +259,29 @@ def model_from_dict(data: dict, name: str, overrides: dict[str, str] | None = No
         values[key] = as_int(value, key)
     tie = raw.get("tie_word_embeddings")
     values["tie_word_embeddings"] = (family == "gpt") if tie is None else as_bool(tie, "tie_word_embeddings")
-    if hidden % heads:
+    for key in _MODEL_BOOL_FIELDS:
+        if raw.get(key) is not None:
+            values[key] = as_bool(raw[key], key)
+    for key, choices in _MODEL_CHOICE_FIELDS.items():
+        if raw.get(key) is not None:
+            if str(raw[key]) not in choices:
+                raise SpecError(key, f"unknown {raw[key]!r} (known: {', '.join(choices)})")
+            values[key] = str(raw[key])
+    if raw.get("norms_per_layer") is not None:
+        values["norms_per_layer"] = as_int(raw["norms_per_layer"], "norms_per_layer")
+        if values["norms_per_layer"] > 2:
+            raise SpecError("norms_per_layer", f"1 or 2, got {values['norms_per_layer']}")
+    if raw.get("sliding_window") is not None:
+        values["sliding_window"] = as_int(raw["sliding_window"], "sliding_window")
+    if raw.get("hidden_act") is not None:
+        values["hidden_act"] = str(raw["hidden_act"])
+    if raw.get("resid_dropout") is not None:
+        values["resid_dropout"] = as_float(raw["resid_dropout"], "resid_dropout", exclusive=False)
+        if values["resid_dropout"] >= 1:
+            raise SpecError("resid_dropout", f"must be below 1, got {values['resid_dropout']}")
+    if raw.get("head_dim") is not None:
+        values["head_dim"] = as_int(raw["head_dim"], "head_dim")
+    elif hidden % heads:
         raise SpecError("num_attention_heads", f"{heads} does not divide hidden_size {hidden}")
     if heads % values["num_key_value_heads"]:
         raise SpecError("num_key_value_heads", f"{values['num_key_value_heads']} does not divide num_attention_heads {heads}")
@@ -197,7 +289,7 @@ def model_from_dict(data: dict, name: str, overrides: dict[str, str] | None = No
         raise SpecError("num_experts_per_tok", f"{values['num_experts_per_tok']} exceeds num_local_experts {values['num_local_experts']}")
     if family == "mixtral" and values["num_local_experts"] < 2:
         raise SpecError("num_local_experts", "a mixtral model needs at least 2 experts")
-    return ModelSpec(name=name, **{k: values[k] for k in known})
+    return ModelSpec(name=name, **{k: values[k] for k in known if k in values})
 
 
 def load_model(source: str | Path, overrides: dict[str, str] | None = None) -> ModelSpec:
@@ -348,7 +440,8 @@ def mixed_cluster_from_dict(data: dict, name: str) -> MixedClusterSpec:
 
 
 def make_training(model: ModelSpec, cluster: ClusterSpec | MixedClusterSpec, global_batch: Any, seq_len: Any = None,
-                  precision: str = "bf16", optimizer: str = "adamw", flash_attention: bool = True) -> TrainingSpec:
+                  precision: str = "bf16", optimizer: str = "adamw", flash_attention: bool = True,
+                  mixed_precision: str = "autocast") -> TrainingSpec:
     batch = as_int(global_batch, "--global-batch")
     seq = model.max_position_embeddings if seq_len is None else as_int(seq_len, "--seq")
     if precision not in PRECISIONS:
@@ -359,7 +452,9 @@ def make_training(model: ModelSpec, cluster: ClusterSpec | MixedClusterSpec, glo
             raise SpecError("--precision", f"{group.gpu.name} has no {precision} peak (has: {have})")
     if optimizer not in OPTIMIZERS:
         raise SpecError("--optimizer", f"unknown {optimizer!r} (known: {', '.join(OPTIMIZERS)})")
-    return TrainingSpec(batch, seq, precision, optimizer, flash_attention)
+    if mixed_precision not in MIXED_PRECISION:
+        raise SpecError("--mixed-precision", f"unknown {mixed_precision!r} (known: {', '.join(MIXED_PRECISION)})")
+    return TrainingSpec(batch, seq, precision, optimizer, flash_attention, mixed_precision)
 
 
 def _check_keys(data: dict, allowed: set[str], field: str) -> None:

@@ -2,13 +2,33 @@
 keys so a spec reads the same in YAML, in a `config.json` and in code. Loading and
 validation live in `costmodel.specs.loading`; this class only holds values and derives
 simple quantities.
+
+The family (`model_type`) sets the defaults of the architecture fields; each can be set
+on its own, so one spec describes the dense decoders Hugging Face publishes: an explicit
+`head_dim` (Gemma: 256 with hidden 2048), q/k/v and output biases (Qwen2: q/k/v only),
+per-head q/k RMSNorm (Qwen3), tied or untied embeddings, GELU / GeGLU / SwiGLU MLPs with
+or without biases, LayerNorm or RMSNorm, parallel attention + MLP blocks (GPT-J,
+GPT-NeoX, Phi), one or two norms per layer, learned or rotary positions, and an LM-head
+bias (Phi).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 
 FAMILIES = ("gpt", "llama", "mixtral")
+MLP_KINDS = ("gelu", "geglu", "swiglu")
+# rmsnorm_unit_offset: Gemma's RMSNorm, x * (1 + w) multiplied in fp32 (same parameters).
+NORM_KINDS = ("layernorm", "rmsnorm", "rmsnorm_unit_offset")
+POSITION_KINDS = ("learned", "rope")
+
+# The architecture fields' values when left unset (None), by family: GPT-2 / GPT-3
+# (Radford et al. 2019, Brown et al. 2020) and Llama (Touvron et al. 2023 §2.2).
+_GPT = dict(mlp="gelu", norm="layernorm", position_embedding="learned", attention_bias=True,
+            attention_out_bias=True, mlp_bias=True)
+_LLAMA = dict(mlp="swiglu", norm="rmsnorm", position_embedding="rope", attention_bias=False,
+              attention_out_bias=False, mlp_bias=False)
+FAMILY_DEFAULTS = {"gpt": _GPT, "llama": _LLAMA, "mixtral": _LLAMA}
 
 
 @dataclass(frozen=True)
@@ -18,6 +38,8 @@ class ModelSpec:
     model_type "gpt": LayerNorm, GELU MLP, learned positions, biases, dropout.
     model_type "llama": RMSNorm, SwiGLU MLP, grouped-query attention, RoPE, no biases.
     model_type "mixtral": llama layers whose MLP is a top-k mixture of experts.
+    Unset (None) architecture fields take the family's value (FAMILY_DEFAULTS);
+    `head_dim` unset is hidden_size / num_attention_heads.
     """
 
     name: str
@@ -32,10 +54,41 @@ class ModelSpec:
     tie_word_embeddings: bool
     num_local_experts: int = 1
     num_experts_per_tok: int = 1
+    head_dim: int | None = None
+    mlp: str | None = None                  # "gelu" | "geglu" | "swiglu"
+    norm: str | None = None                 # "layernorm" (weight + bias) | "rmsnorm" (weight)
+    position_embedding: str | None = None   # "learned" | "rope"
+    attention_bias: bool | None = None      # q, k, v biases
+    attention_out_bias: bool | None = None  # output projection bias
+    mlp_bias: bool | None = None
+    qk_norm: bool = False                   # RMSNorm over head_dim on q and k (Qwen3)
+    parallel_block: bool = False            # x + attn(norm(x)) + mlp(norm'(x)) (GPT-J, NeoX, Phi)
+    norms_per_layer: int = 2                # 1: one norm feeds attention and MLP (Phi, GPT-J)
+    lm_head_bias: bool = False              # Phi
+    # How Hugging Face runs it (memory only; no parameter or FLOP changes):
+    sliding_window: int | None = None       # Mistral: a mask is built once seq_len reaches it
+    hidden_act: str | None = None           # HF's name; "gelu_new" is an elementwise formula
+    resid_dropout: float = 0.0              # dropout on the attention and MLP outputs (Phi, GPT-2)
 
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+    def __post_init__(self):
+        family = FAMILY_DEFAULTS.get(self.model_type, _LLAMA)
+        for key, value in family.items():
+            if getattr(self, key) is None:
+                object.__setattr__(self, key, value)
+        if self.head_dim is None:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+
+    def canonical_dict(self) -> dict:
+        """The fields, less the architecture fields at their family's value: a model
+        written before those fields existed keeps its fingerprint."""
+        out = asdict(self)
+        family = FAMILY_DEFAULTS.get(self.model_type, _LLAMA)
+        defaults = {f.name: f.default for f in fields(self) if f.name in _ARCHITECTURE_FIELDS}
+        defaults.update(family, head_dim=self.hidden_size // self.num_attention_heads)
+        for key, default in defaults.items():
+            if out[key] == default:
+                del out[key]
+        return out
 
     @property
     def is_gpt(self) -> bool:
@@ -46,8 +99,21 @@ class ModelSpec:
         return self.num_local_experts > 1
 
     @property
+    def gated_mlp(self) -> bool:
+        """GeGLU / SwiGLU: three matrices (Shazeer 2020)."""
+        return self.mlp != "gelu"
+
+    @property
+    def q_size(self) -> int:
+        """Width of the Q projection output (and the output projection's input)."""
+        return self.num_attention_heads * self.head_dim
+
+    @property
     def kv_size(self) -> int:
         """Width of the K (or V) projection output."""
         return self.num_key_value_heads * self.head_dim
 
 
+_ARCHITECTURE_FIELDS = ("head_dim", "mlp", "norm", "position_embedding", "attention_bias", "attention_out_bias",
+                        "mlp_bias", "qk_norm", "parallel_block", "norms_per_layer", "lm_head_bias",
+                        "sliding_window", "hidden_act", "resid_dropout")

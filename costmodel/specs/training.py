@@ -6,6 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 PRECISIONS = ("bf16", "fp16", "fp32")
+# How a 16-bit run holds its weights (PyTorch): "autocast" keeps fp32 weights and casts
+# each matmul's operands (torch.autocast: the executor, DDP); "param_dtype" gathers the
+# weights in the compute dtype (FSDP2 MixedPrecisionPolicy(param_dtype=bf16,
+# reduce_dtype=fp32): torchtitan, Hugging Face models under fully_shard); "megatron" is
+# Megatron-LM's recipe as Korthikanti et al. 2022 count it (16-bit weights and
+# gradients, fp32 master copy in the optimizer, fused kernels).
+MIXED_PRECISION = ("autocast", "param_dtype", "megatron")
 
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
@@ -21,6 +28,7 @@ class TrainingSpec:
     precision: str = "bf16"
     optimizer: str = "adamw"
     flash_attention: bool = True
+    mixed_precision: str = "autocast"
 
     @property
     def tokens_per_step(self) -> int:

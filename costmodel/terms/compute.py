@@ -90,7 +90,7 @@ def layer_compute(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
     hd = model.head_dim
     qkv_width = (model.num_attention_heads * hd + 2 * model.kv_size) / tp
 
-    gemm = gemm_s(tokens, qkv_width, h) + gemm_s(tokens, h, h / tp)
+    gemm = gemm_s(tokens, qkv_width, h) + gemm_s(tokens, h, model.q_size / tp)
     if model.is_moe:
         # Balanced routing: each rank's experts see tokens * k * ep / E tokens each
         # (the all-to-all gathers them from the ep group), E / ep experts per rank.
@@ -98,7 +98,7 @@ def layer_compute(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
         tokens_per_expert = tokens * model.num_experts_per_tok * ep / model.num_local_experts
         per_expert = gemm_s(tokens_per_expert, 2 * f / tp, h) + gemm_s(tokens_per_expert, h, f / tp)
         gemm += local_experts * per_expert + gemm_s(tokens, model.num_local_experts, h)
-    elif model.is_gpt:
+    elif not model.gated_mlp:
         gemm += gemm_s(tokens, f / tp, h) + gemm_s(tokens, h, f / tp)
     else:
         gemm += gemm_s(tokens, 2 * f / tp, h) + gemm_s(tokens, h, f / tp)
@@ -120,7 +120,7 @@ def layer_compute(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
     per_h = 2 * (2 * value) + 2 * (3 * value) + (2 if model.is_gpt else 0)
     replicated = per_h * tokens * h / (tp if sequence_parallel else 1)
     # GELU reads and writes f values; SwiGLU reads two and writes one; sharded by tp.
-    act_values = (2 if model.is_gpt else 3) * f * model.num_experts_per_tok
+    act_values = (3 if model.gated_mlp else 2) * f * model.num_experts_per_tok
     activation = value * act_values * tokens / tp
     elementwise = memory_bound_time_s(replicated + activation, cluster)
     return LayerCompute(gemm, core, elementwise)

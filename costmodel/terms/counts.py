@@ -11,42 +11,49 @@ from costmodel.specs import ModelSpec
 
 
 def attention_parameters(model: ModelSpec) -> int:
-    """Q, K, V and output projections (+ biases in GPT, Korthikanti et al. 2022 eq. 2)."""
-    h, kv = model.hidden_size, model.kv_size
-    weights = h * h + 2 * h * kv + h * h
-    biases = (h + 2 * kv + h) if model.is_gpt else 0
-    return weights + biases
+    """Q, K, V and output projections with their biases (Korthikanti et al. 2022 eq. 2
+    for GPT; Qwen2: q/k/v biases only) and per-head q/k RMSNorm weights (Qwen3). The Q
+    and output widths are heads x head_dim, which need not be hidden_size (Gemma)."""
+    h, q, kv = model.hidden_size, model.q_size, model.kv_size
+    weights = h * q + 2 * h * kv + q * h
+    biases = (q + 2 * kv if model.attention_bias else 0) + (h if model.attention_out_bias else 0)
+    qk_norm = 2 * model.head_dim if model.qk_norm else 0
+    return weights + biases + qk_norm
 
 
 def expert_parameters(model: ModelSpec) -> int:
-    """One MLP: GELU (two matrices + biases) or SwiGLU (three matrices, no biases)."""
+    """One MLP: GELU (up and down) or GeGLU / SwiGLU (gate, up and down; Shazeer 2020),
+    each with its bias when mlp_bias."""
     h, f = model.hidden_size, model.intermediate_size
-    return 2 * h * f + f + h if model.is_gpt else 3 * h * f
+    if model.gated_mlp:
+        return 3 * h * f + (2 * f + h if model.mlp_bias else 0)
+    return 2 * h * f + (f + h if model.mlp_bias else 0)
 
 
 def norm_parameters(model: ModelSpec) -> int:
     """LayerNorm has weight and bias, RMSNorm weight only."""
-    return 2 * model.hidden_size if model.is_gpt else model.hidden_size
+    return 2 * model.hidden_size if model.norm == "layernorm" else model.hidden_size
 
 
 def layer_parameters(model: ModelSpec) -> tuple[int, int]:
     """(dense parameters, expert parameters) of one transformer layer; dense includes the
     MoE router."""
-    dense = attention_parameters(model) + 2 * norm_parameters(model)
+    dense = attention_parameters(model) + model.norms_per_layer * norm_parameters(model)
     if model.is_moe:
         return dense + model.hidden_size * model.num_local_experts, model.num_local_experts * expert_parameters(model)
     return dense + expert_parameters(model), 0
 
 
 def embedding_parameters(model: ModelSpec) -> int:
-    positions = model.max_position_embeddings * model.hidden_size if model.is_gpt else 0
+    positions = model.max_position_embeddings * model.hidden_size if model.position_embedding == "learned" else 0
     return model.vocab_size * model.hidden_size + positions
 
 
 def head_parameters(model: ModelSpec) -> int:
-    """Final norm plus the LM head (zero extra when tied to the embedding)."""
+    """Final norm plus the LM head (zero extra when tied to the embedding) and its bias
+    (Phi)."""
     head = 0 if model.tie_word_embeddings else model.vocab_size * model.hidden_size
-    return norm_parameters(model) + head
+    return norm_parameters(model) + head + (model.vocab_size if model.lm_head_bias else 0)
 
 
 def total_parameters(model: ModelSpec) -> int:
@@ -59,10 +66,10 @@ def layer_forward_flops(model: ModelSpec, seq_len: int) -> float:
     every matmul, attention scores over the full s x s matrix (the convention of
     Korthikanti et al. 2022 eq. 7: 24sh^2 + 4s^2h per layer for a 4h GPT MLP). MoE counts
     the num_experts_per_tok experts each token visits."""
-    h, s, kv, f = model.hidden_size, seq_len, model.kv_size, model.intermediate_size
-    projections = 2 * s * (2 * h * h + 2 * h * kv)
-    scores = 4 * s * s * h
-    mlp_matrices = 2 if model.is_gpt else 3
+    h, s, q, kv, f = model.hidden_size, seq_len, model.q_size, model.kv_size, model.intermediate_size
+    projections = 2 * s * (2 * h * q + 2 * h * kv)
+    scores = 4 * s * s * q
+    mlp_matrices = 3 if model.gated_mlp else 2
     mlp = 2 * s * mlp_matrices * h * f * model.num_experts_per_tok
     router = 2 * s * h * model.num_local_experts if model.is_moe else 0
     return float(projections + scores + mlp + router)

@@ -39,11 +39,35 @@ def state_bytes(training: TrainingSpec) -> StateBytes:
     return StateBytes(2, 2, 12 if adam else 8)
 
 
+def held_state_bytes(training: TrainingSpec) -> StateBytes:
+    """Bytes per parameter of the states PyTorch keeps between steps. Mixed precision
+    in PyTorch keeps fp32 weights and fp32 gradients: torch.autocast casts the fp32
+    weights per matmul (executor/step.py), FSDP2's MixedPrecisionPolicy gathers bf16
+    copies of fp32 sharded parameters and reduce-scatters fp32 gradients
+    (reduce_dtype=fp32, as torchtitan); AdamW adds exp_avg and exp_avg_sq in fp32, SGD
+    momentum one fp32 buffer. Measured: FSDPMemTracker, bench/memory_tracker.py, bf16
+    cases (sharded params + sharded grads + optimizer = 16 bytes per parameter / dp).
+    Same total as ZeRO's 2 + 2 + 12 without sharding, split differently under ZeRO-1/2."""
+    if training.precision != "fp32" and training.mixed_precision == "megatron":
+        return state_bytes(training)
+    adam = training.optimizer in ("adam", "adamw")
+    return StateBytes(4, 4, 8 if adam else 4)
+
+
+def compute_copy_bytes(training: TrainingSpec) -> int:
+    """Bytes per parameter of a gathered (FSDP2 unsharded) weight: the compute dtype
+    under param_dtype, the fp32 weight itself under autocast and in fp32."""
+    if training.precision != "fp32" and training.mixed_precision != "autocast":
+        return 2
+    return 4
+
+
 def sharded_state_bytes(parameters: float, training: TrainingSpec, zero_stage: int, shard: int) -> tuple[float, float, float]:
     """(weights, gradients, optimizer) bytes for `parameters` replicated over a data
-    parallel group of `shard` ranks. ZeRO stage 1 shards optimizer states, stage 2 also
-    gradients, stage 3 also weights (ZeRO §5, Figure 1)."""
-    per = state_bytes(training)
+    parallel group of `shard` ranks, as PyTorch holds them (`held_state_bytes`). ZeRO
+    stage 1 shards optimizer states, stage 2 also gradients, stage 3 also weights
+    (ZeRO §5, Figure 1)."""
+    per = held_state_bytes(training)
     return (
         parameters * per.weights / (shard if zero_stage >= 3 else 1),
         parameters * per.gradients / (shard if zero_stage >= 2 else 1),
@@ -78,10 +102,119 @@ EAGER = SavedTensors(norm_extra_values=1, gated_mlp_tensors=4, head_major_output
 
 
 def saved_tensors(training: TrainingSpec) -> SavedTensors:
-    """Mixed-precision (bf16/fp16) training is Megatron-LM's recipe, the one Korthikanti
-    et al. measured; full fp32 is what runs on PyTorch's eager modules (the executor
-    trains in fp32 on CPU ranks, and Hugging Face models run eager)."""
+    """Megatron-LM's mixed precision is the recipe Korthikanti et al. measured; full fp32
+    is what runs on PyTorch's eager modules (the executor trains in fp32 on CPU ranks,
+    and Hugging Face models run eager). PyTorch's 16-bit training is counted tensor by
+    tensor in `pytorch_layer_activation_bytes`."""
     return EAGER if training.precision == "fp32" else MEGATRON
+
+
+def norm_saved_bytes(model: ModelSpec, training: TrainingSpec, consumers: int) -> tuple[float, float]:
+    """(bytes per token per hidden value, bytes per token) one pre-norm keeps for
+    backward in 16-bit PyTorch training, `consumers` matmuls reading its output.
+
+    autocast (fp32 residual stream; executor.models.RMSNorm `x * rsqrt(mean(x^2)) * w`
+    and nn.LayerNorm run in fp32): the fp32 input, the fp32 `x * rsqrt` (RMSNorm) and a
+    bf16 cast of the output per consumer (autocast casts activations afresh for each
+    matmul). param_dtype (bf16 residual; Hugging Face LlamaRMSNorm upcasts to fp32):
+    the fp32 upcast, the bf16 normalised value the weight multiplies, the bf16 output
+    once; Gemma's `x * (1 + w)` multiplies in fp32 (4 in place of 2); a bf16
+    nn.LayerNorm keeps its input and its output. Per token: fp32 rsqrt / mean and rstd.
+    Measured with saved_tensors_hooks under FakeTensorMode (`python bench/memory_tracker.py
+    saved`): Llama-2-7B 16, Gemma-2B 20, Llama executor 16 + 12 bytes per s*h of norms."""
+    if training.mixed_precision == "param_dtype":
+        per_h = {"rmsnorm": 8.0, "rmsnorm_unit_offset": 10.0, "layernorm": 4.0}[model.norm]
+    else:
+        per_h = (8.0 if model.norm != "layernorm" else 4.0) + 2.0 * consumers
+    return per_h, 8.0 if model.norm == "layernorm" else 4.0
+
+
+def pytorch_layer_activation_bytes(model: ModelSpec, training: TrainingSpec, micro_batch_size: int,
+                                   tp: int, sequence_parallel: bool, recompute: str) -> float:
+    """Activations one layer keeps for backward in 16-bit PyTorch training (eager
+    modules: executor.models under torch.autocast, or Hugging Face modules under FSDP2's
+    param_dtype), one micro-batch, one rank. Every tensor autograd saves, by width:
+
+    - norms (`norm_saved_bytes`), not split by tp unless sequence parallelism splits them;
+    - attention, split by tp: the rotated Q and K and V (2 bytes x their widths), SDPA's
+      output (the output projection's input is a view of it; Dao et al. 2022 §3.1 keeps
+      the output and a per-row fp32 log-sum-exp), per-head q/k RMSNorm (Qwen3: the fp32
+      upcast and the bf16 normalised value, 6 bytes per value); under autocast the RoPE
+      tables cast to bf16 per use (4 x head_dim bytes per token);
+    - MLP, split by tp: GeGLU / SwiGLU keep the gate output, its activation, the up
+      output and the product (4 tensors of intermediate_size); GELU keeps the first
+      matrix's output and the activation (2);
+    - under autocast, each matmul's bf16 weight copy (2 bytes per weight; the cast's
+      cache is off in executor/step.py, so each forward saves its own copy).
+
+    Measured: saved_tensors_hooks under FakeTensorMode, bf16, seq 1024 (bf16
+    bytes per s*h per layer): Hugging Face Llama-2-7B 45.5, Llama-3-8B 49.0, Qwen3-1.7B
+    55.1, Gemma-2B 88.5 under param_dtype; the executor's Llama-2-7B 57.7 + weight copies
+    under autocast (`python bench/memory_tracker.py saved` prints each family beside
+    this count); checked against FSDPMemTracker in bench/memory_tracker.py.
+    Full recompute keeps the layer input only (the residual stream: fp32 under autocast).
+    """
+    b, s, h, f = micro_batch_size, training.seq_len, model.hidden_size, model.intermediate_size
+    tokens = b * s
+    seq_split = tp if sequence_parallel else 1
+    autocast = training.mixed_precision != "param_dtype"
+    residual = 4.0 if autocast else 2.0
+    if recompute == "full":
+        return residual * tokens * h / seq_split
+    v, q, kv, hd = 2.0, model.q_size, model.kv_size, model.head_dim
+    gated = model.gated_mlp
+    attention_consumers = 3 if autocast else 1
+    mlp_consumers = (2 if gated else 1) if autocast else 1
+    if model.norms_per_layer == 1:
+        # One norm feeds attention and MLP (Phi, GPT-J).
+        norm_h, norm_t = norm_saved_bytes(model, training, attention_consumers + mlp_consumers)
+    else:
+        a_h, a_t = norm_saved_bytes(model, training, attention_consumers)
+        m_h, m_t = norm_saved_bytes(model, training, mlp_consumers)
+        norm_h, norm_t = a_h + m_h, a_t + m_t
+    # Dropout on the attention and MLP outputs keeps a mask each (in the activations'
+    # dtype on CPU; measured: Phi-2, resid_pdrop 0.1).
+    dropout_masks = 2 * v if model.resid_dropout > 0 else 0.0
+    replicated = ((norm_h + dropout_masks) * h + norm_t) * tokens
+    attention = v * (q + 2 * kv) + v * q + 4.0 * model.num_attention_heads
+    if autocast:
+        # executor.models.attention_core repeats K and V to every query head
+        # (grouped-query attention): the repeated copies are saved in their place
+        # (measured: the executor's Llama-3-8B, 3 bytes per s*h more than its MHA count).
+        # Not counted: on CPU, SDPA's output is head-major, so the executor's
+        # `out.transpose(1, 2).reshape(b, t, -1)` copies it (one q-wide tensor more:
+        # 57.65 bytes per s*h for Llama-2-7B under FakeTensorMode); CUDA's flash kernels
+        # write it token-major and the reshape is a view (the H200 runs of
+        # executor_runs.json are 2-10% over the estimate with it counted).
+        attention += 2 * v * (q - kv)
+    if model.qk_norm:
+        attention += 6.0 * (q + kv) + 4.0 * (model.num_attention_heads + model.num_key_value_heads)
+    if model.sliding_window is not None and s >= model.sliding_window and not autocast:
+        # With a mask (Mistral's sliding window) transformers repeats K and V to every
+        # head before SDPA (repeat_kv: GQA kernels take no mask) and SDPA's output is
+        # copied: 6q - 4kv bytes per token more (measured: Mistral-7B at seq 4096,
+        # 54.03 against 49.03 bytes per s*h at seq 1024).
+        attention += 6.0 * q - 4.0 * kv
+    rope_tables = 4.0 * hd if autocast and model.position_embedding == "rope" else 0.0
+    mlp_tensors = 4 if gated else 2
+    if model.hidden_act == "gelu_new":
+        # transformers' NewGELUActivation is an elementwise formula: the tanh, 0.5 x and
+        # 1 + tanh are kept beside its input (measured: Phi-2, 5 tensors of f).
+        mlp_tensors += 3
+    mlp = v * mlp_tensors * f * model.num_experts_per_tok
+    split = (attention + mlp) * tokens / tp + rope_tables * tokens
+    router = 4 * tokens * model.num_local_experts if model.is_moe else 0
+    weight_copies = 0.0
+    if autocast:
+        from costmodel.terms.counts import attention_parameters, expert_parameters
+        matmuls = attention_parameters(model) + expert_parameters(model) * (model.num_local_experts if model.is_moe else 1)
+        weight_copies = 2.0 * matmuls / tp
+    scores = 0.0
+    if not training.flash_attention and recompute != "selective":
+        # Eager attention: the softmax output (fp32 in Hugging Face, upcast) and its
+        # bf16 cast per score element.
+        scores = (4.0 + v) * b * model.num_attention_heads * s * s / tp
+    return split + replicated / seq_split + router + weight_copies + scores
 
 
 def layer_activation_bytes(model: ModelSpec, training: TrainingSpec, micro_batch_size: int,
@@ -98,6 +231,8 @@ def layer_activation_bytes(model: ModelSpec, training: TrainingSpec, micro_batch
     instead of the s x s scores (Dao et al. 2022 §3.1). `saved_tensors` adds what eager
     PyTorch modules keep beyond Megatron-LM's fused kernels.
     """
+    if training.precision != "fp32" and training.mixed_precision != "megatron":
+        return pytorch_layer_activation_bytes(model, training, micro_batch_size, tp, sequence_parallel, recompute)
     b, s, h, f = micro_batch_size, training.seq_len, model.hidden_size, model.intermediate_size
     v = activation_bytes_per_value(training)
     saved = saved_tensors(training)
@@ -147,5 +282,37 @@ def in_flight_microbatches(schedule: str, pp: int, pp_rank: int, num_microbatche
 
 def logits_bytes(model: ModelSpec, training: TrainingSpec, micro_batch_size: int, tp: int) -> float:
     """fp32 logits the vocab-parallel cross-entropy keeps for backward, per micro-batch
-    (Korthikanti et al. 2022 §4.3: 4sbv/t)."""
+    (Korthikanti et al. 2022 §4.3: 4sbv/t): what stays alive while later micro-batches
+    and layers run."""
     return 4.0 * micro_batch_size * training.seq_len * model.vocab_size / tp
+
+
+def loss_peak_bytes(model: ModelSpec, training: TrainingSpec, micro_batch_size: int, tp: int) -> float:
+    """The head's and loss's own peak, per micro-batch, on top of every layer's saved
+    activations: F.cross_entropy upcasts the logits to fp32 (under autocast and in
+    Hugging Face's loss alike) and keeps log_softmax's fp32 output; its backward makes
+    the fp32 gradient of the loss and of log_softmax beside that output: 12 bytes per
+    logit (3 fp32 tensors of b*s*V/tp); the forward peak, the bf16 logits with their
+    fp32 copy and log_softmax's output, is 10. In fp32: the same three tensors. Exact
+    for Hugging Face Llama-2-7B, Llama-3-8B and Qwen2-7B under FSDPMemTracker (the
+    logits' activations and temporaries at the peak).
+    Measured: the H200 run of executor_runs.json (Llama-3-8B, 4 layers, seq 8192, mbs 8)
+    ran out of memory asking 31.31 GiB = 4 x 8 x 8192 x 128256 bytes in cross-entropy;
+    FSDPMemTracker, bench/memory_tracker.py (Temp + logits at the loss's peak)."""
+    if training.precision != "fp32" and training.mixed_precision == "megatron":
+        # Megatron-LM's vocab-parallel cross-entropy works in place on its fp32 logits.
+        return logits_bytes(model, training, micro_batch_size, tp)
+    # Under autocast on CPU (FakeTensorMode) the bf16 logits stay alive to the end of
+    # cross-entropy's backward (2 bytes per logit more); on the H200 they do not (the
+    # runs of executor_runs.json are 4-7% over the estimate with them counted).
+    return 12.0 * micro_batch_size * training.seq_len * model.vocab_size / tp
+
+
+def final_norm_bytes(model: ModelSpec, training: TrainingSpec, micro_batch_size: int, tp: int,
+                     sequence_parallel: bool) -> float:
+    """The final norm's saved tensors and the LM head's input (one consumer)."""
+    tokens = micro_batch_size * training.seq_len
+    if training.precision == "fp32" or training.mixed_precision == "megatron":
+        return 0.0   # counted in their layer formulas' norm terms
+    per_h, per_token = norm_saved_bytes(model, training, 1)
+    return (per_h * model.hidden_size + per_token) * tokens / (tp if sequence_parallel else 1)

@@ -7,6 +7,8 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from costmodel_test_helpers import HF_DIR
+
 from costmodel.specs.loading import load_model
 from costmodel.terms.counts import (
     head_forward_flops,
@@ -17,7 +19,12 @@ from executor.models import build_model, initial_value, materialize, num_paramet
 
 # The tiny built-ins and every built-in family shrunk to a few small layers (the
 # counts are formulas in the sizes, so small sizes test the same code paths).
-SPECS = ["tiny-gpt", "tiny-llama", "tiny-moe", "gpt3-1.3b", "llama2-7b", "llama3-8b", "mixtral-8x7b"]
+# Published Hugging Face configs of the dense decoder families the spec describes: head_dim
+# apart from hidden / heads, q/k/v biases, q/k norm, GeGLU, parallel blocks with one or
+# two norms, LM-head bias, tied and untied heads.
+HF_SPECS = [str(HF_DIR / n) for n in ("qwen2.5-1.5b.json", "qwen3-1.7b.json", "gemma-2b.json", "phi-2.json",
+                                       "pythia-1.4b.json", "llama-3.2-1b.json")]
+SPECS = ["tiny-gpt", "tiny-llama", "tiny-moe", "tiny-dense", "gpt3-1.3b", "llama2-7b", "llama3-8b", "mixtral-8x7b", *HF_SPECS]
 
 
 def small(name):
@@ -26,10 +33,12 @@ def small(name):
         return spec
     heads, kv = spec.num_attention_heads, spec.num_key_value_heads
     shrink = 8
+    explicit = spec.head_dim != spec.hidden_size // heads
     return dataclasses.replace(
         spec, hidden_size=spec.hidden_size // shrink // heads * heads or heads, num_hidden_layers=2,
         intermediate_size=spec.intermediate_size // shrink, vocab_size=spec.vocab_size // shrink,
-        max_position_embeddings=128, num_key_value_heads=kv)
+        max_position_embeddings=128, num_key_value_heads=kv,
+        head_dim=spec.head_dim // shrink if explicit else None)
 
 
 @pytest.mark.parametrize("name", SPECS)
@@ -72,3 +81,19 @@ def test_materialize_is_deterministic_and_tied():
     materialize(untied, "cpu", seed=3)
     assert torch.equal(untied.output.weight, a.tok_embeddings.weight)
     assert torch.equal(initial_value("layers.0.attention.wq.bias", (4,), 0, False), torch.zeros(4))
+
+
+@pytest.mark.parametrize("name", [str(HF_DIR / "gemma-2b.json"), str(HF_DIR / "qwen3-1.7b.json")])
+def test_head_dim_apart_from_hidden_over_heads(name):
+    """Gemma 7B's 16 heads of 256 on hidden 3072: Q and output projections are heads x
+    head_dim wide; counts and FLOPs still equal the cost model's."""
+    spec = dataclasses.replace(small(name), head_dim=48)
+    assert spec.q_size != spec.hidden_size
+    model = build_model(spec, seq_len=16, device="cpu")
+    assert num_parameters(model) == total_parameters(spec)
+    for layer in model.layers.values():
+        layer.attention.flash = False
+    tokens = torch.randint(0, spec.vocab_size, (1, 16))
+    with FlopCounterMode(display=False) as forward:
+        model(tokens)
+    assert forward.get_total_flops() == spec.num_hidden_layers * layer_forward_flops(spec, 16) + head_forward_flops(spec, 16)

@@ -87,6 +87,17 @@ def test_llama_parity(plan):
     check_parity("tiny-llama", PLANS[plan])
 
 
+# The generic dense decoder (configs/models/tiny-dense.yaml): q/k norm, biases, GeGLU,
+# a parallel block and head_dim apart from hidden / heads under tensor, sequence,
+# pipeline and ZeRO-3 splits.
+DENSE_PLANS = ["tp2", "tp2-sp", "pp2-1f1b", "zero3-tp2"]
+
+
+@pytest.mark.parametrize("plan", DENSE_PLANS)
+def test_dense_parity(plan):
+    check_parity("tiny-dense", PLANS[plan])
+
+
 @pytest.mark.parametrize("plan", sorted(MOE_PLANS))
 def test_moe_parity(plan):
     check_parity("tiny-moe", MOE_PLANS[plan])

@@ -52,13 +52,55 @@ def test_missing_config_names_the_field(tmp_path):
 def test_hf_prefix_refuses_an_architecture_the_spec_cannot_describe(tmp_path):
     from planner.api import make_problem
 
-    neox = {"architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox", "hidden_size": 64,
-            "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 256, "vocab_size": 500,
-            "max_position_embeddings": 64, "transformers_version": "4.44.2"}
+    # OPT's learned positions have two rows more than max_position_embeddings.
+    opt = {"architectures": ["OPTForCausalLM"], "model_type": "opt", "hidden_size": 64,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "ffn_dim": 256, "vocab_size": 500,
+           "max_position_embeddings": 64, "word_embed_proj_dim": 64, "transformers_version": "4.44.2"}
     path = tmp_path / "config.json"
-    path.write_text(json.dumps(neox))
-    with pytest.raises(SpecError, match=r"--model: transformers builds 164,096 parameters .* has 136,192"):
+    path.write_text(json.dumps(opt))
+    with pytest.raises(SpecError, match=r"--model: transformers builds 136,320 parameters .* has 136,192"):
         make_problem(f"hf:{path}", "cpu", 8, gpus=2, seq_len=64)
     # A family the spec does describe passes the check and plans.
     problem = make_problem(f"hf:{HF_DIR / 'tinyllama-folder'}", "cpu", 8, gpus=2, seq_len=64)
     assert problem.model.num_hidden_layers == 2
+
+
+# Published config.json files of dense decoder families and the parameter counts that
+# transformers builds from them (= the model cards' figures: Llama 3 8B 8.03B, Qwen2 7B
+# 7.62B, Gemma 2B 2.51B, Phi-2 2.78B, Pythia 1.4B 1.41B).
+PUBLISHED = {
+    "llama-2-7b.json": 6_738_415_616,
+    "llama-3-8b.json": 8_030_261_248,
+    "llama-3.2-1b.json": 1_235_814_400,     # head_dim 64, tied
+    "mistral-7b.json": 7_241_732_096,
+    "qwen2-7b.json": 7_615_616_512,         # q/k/v biases
+    "qwen2.5-1.5b.json": 1_543_714_304,     # q/k/v biases, tied
+    "qwen3-1.7b.json": 1_720_574_976,       # q/k norm, head_dim 128 with hidden 2048
+    "gemma-2b.json": 2_506_172_416,         # GeGLU, head_dim 256, multi-query, tied
+    "phi-2.json": 2_779_683_840,            # parallel block, one norm, biases, LM-head bias
+    "pythia-1.4b.json": 1_414_647_808,      # GPT-NeoX: parallel block, two norms, rotary
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_published_configs_load_as_transformers_builds_them(name):
+    from costmodel.specs.hf import check_spec
+    spec = load_model(str(HF_DIR / name))
+    assert total_parameters(spec) == PUBLISHED[name]
+    check_spec(HF_DIR / name, spec)   # raises unless transformers builds the same count
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-1.5b.json", "qwen3-1.7b.json", "gemma-2b.json", "phi-2.json",
+                                  "pythia-1.4b.json"])
+def test_published_families_trace_to_the_spec_flops(tmp_path, name):
+    data = json.loads((HF_DIR / name).read_text())
+    data["num_hidden_layers"] = 2
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    check(tmp_path / "config.json", seq=64)
+
+
+def test_family_fields_read_from_published_configs():
+    gemma, qwen2, phi = (load_model(str(HF_DIR / n)) for n in ("gemma-2b.json", "qwen2-7b.json", "phi-2.json"))
+    assert (gemma.head_dim, gemma.q_size, gemma.mlp, gemma.tie_word_embeddings) == (256, 2048, "geglu", True)
+    assert (qwen2.attention_bias, qwen2.attention_out_bias, qwen2.mlp_bias) == (True, False, False)
+    assert (phi.parallel_block, phi.norms_per_layer, phi.lm_head_bias, phi.position_embedding) == (True, 1, True, "rope")

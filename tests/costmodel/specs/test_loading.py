@@ -73,7 +73,7 @@ def test_every_builtin_model_loads(name):
 
 
 def test_builtin_lists_are_the_config_files():
-    assert len(builtin_names("models")) == 18
+    assert len(builtin_names("models")) == 19
     assert builtin_names("clusters") == ["cpu", "dgx-a100-40gb", "dgx-a100-80gb", "dgx-h100", "dgx-h200", "dgx-v100",
                                           "mixed-a100-v100", "mixed-h100-a100", "mixed-h200-a100-40gb"]
     assert "a100-80gb" in builtin_names("hardware")
@@ -451,3 +451,43 @@ def test_precision_must_exist_on_the_gpu():
     assert spec_error(make_training, m, load_cluster("dgx-v100"), 8, precision="bf16").field == "--precision"
     assert make_training(m, load_cluster("dgx-v100"), 8, precision="fp16").precision == "fp16"
     assert spec_error(make_training, m, load_cluster("cpu"), 8, precision="fp16").field == "--precision"
+
+
+def test_architecture_fields_in_own_yaml(tmp_path):
+    path = tmp_path / "m.yaml"
+    path.write_text("model_type: llama\nhidden_size: 64\nnum_hidden_layers: 2\nnum_attention_heads: 4\n"
+                    "intermediate_size: 128\nvocab_size: 100\nhead_dim: 32\nmlp: geglu\nattention_bias: true\n"
+                    "qk_norm: true\n")
+    spec = load_model(str(path))
+    # In a llama spec attention_bias is Hugging Face's: q, k, v and o alike.
+    assert (spec.head_dim, spec.q_size, spec.kv_size, spec.mlp, spec.attention_bias, spec.attention_out_bias) == \
+        (32, 128, 128, "geglu", True, True)
+    assert spec.canonical_dict()["head_dim"] == 32
+    qwen2_like = load_model(str(path), {"attention_out_bias": "false"})
+    assert (qwen2_like.attention_bias, qwen2_like.attention_out_bias) == (True, False)
+
+
+@pytest.mark.parametrize("edit, field", [("mlp: relu", "mlp"), ("norm: batchnorm", "norm"),
+                                         ("position_embedding: alibi", "position_embedding"),
+                                         ("norms_per_layer: 3", "norms_per_layer"), ("head_dim: 0", "head_dim"),
+                                         ("qk_norm: maybe", "qk_norm")])
+def test_bad_architecture_field_names_the_field(tmp_path, edit, field):
+    path = tmp_path / "m.yaml"
+    path.write_text("model_type: llama\nhidden_size: 64\nnum_hidden_layers: 2\nnum_attention_heads: 4\n"
+                    f"intermediate_size: 128\nvocab_size: 100\n{edit}\n")
+    with pytest.raises(SpecError) as err:
+        load_model(str(path))
+    assert err.value.field == field
+
+
+def test_existing_models_keep_their_fingerprint():
+    """The architecture fields at their family's values are left out of the canonical
+    form, so plans written before they existed still match (planner.plan_file.fingerprint)."""
+    from dataclasses import asdict
+    spec = load_model("llama2-7b")
+    old = {k: v for k, v in asdict(spec).items() if k in (
+        "name", "model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+        "intermediate_size", "vocab_size", "max_position_embeddings", "tie_word_embeddings",
+        "num_local_experts", "num_experts_per_tok")}
+    assert spec.canonical_dict() == old
+    assert load_model(str(HF_DIR / "gemma-2b.json")).canonical_dict()["mlp"] == "geglu"

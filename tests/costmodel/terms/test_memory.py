@@ -5,16 +5,21 @@ per schedule, logits."""
 from __future__ import annotations
 
 import pytest
+from costmodel_test_helpers import HF_DIR
 
-from costmodel.specs.loading import load_cluster, load_model, make_training
+from costmodel.specs.loading import SpecError, load_cluster, load_model, make_training
 from costmodel.terms import memory
 from costmodel.terms.memory import (
+    held_state_bytes,
     in_flight_microbatches,
     layer_activation_bytes,
     logits_bytes,
+    loss_peak_bytes,
+    pytorch_layer_activation_bytes,
     sharded_state_bytes,
     state_bytes,
 )
+from costmodel.units import GIB
 
 
 @pytest.fixture(scope="module")
@@ -22,8 +27,11 @@ def dgx():
     return load_cluster("dgx-a100-80gb")
 
 
-def training(model, cluster, flash=False, precision="bf16", optimizer="adamw", seq=None):
-    return make_training(model, cluster, 8, seq, precision=precision, optimizer=optimizer, flash_attention=flash)
+def training(model, cluster, flash=False, precision="bf16", optimizer="adamw", seq=None, mixed_precision="megatron"):
+    """Korthikanti et al.'s and ZeRO's counts are Megatron-LM's recipe ("megatron");
+    PyTorch's own 16-bit training is tested below with "autocast" / "param_dtype"."""
+    return make_training(model, cluster, 8, seq, precision=precision, optimizer=optimizer, flash_attention=flash,
+                         mixed_precision=mixed_precision)
 
 
 # ------------------------------------------------------------------ model states
@@ -225,3 +233,80 @@ def test_logits_bytes_are_4sbv_over_t(dgx):
 def test_constants():
     assert memory.RUNTIME_RESERVE_BYTES == 1024**3
     assert memory.DDP_BUCKET_BYTES == 25 * 1024**2
+
+
+# ------------------------------------------------------------------ PyTorch's 16-bit training
+
+
+@pytest.mark.parametrize("mixed, optimizer, expected", [
+    ("autocast", "adamw", (4, 4, 8)),     # fp32 weights, fp32 gradients, exp_avg + exp_avg_sq
+    ("param_dtype", "adamw", (4, 4, 8)),  # FSDP2 keeps fp32 shards, reduces in fp32
+    ("autocast", "sgd", (4, 4, 4)),
+    ("megatron", "adamw", (2, 2, 12)),    # ZeRO §3.1
+])
+def test_held_state_bytes(dgx, mixed, optimizer, expected):
+    t = training(load_model("tiny-llama"), dgx, optimizer=optimizer, mixed_precision=mixed)
+    s = held_state_bytes(t)
+    assert (s.weights, s.gradients, s.optimizer) == expected
+
+
+# Bytes per s*h one layer saves, measured with saved_tensors_hooks under FakeTensorMode
+# (bf16, seq 1024, micro-batch 1; Hugging Face modules with SDPA under param_dtype).
+@pytest.mark.parametrize("name, per_sh", [
+    ("llama-2-7b.json", 45.533203125),   # 2 RMSNorms x 8, q k v out 8, SwiGLU 8f
+    ("llama-3-8b.json", 49.033203125),   # GQA: k and v a quarter wide
+    ("mistral-7b.json", 49.033203125),   # below its sliding window: no mask
+    ("qwen3-1.7b.json", 55.08203125),    # q/k RMSNorm: fp32 upcast + normalised value
+])
+def test_hf_layer_activations_are_the_saved_tensors(dgx, name, per_sh):
+    spec = load_model(str(HF_DIR / name))
+    t = training(spec, dgx, flash=True, seq=1024, mixed_precision="param_dtype")
+    got = pytorch_layer_activation_bytes(spec, t, 1, 1, False, "none")
+    assert got == per_sh * 1024 * spec.hidden_size
+
+
+def test_gemma_and_sliding_window_activations(dgx):
+    gemma = load_model(str(HF_DIR / "gemma-2b.json"))
+    t = training(gemma, dgx, flash=True, seq=1024, mixed_precision="param_dtype")
+    # Measured 88.527: the hand count plus Gemma's per-layer (1 + w) in fp32 (16 bytes per token).
+    assert pytorch_layer_activation_bytes(gemma, t, 1, 1, False, "none") == 88.51953125 * 1024 * 2048
+    mistral = load_model(str(HF_DIR / "mistral-7b.json"))
+    t = training(mistral, dgx, flash=True, seq=4096, mixed_precision="param_dtype")
+    # The window's mask makes transformers repeat K and V: measured 54.033 at seq 4096.
+    assert pytorch_layer_activation_bytes(mistral, t, 1, 1, False, "none") == 54.033203125 * 4096 * 4096
+
+
+def test_executor_autocast_layer_activations(dgx):
+    # executor.models under torch.autocast: fp32 norms (x, x * rsqrt), a bf16 cast per
+    # matmul (3 + 2), K and V repeated to 32 heads, RoPE tables cast, and each matmul's
+    # bf16 weight copy. Measured on CPU: 64.157 bytes per s*h + copies, of which 2 are
+    # CPU's head-major SDPA output copy (not on CUDA).
+    spec = load_model("llama3-8b")
+    t = training(spec, dgx, flash=True, seq=1024, mixed_precision="autocast")
+    h, q, f = 4096, 4096, 14336
+    per_token = (2 * (8 * h + 4) + 2 * 5 * h) + (2 * (q + 2 * 1024) + 2 * q + 4 * 32 + 4 * (q - 1024)) + 4 * 128 + 8 * f
+    from costmodel.terms.counts import attention_parameters, expert_parameters
+    copies = 2 * (attention_parameters(spec) + expert_parameters(spec))
+    assert pytorch_layer_activation_bytes(spec, t, 1, 1, False, "none") == per_token * 1024 + copies
+    assert per_token / h == pytest.approx(64.154 - 2, abs=0.005)
+    # Full recompute keeps the fp32 residual stream only.
+    assert pytorch_layer_activation_bytes(spec, t, 1, 1, False, "full") == 4 * 1024 * h
+
+
+def test_loss_peak_is_three_fp32_logit_tensors(dgx):
+    # The H200 run that ran out of memory asked for 31.31 GiB = one fp32 tensor of
+    # 8 x 8192 x 128256 logits inside cross-entropy.
+    spec = load_model("llama3-8b")
+    t = training(spec, dgx, flash=True, seq=8192, mixed_precision="autocast")
+    one = 4 * 8 * 8192 * 128256
+    assert one / GIB == pytest.approx(31.31, abs=0.01)
+    assert loss_peak_bytes(spec, t, 8, 1) == 3 * one
+    assert loss_peak_bytes(spec, t, 8, 4) == 3 * one / 4
+    megatron = training(spec, dgx, flash=True, seq=8192)
+    assert loss_peak_bytes(spec, megatron, 8, 1) == one   # Korthikanti §4.3: 4sbv
+
+
+def test_mixed_precision_must_be_known(dgx):
+    with pytest.raises(SpecError) as err:
+        training(load_model("tiny-llama"), dgx, mixed_precision="amp")
+    assert err.value.field == "--mixed-precision"

@@ -36,8 +36,10 @@ CASES = {
                              fix="dp=2,tp=4,pp=2,mbs=1,zero=1,recompute=full,sp=on,schedule=1f1b"),
     "interleaved-uneven": dict(model="gpt3-1.3b", gpus=16, batch=64, seq=2048,
                                fix="dp=2,tp=2,pp=4,vpp=3,mbs=2,zero=0,recompute=none,sp=off,schedule=interleaved"),
+    # mbs 1: at mbs 2 PyTorch's 16-bit activations (fp32 residual stream under autocast)
+    # need 85 GiB on an A100-80GB (costmodel.terms.memory.pytorch_layer_activation_bytes).
     "zero3-selective": dict(model="llama2-7b", gpus=8, batch=64, seq=4096,
-                            fix="dp=8,tp=1,pp=1,mbs=2,zero=3,recompute=selective"),
+                            fix="dp=8,tp=1,pp=1,mbs=1,zero=3,recompute=selective"),
     "zero2-tp-no-sp": dict(model="llama2-7b", gpus=8, batch=64, seq=4096,
                            fix="dp=4,tp=2,pp=1,mbs=1,zero=2,recompute=none,sp=off"),
     "moe-ep-zero3-pp": dict(model="tiny-moe", gpus=8, batch=32, seq=64,

@@ -119,10 +119,11 @@ def test_a_broken_plan_file_exits_2(tmp_path):
 
 
 def test_nothing_plans_exits_3_with_a_relaxation(tmp_path):
-    # llama2-7b's weights, gradients and AdamW states need about 103 GiB on one A100-80GB.
+    # llama2-7b's weights, gradients and AdamW states need about 100 GiB on one A100-80GB,
+    # 105 GiB with its smallest activations.
     path = tmp_path / "plan.json"
     write_plan(plan("llama2-7b", "dgx-a100-80gb", 64, gpus=8, seq_len=4096), path)
     result = CliRunner().invoke(main, ["replan", str(path), "--gpus", "1"])
     assert result.exit_code == 3, result.output
-    assert result.stderr.startswith("error: no feasible plan: global batch 64 on 1 GPUs: stage 0 needs 103.4 GiB")
+    assert result.stderr.startswith("error: no feasible plan: global batch 64 on 1 GPUs: stage 0 needs 105.1 GiB")
     assert "would fit if you use 2 GPUs" in result.stderr

@@ -83,7 +83,8 @@ def test_scaling_efficiency_is_per_gpu_throughput_against_the_smallest_size(rows
     for r in rows[1:]:
         assert r.scaling_efficiency == pytest.approx(docs[r.gpus]["estimate"]["tokens_per_s"] / r.gpus / base,
                                                      rel=1e-5)
-    assert rows[-1].scaling_efficiency < 1.0   # 32 GPUs run smaller micro-batches than 8
+    # No direction asserted: 8 GPUs may need recompute that 32 do not (PyTorch's 16-bit
+    # activations), which makes 32 GPUs more efficient per GPU.
 
 
 def test_time_cost_and_energy_to_train_equal_the_per_step_figures(rows, docs):
