@@ -136,6 +136,12 @@ def layer_compute(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
     # GELU reads and writes f values; SwiGLU reads two and writes one; sharded by tp.
     act_values = (2 if model.is_gpt else 3) * f * model.num_experts_per_tok
     activation = value * act_values * tokens / tp
+    if model.is_gpt and not (runtime is not None and runtime.torch_compile):
+        # The runtime's eager traffic factor counts the norms, rotary embedding and gated
+        # activation that PyTorch code writes as several tensor ops (torchtitan's and the
+        # executor's RMSNorm, apply_rope, silu(x) * y); GPT's LayerNorm and GELU are one
+        # kernel each in eager PyTorch (nn.LayerNorm, F.gelu) and are charged one pass.
+        traffic = 1.0
     elementwise = memory_bound_time_s(traffic * (replicated + activation), cluster)
     return LayerCompute(gemm, core, elementwise)
 
