@@ -22,6 +22,9 @@ from planner.rules import Rules
 from planner.search import Candidate, Infeasible, search
 from planner.search.partition import usable_memory_bytes
 
+# The runtime profile (configs/runtimes/) each engine's configuration is priced under.
+ENGINE_RUNTIMES = {"megatron": "megatron", "deepspeed": "deepspeed-zero", "torchtitan": "pytorch-native"}
+
 # The engine's own name for what the evaluation checks (for error messages).
 ENGINE_FIELDS = {
     "megatron": {"global_batch": "--global-batch-size", "seq": "--seq-length", "precision": "--bf16/--fp16",
@@ -116,8 +119,9 @@ def _terms(yours: Estimate, best: Estimate) -> tuple[TermChange, ...]:
 def evaluate_config(source: str, config: str, model_name: str, cluster_name: str, *, nodes=None, gpus=None,
                     global_batch=None, seq=None, precision=None, optimizer: str = "adamw",
                     flash_attention: bool = True, overrides: dict | None = None, rules: Rules,
-                    pins: dict | None = None) -> Evaluation:
-    """Price the configuration and the best plan under `rules` (already holding `pins`)."""
+                    pins: dict | None = None, runtime: str | None = None) -> Evaluation:
+    """Price the configuration and the best plan under `rules` (already holding `pins`),
+    both under `runtime` (by default the engine's own, ENGINE_RUNTIMES)."""
     spec = load_model(str(model_name).removeprefix("hf:"), overrides)
     cluster = load_cluster(cluster_name, nodes=nodes, gpus=gpus)
     if isinstance(cluster, MixedClusterSpec):
@@ -128,7 +132,7 @@ def evaluate_config(source: str, config: str, model_name: str, cluster_name: str
     batch, seq_len, precision = _reconcile(source, imported, global_batch, seq, precision)
     problem = make_problem(model_name, cluster_name, batch, nodes=nodes, gpus=gpus, seq_len=seq_len,
                            precision=precision, optimizer=optimizer, flash_attention=flash_attention,
-                           overrides=overrides, fix=pins)
+                           overrides=overrides, fix=pins, runtime=runtime or ENGINE_RUNTIMES[source])
     strategy = imported.strategy
     check_runnable(problem, strategy, source)
     yours = estimate(problem, strategy)
