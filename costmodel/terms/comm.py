@@ -10,7 +10,8 @@ layout on DGX nodes, one HCA per GPU).
 The runtime profile (costmodel.specs.runtime) scales the bandwidth by message size: a
 collective moving m bytes per rank reaches m / (m + collective_half_bytes) of the link's
 large-message bandwidth (the knee of nccl-tests' busbw curves; small messages are
-latency and protocol bound, e.g. ZeRO-3's per-layer gathers at large dp).
+latency and protocol bound, e.g. ZeRO-3's per-layer gathers at large dp), except on
+links whose collectives were measured and fitted as alpha-beta lines.
 """
 
 from __future__ import annotations
@@ -70,7 +71,11 @@ def collective_time_s(kind: str, total_bytes: float, group: Placement, cluster: 
     # Bytes one rank moves per step of the collective: the whole message for p2p, a
     # 1/n chunk of the buffer for the ring and all-to-all collectives.
     per_rank = total_bytes if kind == "p2p" else total_bytes / group.size
-    size_eff = 1.0 if runtime is None else runtime.message_efficiency(per_rank)
+    # A cluster whose links carry measured per-collective fits (`collectives`: alpha-beta
+    # lines fitted over message sizes by costmodel.calibrate, e.g. the cpu cluster's
+    # gloo) already prices small messages through its latency: no curve on top.
+    measured = bool(intra.collectives or inter.collectives)
+    size_eff = 1.0 if runtime is None or measured else runtime.message_efficiency(per_rank)
     if kind == "p2p":
         link = (inter if group.nodes > 1 else intra).for_kind(kind)
         return link.latency_s + total_bytes / (link.achieved_bytes_per_s * size_eff)
