@@ -14,7 +14,7 @@ from typing import Any
 
 from costmodel.measured import load_measured_times
 from costmodel.problem import Problem, TracedProblem, traced_model
-from costmodel.specs import MixedClusterSpec, ModelSpec
+from costmodel.specs import MixedClusterSpec, ModelSpec, RuntimeSpec
 from costmodel.specs.hf import check_spec
 from costmodel.specs.loading import (
     SpecError,
@@ -35,7 +35,7 @@ from planner.search import check_fix, search
 def make_problem(model: str, cluster: str, global_batch: Any, *, nodes: Any = None, gpus: Any = None,
                  seq_len: Any = None, precision: str = "bf16", optimizer: str = "adamw",
                  flash_attention: bool = True, overrides: dict | None = None, fix: dict | None = None,
-                 profile: str | Path | None = None, runtime: str | Path | None = None) -> Problem:
+                 profile: str | Path | None = None, runtime: str | Path | RuntimeSpec | None = None) -> Problem:
     """Load and validate the specs; raises SpecError naming the bad field. `hf:PATH`
     reads a Hugging Face config.json (or its folder) and checks it against the model
     transformers builds from it on the meta device. `profile` is a `shardwise profile
@@ -52,7 +52,8 @@ def make_problem(model: str, cluster: str, global_batch: Any, *, nodes: Any = No
     cluster_spec = load_cluster(cluster, nodes=nodes, gpus=gpus)
     training = make_training(model_spec, cluster_spec, global_batch, seq_len, precision, optimizer, flash_attention)
     measured = load_measured_times(profile, model_spec, training) if profile is not None else None
-    problem = Problem(model_spec, cluster_spec, training, measured, load_runtime(runtime))
+    problem = Problem(model_spec, cluster_spec, training, measured,
+                      runtime if isinstance(runtime, RuntimeSpec) else load_runtime(runtime))
     check_fix(problem, fix or {})
     return problem
 

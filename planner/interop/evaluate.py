@@ -6,12 +6,12 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 from costmodel.estimate import Estimate, estimate
 from costmodel.problem import Problem
 from costmodel.specs import MixedClusterSpec
-from costmodel.specs.loading import SpecError, as_int, load_cluster, load_model
+from costmodel.specs.loading import SpecError, as_int, load_cluster, load_model, load_runtime
 from costmodel.strategy import Strategy
 from costmodel.units import GIB
 from planner.api import make_problem
@@ -132,7 +132,9 @@ def evaluate_config(source: str, config: str, model_name: str, cluster_name: str
     batch, seq_len, precision = _reconcile(source, imported, global_batch, seq, precision)
     problem = make_problem(model_name, cluster_name, batch, nodes=nodes, gpus=gpus, seq_len=seq_len,
                            precision=precision, optimizer=optimizer, flash_attention=flash_attention,
-                           overrides=overrides, fix=pins, runtime=runtime or ENGINE_RUNTIMES[source])
+                           overrides=overrides, fix=pins,
+                           runtime=replace(load_runtime(runtime or ENGINE_RUNTIMES[source]),
+                                           **dict(imported.runtime_settings)))
     strategy = imported.strategy
     check_runnable(problem, strategy, source)
     yours = estimate(problem, strategy)
