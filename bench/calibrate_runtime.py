@@ -22,11 +22,13 @@ search over multiplicative steps), never a per-row knob. Cross-validation: torch
 h200 for pytorch-native (what one group cannot determine keeps its documented default),
 and {22B, 175B} <-> {530B, 1T} for megatron.
 
-    PYTHONPATH=. python bench/calibrate_runtime.py [--write]
+    PYTHONPATH=. python bench/calibrate_runtime.py
 
---write stores the full-data fit in configs/runtimes/{pytorch-native,megatron}.yaml is
-NOT done automatically: the printed coefficients are copied there by hand with their
-sources. Results go to bench/results/calibrate_runtime.{json,txt}.
+The full-data fit ("Fit on all rows") is copied into configs/runtimes/{pytorch-native,
+megatron}.yaml by hand, rounded, with the rows in each coefficient's `fitted_on`; the
+"Checked-in" table prices every row with those files as the planner does. Memory errors
+are printed for the rows that publish a peak; the memory model is not fitted here.
+Results go to bench/results/calibrate_runtime.{json,txt}.
 """
 
 from __future__ import annotations
@@ -222,6 +224,14 @@ def table(rows: list[Row], runtimes: dict[str, RuntimeSpec], label: str) -> tupl
     return lines, out
 
 
+def _median(rows: list[dict]) -> float:
+    return statistics.median(abs(r["time_error"]) for r in rows if r["time_error"] is not None)
+
+
+def _max(rows: list[dict]) -> float:
+    return max(abs(r["time_error"]) for r in rows if r["time_error"] is not None)
+
+
 def coefficients(rt: RuntimeSpec, free: tuple[str, ...]) -> str:
     return ", ".join(f"{n} {getattr(rt, n):.4g}" for n in free)
 
@@ -261,6 +271,7 @@ def main() -> None:
     results["checked_in"] = out
 
     results["cross_validation"] = {}
+    summary = ["Cross-validation summary (time):"]
     for fit_rows, held, base, free, name in (
             (titan, h200, native_start, PYTORCH_FREE, "pytorch-native: fit torchtitan, predict h200"),
             (h200, titan, native_start, KERNEL_FREE, "pytorch-native: fit h200 (kernels only), predict torchtitan"),
@@ -276,6 +287,9 @@ def main() -> None:
         report += lines + [""]
         results["cross_validation"][name] = {"coefficients": {n: getattr(rt, n) for n in free}, "fit": fit_out,
                                              "held_out": held_out}
+        summary.append(f"  {name}: fit median |error| {_median(fit_out):.1%}, held-out median |error| "
+                       f"{_median(held_out):.1%} (max {_max(held_out):.1%})")
+    report += summary
     text = "\n".join(report) + "\n"
     print(text, end="")
     out_dir = REPO / "bench" / "results"
