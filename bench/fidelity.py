@@ -26,7 +26,7 @@ def main() -> None:
             fix["schedule"] = "interleaved" if chunks > 1 else "1f1b"
         doc = plan(NAMES[run["model"]["name"]], "dgx-a100-80gb", run["global_batch"], gpus=run["gpus"],
                    seq_len=run["seq_len"], flash_attention=False, fix=fix, top=1,
-                   rules=None)
+                   rules=None, runtime="megatron")   # Megatron-LM ran these (configs/runtimes/megatron.yaml)
         predicted, measured = doc["estimate"]["step_time_s"], run["measured"]["iteration_time_s"]
         rows.append({"id": run["id"], "predicted_s": predicted, "measured_s": measured,
                      "error": predicted / measured - 1, "peak_memory_gib": doc["estimate"]["peak_memory_bytes"] / 2**30})

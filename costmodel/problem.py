@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import networkx as nx
 
 from costmodel.measured import MeasuredTimes
-from costmodel.specs import ClusterSpec, MixedClusterSpec, ModelSpec, TrainingSpec
+from costmodel.specs import ClusterSpec, MixedClusterSpec, ModelSpec, RuntimeSpec, TrainingSpec
+from costmodel.specs.loading import load_runtime
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,9 @@ class Problem:
     training: TrainingSpec
     # Measured layer times (`shardwise plan --profile`); None prices every layer analytically.
     measured_times: MeasuredTimes | None = None
+    # The engine that runs the plan (costmodel.specs.runtime); by default pytorch-native,
+    # as Shardwise's executor and torchtitan run it.
+    runtime: RuntimeSpec = field(default_factory=load_runtime)
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from costmodel.specs import (
     LinkSpec,
     MixedClusterSpec,
     ModelSpec,
+    RuntimeSpec,
     TrainingSpec,
 )
 from costmodel.specs.loading import (
@@ -30,7 +31,9 @@ from costmodel.specs.loading import (
     as_int,
     gpu_from_dict,
     link_from_dict,
+    load_runtime,
     read_json_object,
+    runtime_from_dict,
 )
 from costmodel.strategy import Stage, Strategy
 from planner.search import Candidate, SearchResult
@@ -115,6 +118,7 @@ def plan_document(problem, rules_name: str, result: SearchResult) -> dict:
         "model_fingerprint": fingerprint(problem.model),
         "cluster": cluster_dict(problem.cluster),
         "training": asdict(problem.training),
+        **({"runtime": runtime_dict(problem.runtime)} if isinstance(problem, Problem) else {}),
         "rules": rules_name,
         **candidate_dict(result.best, problem.cluster),
         "alternatives": [candidate_dict(c, problem.cluster) for c in result.alternatives],
@@ -127,6 +131,23 @@ def plan_document(problem, rules_name: str, result: SearchResult) -> dict:
         # file's path is left out: the same measurements give the same plan).
         doc["profile"] = {k: v for k, v in asdict(problem.measured_times).items() if k != "source"}
     return _round(doc)
+
+
+def runtime_dict(runtime: RuntimeSpec) -> dict:
+    """The runtime profile a plan was priced under, whole (a reader needs no configs/
+    to price it again), with the measurements each coefficient was fitted on."""
+    return asdict(runtime)
+
+
+def runtime_of(doc: dict) -> RuntimeSpec:
+    """The runtime profile a plan document holds; plans written before runtime profiles
+    (no `runtime`) were priced as PyTorch-native and load as the built-in pytorch-native."""
+    if "runtime" not in doc:
+        return load_runtime()
+    data = doc["runtime"]
+    if not isinstance(data, dict):
+        raise SpecError("plan.runtime", "expected a mapping")
+    return runtime_from_dict(data, str(data.get("name", "runtime")), "plan.runtime")
 
 
 def dumps(doc: dict) -> str:
@@ -164,6 +185,7 @@ def check_plan(doc: dict) -> dict:
     training = training_of(doc)
     cluster_of(doc)
     profile_of(doc)
+    runtime_of(doc)
     strategy = strategy_of(doc)
     if strategy.replica_microbatches:
         batch, why = (strategy.micro_batch_size * sum(strategy.replica_microbatches),
@@ -189,11 +211,11 @@ def training_of(doc: dict) -> TrainingSpec:
 
 
 def problem_of(doc: dict) -> Problem | TracedProblem:
-    """The problem a plan document was made for: its model, cluster, training run and
-    measured layer times."""
+    """The problem a plan document was made for: its model, cluster, training run,
+    measured layer times and runtime profile."""
     if is_traced(doc):
         return TracedProblem(model_of(doc), cluster_of(doc), training_of(doc))
-    return Problem(model_of(doc), cluster_of(doc), training_of(doc), profile_of(doc))
+    return Problem(model_of(doc), cluster_of(doc), training_of(doc), profile_of(doc), runtime_of(doc))
 
 
 def is_traced(doc: dict) -> bool:

@@ -48,6 +48,7 @@ class TimeBreakdown:
     dp_comm_s: float
     bubble_s: float
     optimizer_s: float
+    fixed_s: float = 0.0      # the runtime's per-step fixed cost (costmodel.specs.runtime)
 
 
 
@@ -89,7 +90,7 @@ class Estimate:
 
 def step_estimate(problem, strategy: Strategy, works: list[Work], pipelined_s: float, dp_exposed_s: float,
                   optimizer_s: float, memories: list[MemoryBreakdown], model_flops: float,
-                  hardware_flops: float, peak_flops_per_gpu: float | None = None) -> Estimate:
+                  hardware_flops: float, peak_flops_per_gpu: float | None = None, fixed_s: float = 0.0) -> Estimate:
     """The Estimate of a step from its parts: each pipeline rank's micro-batch work and
     memory, the pipelined time, the exposed gradient sync and the optimizer step. The
     time breakdown is the slowest rank's, over all micro-batches, the rest of the
@@ -98,12 +99,12 @@ def step_estimate(problem, strategy: Strategy, works: list[Work], pipelined_s: f
     pp, m = strategy.pp, strategy.num_microbatches
     rank_times = [w.total_s for w in works]
     bottleneck = max(range(pp), key=lambda r: (rank_times[r], -r))
-    step = pipelined_s + dp_exposed_s + optimizer_s
+    step = pipelined_s + dp_exposed_s + optimizer_s + fixed_s
     busy = works[bottleneck].scaled(m)
     time = TimeBreakdown(
         compute_s=busy.compute_s, recompute_s=busy.recompute_s, tp_comm_s=busy.tp_comm_s,
         ep_comm_s=busy.ep_comm_s, pp_comm_s=busy.pp_comm_s, dp_comm_s=busy.dp_comm_s + dp_exposed_s,
-        bubble_s=pipelined_s - busy.total_s, optimizer_s=optimizer_s,
+        bubble_s=pipelined_s - busy.total_s, optimizer_s=optimizer_s, fixed_s=fixed_s,
     )
     totals = [mem.total_bytes for mem in memories]
     peak_rank = max(range(pp), key=lambda r: (totals[r], -r))

@@ -86,14 +86,18 @@ def stage_rank_costs(problem: Problem, strategy: Strategy,
     p2p_s = max(u.p2p_s for _, u in pairs)
     for r in range(strategy.pp - 1):
         if groups[r].name != groups[r + 1].name:
-            p2p_s = max(p2p_s, collective_time_s("p2p", pairs[r][1].p2p_bytes, _CROSSING, leaving(cluster, groups[r])))
+            link = leaving(cluster, groups[r])
+            # As within a group (uniform.unit_costs): the runtime's bandwidth by message
+            # size, and the share of the send it hides behind compute.
+            crossing = collective_time_s("p2p", pairs[r][1].p2p_bytes, _CROSSING, link, problem.runtime)
+            p2p_s = max(p2p_s, crossing * (1.0 - problem.runtime.pp_overlap * link.comm_overlap))
     tied_sync_s = pairs[0][1].tied_sync_s
     if pairs[0][1].tied_sync_s > 0 and groups[0].name != groups[-1].name:
         # The tied embedding's gradient all-reduce joins the first and last stage
         # across the groups (Megatron-LM; costmodel.estimate.uniform.unit_costs).
         model, states = problem.model, memory.state_bytes(problem.training)
         tied_sync_s = collective_time_s("all_reduce", model.vocab_size * model.hidden_size / strategy.tp
-                                        * states.gradients, _CROSSING, leaving(cluster, groups[0]))
+                                        * states.gradients, _CROSSING, leaving(cluster, groups[0]), problem.runtime)
     return [(p, replace(u, p2p_s=p2p_s, tied_sync_s=tied_sync_s)) for p, u in pairs]
 
 

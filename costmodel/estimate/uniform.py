@@ -50,11 +50,16 @@ def unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
     model, cluster, training = problem.model, problem.cluster, problem.training
     b, tp, sp, ep = strategy.micro_batch_size, strategy.tp, strategy.sequence_parallel, strategy.ep
     where = groups(problem, strategy)
+    runtime = problem.runtime
+
+    def coll(kind: str, num_bytes: float, group) -> float:
+        return collective_time_s(kind, num_bytes, group, cluster, runtime)
+
     value = compute.activation_bytes_per_value(training)
     states = memory.state_bytes(training)
     message = value * b * training.seq_len * model.hidden_size
 
-    layer = compute.layer_compute(model, cluster, training, b, tp, sp, ep)
+    layer = compute.layer_compute(model, cluster, training, b, tp, sp, ep, runtime)
     layer_backward = compute.BACKWARD_FACTOR * layer.forward_s
     # Measured times (costmodel.measured, `--profile`) replace the analytic layer where
     # the profile covers this micro-batch size and TP width.
@@ -65,55 +70,75 @@ def unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
     # two all-reduces forward and two backward, or with sequence parallelism an all-gather
     # and a reduce-scatter in their place, each of the full b*s*h activation.
     if sp:
-        tp_one_way = 2 * (collective_time_s("all_gather", message, where["tp"], cluster)
-                          + collective_time_s("reduce_scatter", message, where["tp"], cluster))
+        tp_one_way = 2 * (coll("all_gather", message, where["tp"]) + coll("reduce_scatter", message, where["tp"]))
     else:
-        tp_one_way = 2 * collective_time_s("all_reduce", message, where["tp"], cluster)
-    # Backward TP collectives overlap the weight-gradient GEMMs (Megatron-LM's
-    # asynchronous tensor-parallel all-reduce / all-gather, Korthikanti et al. §4.2.2).
+        tp_one_way = 2 * coll("all_reduce", message, where["tp"])
     hide = cluster.comm_overlap   # the fraction of compute a collective can run behind
-    tp_backward = max(0.0, tp_one_way - hide * layer.gemm_s)
+    # Async TP (micro-pipelined all-gather/reduce-scatter matmuls, PyTorch's
+    # torch.distributed._symmetric_memory; Wang et al. 2023 "Overlap communication with
+    # dependent computation via decomposition"): the runtime hides `async_tp_overlap` of
+    # the forward TP collectives behind the GEMMs they feed.
+    async_hide = runtime.async_tp_overlap * hide if runtime.async_tp else 0.0
+
+    def async_exposed(comm_s: float) -> float:
+        return max(comm_s * (1.0 - async_hide), comm_s - async_hide * layer.gemm_s)
+
+    tp_forward = async_exposed(tp_one_way)
+    # Backward TP collectives overlap the weight-gradient GEMMs (Megatron-LM's
+    # asynchronous tensor-parallel all-reduce / all-gather, Korthikanti et al. §4.2.2),
+    # as far as the runtime's `tp_overlap` says.
+    tp_backward = max(0.0, tp_one_way - runtime.tp_overlap * hide * layer.gemm_s)
     if sp:
         # Sequence parallelism stores the sharded input of each linear block and
         # gathers it again in backward before the weight-gradient GEMM can start
-        # (Korthikanti et al. §4.2.2): two more all-gathers, exposed.
-        tp_backward += 2 * collective_time_s("all_gather", message, where["tp"], cluster)
+        # (Korthikanti et al. §4.2.2): two more all-gathers, exposed (but for async TP).
+        tp_backward += async_exposed(2 * coll("all_gather", message, where["tp"]))
     # MoE: dispatch and combine all-to-alls forward, the same two backward (Lepikhin et
     # al. 2020, GShard §2.2), of the k copies of each token's hidden vector.
     ep_one_way = 0.0
     if model.is_moe:
-        ep_one_way = 2 * collective_time_s("all_to_all", message * model.num_experts_per_tok / tp, where["ep"], cluster)
+        ep_one_way = 2 * coll("all_to_all", message * model.num_experts_per_tok / tp, where["ep"])
 
     dense, experts = layer_parameters(model)
     dense_local, expert_local = dense / tp, experts / (tp * ep)
     # ZeRO-3 gathers each layer's weights forward and backward and reduce-scatters its
     # gradients, prefetched one layer ahead so only the excess over compute is exposed
-    # (Zhao et al. 2023, PyTorch FSDP §3.3 prefetching).
+    # (Zhao et al. 2023, PyTorch FSDP §3.3 prefetching), as far as the runtime's
+    # `zero3_overlap` says.
     zero3_fwd = zero3_bwd = 0.0
     if strategy.zero_stage == 3:
-        gather = (sharded_collective_s("all_gather", dense_local * states.weights, where["dp"], cluster)
-                  + sharded_collective_s("all_gather", expert_local * states.weights, where["expert_dp"], cluster))
-        scatter = (sharded_collective_s("reduce_scatter", dense_local * states.gradients, where["dp"], cluster)
-                   + sharded_collective_s("reduce_scatter", expert_local * states.gradients, where["expert_dp"], cluster))
-        zero3_fwd = max(0.0, gather - hide * layer.forward_s)
-        zero3_bwd = max(0.0, gather + scatter - hide * layer_backward)
+        gather = (sharded_collective_s("all_gather", dense_local * states.weights, where["dp"], cluster, runtime)
+                  + sharded_collective_s("all_gather", expert_local * states.weights, where["expert_dp"], cluster,
+                                         runtime))
+        scatter = (sharded_collective_s("reduce_scatter", dense_local * states.gradients, where["dp"], cluster,
+                                        runtime)
+                   + sharded_collective_s("reduce_scatter", expert_local * states.gradients, where["expert_dp"],
+                                          cluster, runtime))
+        zero3_hide = runtime.zero3_overlap * hide
+        zero3_fwd = max(0.0, gather - zero3_hide * layer.forward_s)
+        zero3_bwd = max(0.0, gather + scatter - zero3_hide * layer_backward)
 
     fwd_compute = layer.forward_s
     bwd_compute = layer_backward
-    base = Work(compute_s=fwd_compute + bwd_compute, tp_comm_s=tp_one_way + tp_backward,
+    base = Work(compute_s=fwd_compute + bwd_compute, tp_comm_s=tp_forward + tp_backward,
                 ep_comm_s=2 * ep_one_way, dp_comm_s=zero3_fwd + zero3_bwd)
+    # The runtime's selective recompute: the attention core (Korthikanti et al. §4.3),
+    # and where the engine's policy also repeats a fraction of the forward GEMMs with
+    # the elementwise ops between them (torchtitan's op-level SAC), those.
+    fraction = runtime.selective_recompute_gemm_fraction
+    op_level = fraction * layer.gemm_s + (layer.elementwise_s if fraction > 0 else 0.0)
     layer_work = {
         "none": base,
-        "selective": base + Work(recompute_s=layer.attention_core_s),
+        "selective": base + Work(recompute_s=layer.attention_core_s + op_level),
         # Full recompute repeats the forward's TP and EP collectives, but not ZeRO-3's
         # gather: the recomputed forward runs inside backward, on the weights already
         # gathered for it (FSDP2's pre-backward unshard; counted in the executor).
-        "full": base + Work(recompute_s=fwd_compute, tp_comm_s=tp_one_way, ep_comm_s=ep_one_way),
+        "full": base + Work(recompute_s=fwd_compute, tp_comm_s=tp_forward, ep_comm_s=ep_one_way),
     }
     if training.flash_attention:
         # FlashAttention already recomputes the scores in its backward pass, so
-        # selective recompute has nothing left to recompute (Dao et al. 2022 §3.1).
-        layer_work["selective"] = base
+        # selective recompute has no attention core left to recompute (Dao et al. 2022 §3.1).
+        layer_work["selective"] = base + Work(recompute_s=op_level) if op_level else base
     activation = {mode: memory.layer_activation_bytes(model, training, b, tp, sp, mode) for mode in RECOMPUTE_MODES}
 
     # Embedding and LM head, both split over the vocabulary (Shoeybi et al. 2019 §3).
@@ -121,22 +146,21 @@ def unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
     # gradient all-gathered backward); the head's input gradient is all-reduced backward
     # (with SP its input all-gathered forward and the gradient reduce-scattered back).
     # Counted from the executor's collectives (tests/executor/test_collective_log.py).
-    emb_fwd = compute.embedding_compute_s(model, cluster, training, b)
-    head_fwd = compute.head_compute_s(model, cluster, training, b, tp)
+    emb_fwd = compute.embedding_compute_s(model, cluster, training, b, runtime)
+    head_fwd = compute.head_compute_s(model, cluster, training, b, tp, runtime)
     emb_bwd, head_bwd = compute.BACKWARD_FACTOR * emb_fwd, compute.BACKWARD_FACTOR * head_fwd
     if problem.measured_times is not None:
         emb_fwd, emb_bwd = problem.measured_times.times("embedding", b, tp) or (emb_fwd, emb_bwd)
         head_fwd, head_bwd = problem.measured_times.times("head", b, tp) or (head_fwd, head_bwd)
     if sp:
-        boundary = (collective_time_s("reduce_scatter", message, where["tp"], cluster)
-                    + collective_time_s("all_gather", message, where["tp"], cluster))
+        boundary = coll("reduce_scatter", message, where["tp"]) + coll("all_gather", message, where["tp"])
         emb_comm = head_comm = boundary
     else:
-        emb_comm = head_comm = collective_time_s("all_reduce", message, where["tp"], cluster)
+        emb_comm = head_comm = coll("all_reduce", message, where["tp"])
     # Vocabulary-parallel cross-entropy all-reduces three fp32 values per token (the
     # max logit, the target's logit, the sum of exponentials; Megatron-LM
     # `_VocabParallelCrossEntropy`, PyTorch `loss_parallel`).
-    head_comm += 3 * collective_time_s("all_reduce", cross_entropy_bytes(b, training.seq_len), where["tp"], cluster)
+    head_comm += 3 * coll("all_reduce", cross_entropy_bytes(b, training.seq_len), where["tp"])
 
     last_parameters = head_parameters(model)
     if model.tie_word_embeddings and strategy.pp > 1:
@@ -150,8 +174,9 @@ def unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
         # layer to hide behind: charged in full.
         if strategy.zero_stage != 3:
             return 0.0
-        return (2 * sharded_collective_s("all_gather", local_parameters * states.weights, where["dp"], cluster)
-                + sharded_collective_s("reduce_scatter", local_parameters * states.gradients, where["dp"], cluster))
+        return (2 * sharded_collective_s("all_gather", local_parameters * states.weights, where["dp"], cluster, runtime)
+                + sharded_collective_s("reduce_scatter", local_parameters * states.gradients, where["dp"], cluster,
+                                       runtime))
 
     first_work = Work(compute_s=emb_fwd + emb_bwd, tp_comm_s=emb_comm,
                       dp_comm_s=zero3_ends_s(first_local))
@@ -160,16 +185,17 @@ def unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
     # With tp > 1 the activation is scattered over the tp ranks before the send and
     # gathered after (Narayanan et al. 2021 §4.1, scatter/gather optimisation).
     p2p_bytes = message / tp
-    p2p_s = collective_time_s("p2p", p2p_bytes, where["pp"], cluster) if strategy.pp > 1 else 0.0
+    # The runtime hides `pp_overlap` of each send behind compute (batched isend/irecv).
+    p2p_s = coll("p2p", p2p_bytes, where["pp"]) * (1.0 - runtime.pp_overlap * hide) if strategy.pp > 1 else 0.0
     tied_sync_s = 0.0
     if model.tie_word_embeddings and strategy.pp > 1:
         # Tied embeddings over pp > 1: the first and last stage all-reduce the
         # embedding's gradient (Megatron-LM).
-        tied_sync_s = collective_time_s("all_reduce", model.vocab_size * model.hidden_size / tp * states.gradients,
-                                        where["pp_ends"], cluster)
+        tied_sync_s = coll("all_reduce", model.vocab_size * model.hidden_size / tp * states.gradients,
+                           where["pp_ends"])
     return UnitCosts(
         layer_work=layer_work,
-        layer_backward_s=hide * (bwd_compute + tp_backward),
+        layer_backward_s=runtime.dp_overlap * hide * (bwd_compute + tp_backward),
         layer_activation_bytes=activation,
         layer_working_bytes=activation["none"],
         layer_dense_parameters=dense_local,
@@ -356,17 +382,17 @@ def dp_sync_s(problem: Problem, units: UnitCosts, strategy: Strategy, pp_rank: i
     Tied embeddings over pp > 1 add an all-reduce of the embedding gradient between the
     first and last stage (Megatron-LM).
     """
-    cluster, states = problem.cluster, memory.state_bytes(problem.training)
+    cluster, states, runtime = problem.cluster, memory.state_bytes(problem.training), problem.runtime
     where = groups(problem, strategy)
     dense, experts = rank_parameters(units, strategy, pp_rank)
     total = 0.0
     if strategy.zero_stage < 3:
         for params, group in ((dense, where["dp"]), (experts, where["expert_dp"])):
             if strategy.zero_stage == 0:
-                total += collective_time_s("all_reduce", params * states.gradients, group, cluster)
+                total += collective_time_s("all_reduce", params * states.gradients, group, cluster, runtime)
             else:
-                total += (collective_time_s("reduce_scatter", params * states.gradients, group, cluster)
-                          + collective_time_s("all_gather", params * states.weights, group, cluster))
+                total += (collective_time_s("reduce_scatter", params * states.gradients, group, cluster, runtime)
+                          + collective_time_s("all_gather", params * states.weights, group, cluster, runtime))
     if pp_rank in (0, strategy.pp - 1):
         total += units.tied_sync_s
     return total
@@ -422,6 +448,7 @@ def estimate_ranks(problem: Problem, strategy: Strategy, rank_costs: list[tuple[
     peaks = [p.cluster.gpu.peak_for(problem.training.precision) for p, _ in rank_costs]
     peak = peaks[0] if len(set(peaks)) == 1 else sum(peaks) / pp   # the mean device's, on a mixed cluster
     return step_estimate(problem, strategy, works, pipelined, dp_exposed, optimizer_s, memories,
-                         model_flops, model_flops + recompute_flops(problem, strategy), peak)
+                         model_flops, model_flops + recompute_flops(problem, strategy), peak,
+                         fixed_s=problem.runtime.step_overhead_s)
 
 

@@ -9,6 +9,7 @@ naming the field, which the CLI prints as one line with exit code 2.
 from __future__ import annotations
 
 import json
+from functools import lru_cache
 from dataclasses import fields, replace
 from importlib import resources
 from pathlib import Path
@@ -18,6 +19,7 @@ import yaml
 
 from costmodel.specs.hardware import ClusterSpec, GPUSpec, LinkSpec, MixedClusterSpec
 from costmodel.specs.model import FAMILIES, MLP_KINDS, NORM_KINDS, POSITION_KINDS, ModelSpec
+from costmodel.specs.runtime import DEFAULT_RUNTIME, FLAG_FIELDS, FRACTION_FIELDS, NUMBER_FIELDS, RuntimeSpec
 from costmodel.specs.training import MIXED_PRECISION, OPTIMIZERS, PRECISIONS, TrainingSpec
 
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
@@ -437,6 +439,49 @@ def mixed_cluster_from_dict(data: dict, name: str) -> MixedClusterSpec:
         raise SpecError("cluster.inter_group", "missing: the link between nodes of different groups")
     return MixedClusterSpec(name=str(data.get("name", name)), groups=tuple(groups),
                             inter_group=link_from_dict(data["inter_group"], "cluster.inter_group"))
+
+
+def runtime_from_dict(data: dict, name: str, field: str = "--runtime") -> RuntimeSpec:
+    """Validate a runtime profile mapping (configs/runtimes/*.yaml, or a plan's
+    `runtime`) into a RuntimeSpec; SpecError names `field`.the_key."""
+    allowed = {"name", "version", "description", "fitted_on", *FRACTION_FIELDS, *NUMBER_FIELDS, *FLAG_FIELDS}
+    _check_keys(data, allowed, field)
+    values: dict[str, Any] = {"name": str(data.get("name", name)),
+                              "version": as_int(data.get("version"), f"{field}.version")}
+    for key in FRACTION_FIELDS:
+        if key in data:
+            values[key] = _optional_fraction(data, key, field)
+    for key in NUMBER_FIELDS:
+        if key in data:
+            values[key] = as_float(data[key], f"{field}.{key}", exclusive=key not in ("collective_half_bytes",
+                                                                                     "step_overhead_s"))
+    for key in FLAG_FIELDS:
+        if key in data:
+            values[key] = as_bool(data[key], f"{field}.{key}")
+    fitted = data.get("fitted_on", {})
+    if not isinstance(fitted, dict) or not all(isinstance(v, str) for v in fitted.values()):
+        raise SpecError(f"{field}.fitted_on", "expected a mapping of coefficient to the measurements it was fitted on")
+    unknown = sorted(set(fitted) - set(FRACTION_FIELDS) - set(NUMBER_FIELDS) - set(FLAG_FIELDS))
+    if unknown:
+        raise SpecError(f"{field}.fitted_on.{unknown[0]}", "not a coefficient of the runtime")
+    values["fitted_on"] = {str(k): v for k, v in sorted(fitted.items())}
+    return RuntimeSpec(**values)
+
+
+@lru_cache(maxsize=32)
+def _builtin_runtime(name: str) -> RuntimeSpec:
+    data, stem = read_document(name, "runtimes", "--runtime")
+    return runtime_from_dict(data, stem)
+
+
+def load_runtime(source: str | Path | None = None) -> RuntimeSpec:
+    """A runtime profile by built-in name (configs/runtimes/) or a YAML/JSON path; None:
+    the default, pytorch-native. SpecError naming `--runtime` when unknown or bad."""
+    source = DEFAULT_RUNTIME if source is None else source
+    if not Path(source).exists():
+        return _builtin_runtime(str(source))
+    data, stem = read_document(source, "runtimes", "--runtime")
+    return runtime_from_dict(data, stem)
 
 
 def make_training(model: ModelSpec, cluster: ClusterSpec | MixedClusterSpec, global_batch: Any, seq_len: Any = None,

@@ -6,6 +6,12 @@ Collective Communication Operations in MPICH", §4), hierarchical when a group s
 nodes: an intra-node phase over NVLink and an inter-node phase where each of the k
 group members in a node drives its own NIC on 1/k of the data (the NCCL tree/ring
 layout on DGX nodes, one HCA per GPU).
+
+The runtime profile (costmodel.specs.runtime) scales the bandwidth by message size: a
+collective moving m bytes per rank reaches m / (m + collective_half_bytes) of the link's
+large-message bandwidth (the knee of nccl-tests' busbw curves; small messages are
+latency and protocol bound, e.g. ZeRO-3's per-layer gathers at large dp), except on
+links whose collectives were measured and fitted as alpha-beta lines.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from costmodel.problem import Problem
-from costmodel.specs import ClusterSpec, LinkSpec
+from costmodel.specs import ClusterSpec, LinkSpec, RuntimeSpec
 from costmodel.strategy import Strategy
 from costmodel.terms import compute
 
@@ -36,12 +42,13 @@ def placement(size: int, stride: int, gpus_per_node: int) -> Placement:
     return Placement(size, per_node, -(-size // per_node))
 
 
-def _ring_time_s(kind: str, total_bytes: float, n: int, link: LinkSpec) -> float:
-    """Ring collective of `total_bytes` (the full, unsharded buffer) over n ranks."""
+def _ring_time_s(kind: str, total_bytes: float, n: int, link: LinkSpec, size_efficiency: float = 1.0) -> float:
+    """Ring collective of `total_bytes` (the full, unsharded buffer) over n ranks, at
+    `size_efficiency` of the link's achieved bandwidth."""
     if n <= 1 or total_bytes <= 0:
         return 0.0
     link = link.for_kind(kind)
-    bw = link.achieved_bytes_per_s
+    bw = link.achieved_bytes_per_s * size_efficiency
     if kind == "all_reduce":  # reduce-scatter + all-gather: 2(n-1)/n of the buffer
         return 2 * (n - 1) / n * total_bytes / bw + 2 * (n - 1) * link.latency_s
     if kind in ("all_gather", "reduce_scatter"):
@@ -49,37 +56,48 @@ def _ring_time_s(kind: str, total_bytes: float, n: int, link: LinkSpec) -> float
     raise ValueError(kind)
 
 
-def collective_time_s(kind: str, total_bytes: float, group: Placement, cluster: ClusterSpec) -> float:
+def collective_time_s(kind: str, total_bytes: float, group: Placement, cluster: ClusterSpec,
+                      runtime: RuntimeSpec | None = None) -> float:
     """Seconds for one collective.
 
     kind: all_reduce | all_gather | reduce_scatter (total_bytes = the full buffer),
     all_to_all (total_bytes = what one rank sends in all), p2p (bytes sent one way;
-    the group is the sender and receiver pair).
+    the group is the sender and receiver pair). `runtime`: the engine's bandwidth by
+    message size (None: every message at the link's large-message bandwidth).
     """
     intra, inter = cluster.intra_node, cluster.inter_node
     if total_bytes <= 0 or group.size <= 1:
         return 0.0
+    # Bytes one rank moves per step of the collective: the whole message for p2p, a
+    # 1/n chunk of the buffer for the ring and all-to-all collectives.
+    per_rank = total_bytes if kind == "p2p" else total_bytes / group.size
+    # A cluster whose links carry measured per-collective fits (`collectives`: alpha-beta
+    # lines fitted over message sizes by costmodel.calibrate, e.g. the cpu cluster's
+    # gloo) already prices small messages through its latency: no curve on top.
+    measured = bool(intra.collectives or inter.collectives)
+    size_eff = 1.0 if runtime is None or measured else runtime.message_efficiency(per_rank)
     if kind == "p2p":
         link = (inter if group.nodes > 1 else intra).for_kind(kind)
-        return link.latency_s + total_bytes / link.achieved_bytes_per_s
+        return link.latency_s + total_bytes / (link.achieved_bytes_per_s * size_eff)
     if kind == "all_to_all":
         intra, inter = intra.for_kind(kind), inter.for_kind(kind)
         n, k = group.size, group.per_node
-        on_node = (k - 1) / n * total_bytes / intra.achieved_bytes_per_s
-        off_node = (n - k) / n * total_bytes / inter.achieved_bytes_per_s
+        on_node = (k - 1) / n * total_bytes / (intra.achieved_bytes_per_s * size_eff)
+        off_node = (n - k) / n * total_bytes / (inter.achieved_bytes_per_s * size_eff)
         latency = (k - 1) * intra.latency_s + (n - k) * inter.latency_s
         return on_node + off_node + latency
     if group.nodes == 1:
-        return _ring_time_s(kind, total_bytes, group.size, intra)
+        return _ring_time_s(kind, total_bytes, group.size, intra, size_eff)
     # Hierarchical: the k members of a node split the buffer, each crosses the network
     # with 1/k of it, and the node-local phases move the rest over NVLink.
     k = group.per_node
-    inter_part = _ring_time_s(kind, total_bytes / k, group.nodes, inter)
-    intra_part = _ring_time_s("all_reduce" if kind == "all_reduce" else kind, total_bytes, k, intra)
+    inter_part = _ring_time_s(kind, total_bytes / k, group.nodes, inter, size_eff)
+    intra_part = _ring_time_s("all_reduce" if kind == "all_reduce" else kind, total_bytes, k, intra, size_eff)
     return inter_part + intra_part
 
 
-def sharded_collective_s(kind: str, total_bytes: float, group: Placement, cluster) -> float:
+def sharded_collective_s(kind: str, total_bytes: float, group: Placement, cluster,
+                         runtime: RuntimeSpec | None = None) -> float:
     """A ZeRO-3 all-gather or reduce-scatter of one unit, with the copies around it:
     FSDP2 copies the shard into the all-gather buffer and the gathered buffer out into
     the weights, and the gradients into the reduce-scatter buffer and the shard out
@@ -92,7 +110,7 @@ def sharded_collective_s(kind: str, total_bytes: float, group: Placement, cluste
     if group.size <= 1 or total_bytes <= 0:
         return 0.0
     copies = compute.memory_bound_time_s(2 * total_bytes * (1 + 1 / group.size), cluster)
-    return collective_time_s(kind, total_bytes, group, cluster) + copies
+    return collective_time_s(kind, total_bytes, group, cluster, runtime) + copies
 
 
 

@@ -6,13 +6,18 @@ Calibration: the constants below were fitted so that one layer of the 22B GPT
 (h 6144, a 64, s 2048, micro-batch 4, TP 8, A100-80GB) reproduces Korthikanti et al.
 2022 Table 4 (forward 7.7 ms, backward 11.9 ms, +1.3 ms for selective recompute) and
 checked end to end against their Table 5 (bench/fidelity.py).
+
+The runtime profile (costmodel.specs.runtime) scales two things the engine decides: the
+fraction of the GEMM curve its layer GEMMs reach (`gemm_efficiency_scale`) and the HBM
+traffic of the elementwise work (`elementwise_factor`: eager kernels make a pass per
+op, a compiled graph fuses them). None keeps the Megatron-LM figures fitted above.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from costmodel.specs import ClusterSpec, GPUSpec, ModelSpec, TrainingSpec
+from costmodel.specs import ClusterSpec, GPUSpec, ModelSpec, RuntimeSpec, TrainingSpec
 
 # Best fraction of peak a large bf16/fp16 GEMM reaches (cuBLAS on A100 sustains ~80-85%
 # of the 312 TFLOP/s peak on large square GEMMs); fitted to Korthikanti Table 4.
@@ -77,9 +82,18 @@ def activation_bytes_per_value(training: TrainingSpec) -> int:
     return 4 if training.precision == "fp32" else 2
 
 
+def _kernel_factors(runtime: RuntimeSpec | None) -> tuple[float, float]:
+    """(GEMM efficiency scale, elementwise traffic factor) of the runtime."""
+    if runtime is None:
+        return 1.0, 1.0
+    return runtime.gemm_efficiency_scale, runtime.elementwise_factor
+
+
 def layer_compute(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
-                  micro_batch_size: int, tp: int, sequence_parallel: bool, ep: int = 1) -> LayerCompute:
-    peak = cluster.gpu.peak_for(training.precision)
+                  micro_batch_size: int, tp: int, sequence_parallel: bool, ep: int = 1,
+                  runtime: RuntimeSpec | None = None) -> LayerCompute:
+    gemm_scale, traffic = _kernel_factors(runtime)
+    peak = cluster.gpu.peak_for(training.precision) * gemm_scale
 
     def gemm_s(m: float, n: float, k: float, batch: float = 1.0) -> float:
         return gemm_time_s(m, n, k, peak, batch, cluster.gpu)
@@ -122,27 +136,37 @@ def layer_compute(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
     # GELU reads and writes f values; SwiGLU reads two and writes one; sharded by tp.
     act_values = (3 if model.gated_mlp else 2) * f * model.num_experts_per_tok
     activation = value * act_values * tokens / tp
-    elementwise = memory_bound_time_s(replicated + activation, cluster)
+    if model.is_gpt and not (runtime is not None and runtime.torch_compile):
+        # The runtime's eager traffic factor counts the norms, rotary embedding and gated
+        # activation that PyTorch code writes as several tensor ops (torchtitan's and the
+        # executor's RMSNorm, apply_rope, silu(x) * y); GPT's LayerNorm and GELU are one
+        # kernel each in eager PyTorch (nn.LayerNorm, F.gelu) and are charged one pass.
+        traffic = 1.0
+    elementwise = memory_bound_time_s(traffic * (replicated + activation), cluster)
     return LayerCompute(gemm, core, elementwise)
 
 
 def head_compute_s(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
-                   micro_batch_size: int, tp: int) -> float:
+                   micro_batch_size: int, tp: int, runtime: RuntimeSpec | None = None) -> float:
     """Forward seconds of final norm, logits and cross-entropy on the last stage. The
-    loss reads and writes fp32 logits (vocab-parallel cross-entropy, Megatron-LM)."""
-    peak = cluster.gpu.peak_for(training.precision)
+    loss reads and writes fp32 logits (vocab-parallel cross-entropy, Megatron-LM), one
+    pass per elementwise kernel the runtime runs (its elementwise traffic factor)."""
+    gemm_scale, traffic = _kernel_factors(runtime)
+    peak = cluster.gpu.peak_for(training.precision) * gemm_scale
     tokens = micro_batch_size * training.seq_len
     logits = gemm_time_s(tokens, model.vocab_size / tp, model.hidden_size, peak, device=cluster.gpu)
-    loss = memory_bound_time_s(2 * 4 * tokens * model.vocab_size / tp, cluster)
+    loss = memory_bound_time_s(traffic * 2 * 4 * tokens * model.vocab_size / tp, cluster)
     return logits + loss
 
 
 def embedding_compute_s(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
-                        micro_batch_size: int) -> float:
+                        micro_batch_size: int, runtime: RuntimeSpec | None = None) -> float:
     """Forward seconds of the embedding lookup (and position add): writes b*s*h values."""
+    traffic = _kernel_factors(runtime)[1]
     tokens = micro_batch_size * training.seq_len
     reads = 2 if model.is_gpt else 1
-    return memory_bound_time_s((reads + 1) * activation_bytes_per_value(training) * tokens * model.hidden_size, cluster)
+    return memory_bound_time_s(traffic * (reads + 1) * activation_bytes_per_value(training) * tokens
+                               * model.hidden_size, cluster)
 
 
 # HBM bytes the optimizer step moves per local parameter: Adam reads fp32 master

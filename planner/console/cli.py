@@ -36,7 +36,7 @@ def _fail(code: int, message: str) -> None:
 
 def training_options(command):
     """The training run's options, as `plan` and `sweep` take them: --seq, --precision,
-    --optimizer, --attention."""
+    --optimizer, --attention, --runtime."""
     for option in reversed([
         click.option("--seq", type=str, default=None,
                      help="Sequence length [default: the model's max_position_embeddings]."),
@@ -45,6 +45,10 @@ def training_options(command):
         click.option("--optimizer", default="adamw", show_default=True, help="adam | adamw | sgd."),
         click.option("--attention", type=click.Choice(["flash", "eager"]), default="flash", show_default=True,
                      help="Attention kernel: flash keeps no score matrix."),
+        click.option("--runtime", "runtime_name", default="pytorch-native", show_default=True,
+                     help="The engine that runs the plan: a runtime profile (configs/runtimes/: pytorch-native, "
+                          "megatron, deepspeed-zero) or a YAML path. It sets collective overlap, bandwidth by "
+                          "message size, kernel efficiency and fixed costs."),
     ]):
         command = option(command)
     return command
@@ -90,14 +94,15 @@ def main() -> None:
               help="Solve every candidate that fits and list those no other beats on all of step time, cost and energy.")
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
 @click.option("-o", "--output", default=None, help="Write the plan file here.")
-def plan(model_name, cluster_name, nodes, gpus, global_batch, seq, precision, optimizer, attention,
+def plan(model_name, cluster_name, nodes, gpus, global_batch, seq, precision, optimizer, attention, runtime_name,
          rules_name, fix, overrides, profile_file, top, objective, max_cost, power_cap, energy_budget, pareto,
          fmt, output) -> None:
     """Find the best strategy that fits (fastest, or by --objective), and write it as a plan file."""
     try:
         problem = make_problem(model_name, cluster_name, global_batch, nodes=nodes, gpus=gpus, seq_len=seq,
                                precision=precision, optimizer=optimizer, flash_attention=attention == "flash",
-                               overrides=parse_overrides(overrides), fix=parse_fix(fix), profile=profile_file)
+                               overrides=parse_overrides(overrides), fix=parse_fix(fix), profile=profile_file,
+                               runtime=runtime_name)
         rules = make_rules(rules_name, parse_fix(fix), objective=objective,
                            budgets={"max_cost_per_step_usd": max_cost, "power_cap_w": power_cap,
                                     "energy_budget_j": energy_budget})
@@ -183,7 +188,7 @@ def _print_cost_energy(doc: dict) -> None:
                    "--tokens, the days to train, as one PNG here.")
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
 @click.option("-o", "--output", default=None, help="Write the rows as JSON here.")
-def sweep(model_name, cluster_name, sizes, global_batch, seq, precision, optimizer, attention, overrides,
+def sweep(model_name, cluster_name, sizes, global_batch, seq, precision, optimizer, attention, runtime_name, overrides,
           rules_name, fix, objective, tokens, plot_file, fmt, output) -> None:
     """Capacity planning: plan the same job at each cluster size, as `plan --gpus N`
     would, and compare the sizes: throughput, scaling efficiency (tokens/s per GPU
@@ -215,7 +220,7 @@ def sweep(model_name, cluster_name, sizes, global_batch, seq, precision, optimiz
             rows = sweep_rows(model_name, cluster_name, gpus, global_batch, seq_len=seq, precision=precision,
                               optimizer=optimizer, flash_attention=attention == "flash",
                               overrides=parse_overrides(overrides), rules=rules_name, fix=fix, objective=objective,
-                              tokens=tokens, progress=tick)
+                              tokens=tokens, progress=tick, runtime=runtime_name)
     except SpecError as err:
         _fail(EXIT_BAD_INPUT, str(err))
     planned = [r for r in rows if r.status == OK]
@@ -448,12 +453,15 @@ def export(plan_file, target, output) -> None:
 @click.option("--optimizer", default="adamw", show_default=True, help="adam | adamw | sgd.")
 @click.option("--attention", type=click.Choice(["flash", "eager"]), default="flash", show_default=True,
               help="Attention kernel: flash keeps no score matrix.")
+@click.option("--runtime", "runtime_name", default=None,
+              help="Runtime profile to price with [default: the engine's: megatron for megatron, deepspeed-zero "
+                   "for deepspeed, pytorch-native for torchtitan].")
 @click.option("--rules", "rules_name", default=None, help="Rule set the best plan must obey, as for `plan`.")
 @click.option("--fix", default=None, help="Pin knobs of the best plan, as for `plan`.")
 @click.option("--set", "overrides", default=None, help="Override model fields: key=value,...")
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
 def evaluate(source, model_name, cluster_name, nodes, gpus, global_batch, seq, precision, optimizer,
-             attention, rules_name, fix, overrides, fmt) -> None:
+             attention, runtime_name, rules_name, fix, overrides, fmt) -> None:
     """Predict what the configuration you run today does, beside the best plan found
     under the same rules: what to change and which time and memory terms shrink.
     CONFIG is torchtitan overrides (quoted) or a job TOML, Megatron-LM arguments
@@ -483,7 +491,7 @@ def evaluate(source, model_name, cluster_name, nodes, gpus, global_batch, seq, p
         ev = evaluate_config(source, config, model_name, cluster_name, nodes=nodes, gpus=gpus,
                              global_batch=global_batch, seq=seq, precision=precision, optimizer=optimizer,
                              flash_attention=attention == "flash", overrides=parse_overrides(overrides),
-                             rules=load_rules(rules_name).with_fix(pins), pins=pins)
+                             rules=load_rules(rules_name).with_fix(pins), pins=pins, runtime=runtime_name)
     except SpecError as err:
         _fail(EXIT_BAD_INPUT, str(err))
     for warning in ev.warnings:

@@ -69,6 +69,7 @@ COLOURS = {
     "pp_comm": "#600060",
     "dp_comm": "#ff9896",
     "optimizer_step": "#804000",
+    "fixed": "#ffd700",          # the runtime's per-step fixed cost
 }
 
 _MEMORY_KEYS = {"weights_bytes": "weights", "gradients_bytes": "gradients", "optimizer_bytes": "optimizer",
@@ -159,7 +160,7 @@ def plan_timeline(doc: dict) -> Timeline:
     """The timeline of a plan document's strategy and estimate."""
     s, e = doc["strategy"], doc["estimate"]
     t = e["time"]
-    busy = sum(v for k, v in t.items() if k not in ("bubble_s", "optimizer_s")) or 1.0
+    busy = sum(v for k, v in t.items() if k not in ("bubble_s", "optimizer_s", "fixed_s")) or 1.0
     # Recompute runs inside the backward; the rest splits by BACKWARD_FACTOR.
     recompute_share = t.get("recompute_s", 0.0) / busy
     backward_share = recompute_share + (1 - recompute_share) * BACKWARD_FACTOR / (1 + BACKWARD_FACTOR)

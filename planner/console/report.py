@@ -72,6 +72,10 @@ def explain_tables(doc: dict) -> tuple[list[str], list[tuple[str, list[str], lis
     lines = [f"{doc['model']['name']}: {_label(s)}",
              f"step {e['step_time_s']:.3f} s, {e['tokens_per_s']:,.0f} tokens/s, "
              f"{e['tflops_per_gpu']:.1f} TFLOP/s per GPU, MFU {e['mfu']:.1%}, HFU {e['hfu']:.1%}"]
+    runtime = doc.get("runtime")
+    # Plans written before runtime profiles were priced as pytorch-native (plan_file.runtime_of).
+    lines.append(f"runtime: {runtime['name']} v{runtime['version']}" if isinstance(runtime, dict)
+                 else "runtime: pytorch-native (not recorded: a plan from before runtime profiles)")
     time_rows = [[key.removesuffix("_s"), f"{value:.3f}", f"{value / e['step_time_s']:.1%}"]
                  for key, value in e["time"].items()]
     mem_rows = [[key.removesuffix("_bytes"), f"{value / GIB:.2f}"] for key, value in e["memory"].items()]

@@ -26,6 +26,9 @@ class Imported:
     seq_len: int | None
     precision: str | None
     warnings: tuple[str, ...]
+    # What the configuration says of the engine's runtime (costmodel.specs.runtime field,
+    # value): torch.compile, async TP, its selective-recompute policy.
+    runtime_settings: tuple[tuple[str, object], ...] = ()
 
 
 

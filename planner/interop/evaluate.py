@@ -6,12 +6,12 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 from costmodel.estimate import Estimate, estimate
 from costmodel.problem import Problem
 from costmodel.specs import MixedClusterSpec
-from costmodel.specs.loading import SpecError, as_int, load_cluster, load_model
+from costmodel.specs.loading import SpecError, as_int, load_cluster, load_model, load_runtime
 from costmodel.strategy import Strategy
 from costmodel.units import GIB
 from planner.api import make_problem
@@ -21,6 +21,9 @@ from planner.plan_file import _round, strategy_dict
 from planner.rules import Rules
 from planner.search import Candidate, Infeasible, search
 from planner.search.partition import usable_memory_bytes
+
+# The runtime profile (configs/runtimes/) each engine's configuration is priced under.
+ENGINE_RUNTIMES = {"megatron": "megatron", "deepspeed": "deepspeed-zero", "torchtitan": "pytorch-native"}
 
 # The engine's own name for what the evaluation checks (for error messages).
 ENGINE_FIELDS = {
@@ -116,8 +119,9 @@ def _terms(yours: Estimate, best: Estimate) -> tuple[TermChange, ...]:
 def evaluate_config(source: str, config: str, model_name: str, cluster_name: str, *, nodes=None, gpus=None,
                     global_batch=None, seq=None, precision=None, optimizer: str = "adamw",
                     flash_attention: bool = True, overrides: dict | None = None, rules: Rules,
-                    pins: dict | None = None) -> Evaluation:
-    """Price the configuration and the best plan under `rules` (already holding `pins`)."""
+                    pins: dict | None = None, runtime: str | None = None) -> Evaluation:
+    """Price the configuration and the best plan under `rules` (already holding `pins`),
+    both under `runtime` (by default the engine's own, ENGINE_RUNTIMES)."""
     spec = load_model(str(model_name).removeprefix("hf:"), overrides)
     cluster = load_cluster(cluster_name, nodes=nodes, gpus=gpus)
     if isinstance(cluster, MixedClusterSpec):
@@ -128,7 +132,9 @@ def evaluate_config(source: str, config: str, model_name: str, cluster_name: str
     batch, seq_len, precision = _reconcile(source, imported, global_batch, seq, precision)
     problem = make_problem(model_name, cluster_name, batch, nodes=nodes, gpus=gpus, seq_len=seq_len,
                            precision=precision, optimizer=optimizer, flash_attention=flash_attention,
-                           overrides=overrides, fix=pins)
+                           overrides=overrides, fix=pins,
+                           runtime=replace(load_runtime(runtime or ENGINE_RUNTIMES[source]),
+                                           **dict(imported.runtime_settings)))
     strategy = imported.strategy
     check_runnable(problem, strategy, source)
     yours = estimate(problem, strategy)

@@ -219,6 +219,9 @@ def _torchtitan_toml(text: str) -> tuple[dict, Recompute, list[str]]:
         if unknown:
             raise SpecError(f"{section}.{unknown[0]}", "not a field of torchtitan's job config")
         sections[section] = dict(table)
+    # torchtitan 0.2 job_config.py Compile: `[compile] enable` (torch.compile per block).
+    compile_table = data.get("compile", {})
+    sections["compile"] = dict(compile_table) if isinstance(compile_table, dict) else {}
     ac_table = data.get("activation_checkpoint", {})
     mode = str(ac_table.get("mode", "selective")) if isinstance(ac_table, dict) else None
     # torchtitan 0.2.2 job_config.py ActivationCheckpoint: mode selective|full|memory_budget|none;
@@ -339,7 +342,18 @@ def _torchtitan_strategy(sections: dict, ac: Recompute, warnings: list[str], mod
         precision = None   # the config does not say; the caller's --precision decides
     seq = _tt_int(sections, t, "seq_len") if "seq_len" in sections[t] else None
     strategy = engine_strategy(dp, tp, pp, mbs, microbatches, vpp, ep, schedule, zero, sp, stages)
-    return Imported(strategy, global_batch, seq, precision, tuple(warnings))
+    settings = []
+    if "enable" in sections.get("compile", {}):
+        settings.append(("torch_compile", _tt_bool(sections["compile"]["enable"], "compile.enable")))
+    if "enable_async_tensor_parallel" in sections[p]:
+        settings.append(("async_tp", _tt_bool(sections[p]["enable_async_tensor_parallel"],
+                                              "parallelism.enable_async_tensor_parallel")))
+    if ac.mode == "selective" and ac.every_nth is None:
+        # torchtitan's per-op SAC (distributed/activation_checkpoint.py, _save_list policy)
+        # saves every matmul's output but every second one: it recomputes half the
+        # forward GEMMs and the elementwise ops between them.
+        settings.append(("selective_recompute_gemm_fraction", 0.5))
+    return Imported(strategy, global_batch, seq, precision, tuple(warnings), tuple(settings))
 
 
 def _fqn_sizes(fqns, layers: int) -> list[int]:

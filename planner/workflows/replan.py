@@ -31,6 +31,7 @@ from planner.plan_file import (
     model_of,
     plan_document,
     profile_of,
+    runtime_of,
     strategy_of,
 )
 from planner.rules import Rules, load_rules, parse_fix
@@ -192,7 +193,7 @@ def replan(doc: dict, *, gpus: Any = None, nodes: Any = None, cluster: str | Non
     rule_set = _rules_of(doc, rules, notes)
     pins = parse_fix(fix)
     rule_set = rule_set.with_fix(pins)
-    problem = Problem(model, new_cluster, training, measured)
+    problem = Problem(model, new_cluster, training, measured, runtime_of(doc))
     check_fix(problem, pins)   # a pin the new size cannot take is bad input, as for `plan`
 
     batch = training.global_batch

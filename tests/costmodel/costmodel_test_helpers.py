@@ -14,7 +14,8 @@ from pathlib import Path
 from costmodel.estimate import estimate
 from costmodel.estimate.uniform import unit_costs
 from costmodel.problem import Problem
-from costmodel.specs.loading import load_cluster, load_model, make_training
+from costmodel.specs import RuntimeSpec
+from costmodel.specs.loading import load_cluster, load_model, load_runtime, make_training
 from costmodel.strategy import Strategy, even_stages
 
 REPO = Path(__file__).resolve().parents[2]
@@ -35,9 +36,16 @@ def load_calibration_runs() -> list[dict]:
     return json.loads(CALIBRATION_FILE.read_text())
 
 
+# The terms' hand computations in these tests are of the analytic formulas alone: a
+# runtime with no engine effects (every overlap 1, no message-size penalty, kernels at
+# the hardware curve, no fixed cost: RuntimeSpec's defaults). The runtime profiles'
+# own terms are checked by hand in tests/costmodel/specs/test_runtime.py.
+NEUTRAL = RuntimeSpec(name="neutral", version=1)
+
+
 def problem(model="tiny-gpt", cluster="dgx-a100-80gb", global_batch=8, seq_len=None, gpus=None,
             nodes=None, flash_attention=True, precision="bf16", optimizer="adamw", overrides=None,
-            mixed_precision="megatron") -> Problem:
+            mixed_precision="megatron", runtime: RuntimeSpec | str = NEUTRAL) -> Problem:
     """The estimate tests' by-hand figures are Korthikanti et al.'s and ZeRO's, Megatron-LM's
     recipe (mixed_precision "megatron"); PyTorch's own 16-bit accounting ("autocast",
     "param_dtype") is tested in tests/costmodel/terms/test_memory.py and against the
@@ -46,7 +54,7 @@ def problem(model="tiny-gpt", cluster="dgx-a100-80gb", global_batch=8, seq_len=N
     cc = load_cluster(cluster, nodes=nodes, gpus=gpus) if isinstance(cluster, str) else cluster
     tt = make_training(mm, cc, global_batch, seq_len, precision=precision, optimizer=optimizer,
                        flash_attention=flash_attention, mixed_precision=mixed_precision)
-    return Problem(mm, cc, tt)
+    return Problem(mm, cc, tt, runtime=load_runtime(runtime) if isinstance(runtime, str) else runtime)
 
 
 def strategy(prob: Problem, dp=1, tp=1, pp=1, micro_batch_size=1, num_microbatches=None, vpp=1,

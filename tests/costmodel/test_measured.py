@@ -17,7 +17,7 @@ from costmodel.measured import (
     read_profile,
 )
 from costmodel.problem import Problem
-from costmodel.specs.loading import SpecError, load_cluster, load_model, make_training
+from costmodel.specs.loading import load_runtime, SpecError, load_cluster, load_model, make_training
 from costmodel.strategy import Strategy
 from costmodel.terms import compute
 from planner.api import make_problem
@@ -163,7 +163,8 @@ def test_plan_with_a_profile_prices_the_measured_layers(tmp_path):
 
 def _analytic_layer_s(b):
     p = tiny_problem()
-    forward = compute.layer_compute(p.model, p.cluster, p.training, b, 1, False).forward_s
+    # `shardwise plan` prices under the default runtime, pytorch-native: its kernel factors
+    forward = compute.layer_compute(p.model, p.cluster, p.training, b, 1, False, 1, load_runtime()).forward_s
     return forward * (1 + compute.BACKWARD_FACTOR)
 
 

@@ -278,7 +278,8 @@ EVAL = ["--model", "llama2-7b", "--cluster", "dgx-a100-80gb", "--gpus", "8"]
 def test_evaluate_prints_the_estimates_figures():
     out = CliRunner().invoke(main, ["evaluate", "--from", "megatron", MEGATRON_ARGS] + EVAL)
     assert out.exit_code == 0, out.output
-    problem = make_problem("llama2-7b", "dgx-a100-80gb", 64, gpus=8, seq_len=4096)
+    # A Megatron-LM configuration is priced under the megatron runtime profile
+    problem = make_problem("llama2-7b", "dgx-a100-80gb", 64, gpus=8, seq_len=4096, runtime="megatron")
     mine = estimate(problem, Strategy(2, 2, 2, 1, 32, stages=even_stages(32, 2, 1, "full")).with_stages(
         even_stages(32, 2, 1, "full")))
     best = search(problem, load_rules(None), top=1).best.estimate
@@ -297,18 +298,25 @@ def test_evaluate_prints_the_estimates_figures():
 
 
 def test_evaluate_round_trips_an_exported_plan(tmp_path):
-    """plan -> export -> evaluate prices the plan's own strategy: its figures, best found = it."""
+    """plan -> export -> evaluate prices the plan's own strategy: its figures, best found = it,
+    under the runtime the plan was made for (--runtime pytorch-native); by default a
+    DeepSpeed configuration is priced under deepspeed-zero."""
     doc = _doc("zero2-full")
     path = tmp_path / "plan.json"
     write_plan(doc, path)
     config = tmp_path / "ds.json"
     out = CliRunner().invoke(main, ["export", str(path), "--to", "deepspeed", "-o", str(config)])
     assert out.exit_code == 0 and config.exists()
-    data = json.loads(CliRunner().invoke(main, ["evaluate", "--from", "deepspeed", str(config), "--format", "json",
-                                                "--seq", "4096", "--fix", CASES["zero2-full"]["fix"]] + EVAL).stdout)
+    args = ["evaluate", "--from", "deepspeed", str(config), "--format", "json", "--seq", "4096",
+            "--fix", CASES["zero2-full"]["fix"]] + EVAL
+    data = json.loads(CliRunner().invoke(main, args + ["--runtime", "pytorch-native"]).stdout)
     assert data["yours"]["strategy"] == doc["strategy"]
     assert data["yours"]["estimate"]["step_time_s"] == doc["estimate"]["step_time_s"]
     assert data["changes"] == [] and data["gain"] == pytest.approx(0.0, abs=1e-9)
+    as_deepspeed = json.loads(CliRunner().invoke(main, args).stdout)
+    problem = make_problem("llama2-7b", "dgx-a100-80gb", 64, gpus=8, seq_len=4096, runtime="deepspeed-zero")
+    assert as_deepspeed["yours"]["estimate"]["step_time_s"] == pytest.approx(
+        estimate(problem, strategy_of(doc)).step_time_s, rel=1e-5)
 
 
 def test_evaluate_says_when_yours_does_not_fit():

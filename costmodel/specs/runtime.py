@@ -1,0 +1,74 @@
+"""The runtime profile: what a plan costs because of the engine that runs it, not the
+hardware. Overlap of each collective class with compute, achieved bandwidth by message
+size, kernel efficiency (eager or compiled), the fixed costs of a step. A named,
+versioned spec in `configs/runtimes/` (pytorch-native, megatron, deepspeed-zero), read by
+`costmodel.specs.loading.load_runtime`, carried by `costmodel.problem.Problem` and used by
+the estimate's time terms (`costmodel.estimate.uniform`, `costmodel.terms.comm`,
+`costmodel.terms.compute`). Every coefficient's file names the measurements it was fitted
+on (`fitted_on`); `bench/calibrate_runtime.py` fits them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DEFAULT_RUNTIME = "pytorch-native"
+
+
+@dataclass(frozen=True)
+class RuntimeSpec:
+    name: str
+    version: int
+    # Fraction of the last micro-batch's backward that the DP gradient all-reduce
+    # (ZeRO 0) or reduce-scatter (ZeRO 1/2) hides behind (bucketed, on its own stream).
+    dp_overlap: float = 1.0
+    # Fraction of a layer's compute that ZeRO-3 / FSDP's all-gather and reduce-scatter of
+    # the next layer hide behind (prefetch one layer ahead).
+    zero3_overlap: float = 1.0
+    # Fraction of the weight-gradient GEMMs that the backward TP collectives hide behind.
+    tp_overlap: float = 1.0
+    # Async (micro-pipelined) TP: the fraction of the forward TP collectives hidden
+    # behind the GEMMs they feed, applied when `async_tp` is on.
+    async_tp: bool = False
+    async_tp_overlap: float = 0.0
+    # Fraction of a pipeline p2p send hidden behind compute (batched isend/irecv).
+    pp_overlap: float = 0.0
+    # Per-rank message size (bytes) at which a collective reaches half the link's
+    # achieved bandwidth: bandwidth(m) = achieved * m / (m + collective_half_bytes).
+    # Small messages are latency/protocol bound (ZeRO-3 per-layer gathers at large dp).
+    collective_half_bytes: float = 0.0
+    # Fraction of the hardware's GEMM efficiency curve the engine's layer GEMMs reach.
+    gemm_efficiency_scale: float = 1.0
+    # HBM traffic of the elementwise work (norms, activations, residuals, the loss)
+    # over the one-pass count of costmodel.terms.compute: eager kernels read and write
+    # each intermediate; a compiled graph fuses them.
+    elementwise_traffic_factor: float = 1.0
+    compiled_elementwise_traffic_factor: float = 1.0
+    torch_compile: bool = False
+    # Fraction of a layer's forward GEMMs repeated by the engine's selective recompute
+    # (0: the attention core only, Korthikanti et al. 2022; 0.5: torchtitan's op-level
+    # SAC, which recomputes every second matmul).
+    selective_recompute_gemm_fraction: float = 0.0
+    # Seconds per step outside the layers: launch, optimizer bookkeeping, host sync.
+    step_overhead_s: float = 0.0
+    # coefficient -> the measurements it was fitted on (or the source it was read from).
+    fitted_on: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def elementwise_factor(self) -> float:
+        return self.compiled_elementwise_traffic_factor if self.torch_compile else self.elementwise_traffic_factor
+
+    def message_efficiency(self, per_rank_bytes: float) -> float:
+        """Fraction of the link's large-message bandwidth a collective moving
+        `per_rank_bytes` per rank reaches."""
+        if self.collective_half_bytes <= 0 or per_rank_bytes <= 0:
+            return 1.0
+        return per_rank_bytes / (per_rank_bytes + self.collective_half_bytes)
+
+
+# Fields a runtime file gives as numbers in [0, 1] (fractions), other numbers, flags.
+FRACTION_FIELDS = ("dp_overlap", "zero3_overlap", "tp_overlap", "async_tp_overlap", "pp_overlap",
+                   "selective_recompute_gemm_fraction")
+NUMBER_FIELDS = ("collective_half_bytes", "gemm_efficiency_scale", "elementwise_traffic_factor",
+                 "compiled_elementwise_traffic_factor", "step_overhead_s")
+FLAG_FIELDS = ("async_tp", "torch_compile")
