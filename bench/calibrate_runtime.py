@@ -47,7 +47,12 @@ from pathlib import Path
 from costmodel.estimate import estimate
 from costmodel.estimate.uniform import unit_costs
 from costmodel.problem import Problem
-from costmodel.specs.loading import load_cluster, load_model, load_runtime, make_training
+from costmodel.specs.loading import (
+    load_cluster,
+    load_model,
+    load_runtime,
+    make_training,
+)
 from costmodel.specs.runtime import RuntimeSpec
 from costmodel.strategy import Strategy, even_stages
 from costmodel.units import GIB
@@ -270,7 +275,7 @@ def table(rows: list[Row], runtimes: dict[str, Fit], label: str) -> tuple[list[s
         out.append({"id": r.id, "group": r.group, "runtime": r.runtime_name, "measured_s": r.measured_step_s,
                     "predicted_s": seconds, "time_error": t_err, "measured_memory_gib": r.measured_memory_gib,
                     "predicted_memory_gib": pred_gib, "memory_error": m_err, "note": r.note})
-        fmt = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
+        fmt = lambda x, f: "-" if x is None else format(x, f)
         lines.append(f"  {r.id[:44]:<44} {r.group:<18} {fmt(r.measured_step_s, '10.4f')} {seconds:11.4f} "
                      f"{fmt(t_err, '+9.1%')} {fmt(r.measured_memory_gib, '9.1f')} {fmt(pred_gib, '9.1f')} "
                      f"{fmt(m_err, '+8.1%')}"

@@ -23,8 +23,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from costmodel.terms.counts import model_flops_per_step
 from costmodel.specs.loading import load_model
+from costmodel.terms.counts import model_flops_per_step
 from planner.api import plan
 
 REPO = Path(__file__).resolve().parents[1]

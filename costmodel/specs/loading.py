@@ -9,8 +9,8 @@ naming the field, which the CLI prints as one line with exit code 2.
 from __future__ import annotations
 
 import json
-from functools import lru_cache
 from dataclasses import fields, replace
+from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -19,7 +19,13 @@ import yaml
 
 from costmodel.specs.hardware import ClusterSpec, GPUSpec, LinkSpec, MixedClusterSpec
 from costmodel.specs.model import FAMILIES, ModelSpec
-from costmodel.specs.runtime import DEFAULT_RUNTIME, FLAG_FIELDS, FRACTION_FIELDS, NUMBER_FIELDS, RuntimeSpec
+from costmodel.specs.runtime import (
+    DEFAULT_RUNTIME,
+    FLAG_FIELDS,
+    FRACTION_FIELDS,
+    NUMBER_FIELDS,
+    RuntimeSpec,
+)
 from costmodel.specs.training import OPTIMIZERS, PRECISIONS, TrainingSpec
 
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")

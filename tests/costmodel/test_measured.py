@@ -17,7 +17,13 @@ from costmodel.measured import (
     read_profile,
 )
 from costmodel.problem import Problem
-from costmodel.specs.loading import load_runtime, SpecError, load_cluster, load_model, make_training
+from costmodel.specs.loading import (
+    SpecError,
+    load_cluster,
+    load_model,
+    load_runtime,
+    make_training,
+)
 from costmodel.strategy import Strategy
 from costmodel.terms import compute
 from planner.api import make_problem

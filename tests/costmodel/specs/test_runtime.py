@@ -11,9 +11,21 @@ from costmodel.estimate import estimate
 from costmodel.estimate.uniform import unit_costs
 from costmodel.problem import Problem
 from costmodel.specs import RuntimeSpec
-from costmodel.specs.loading import SpecError, load_cluster, load_model, load_runtime, make_training, runtime_from_dict
+from costmodel.specs.loading import (
+    SpecError,
+    load_cluster,
+    load_model,
+    load_runtime,
+    make_training,
+    runtime_from_dict,
+)
 from costmodel.strategy import Strategy, even_stages
-from costmodel.terms.comm import Placement, collective_time_s, groups, sharded_collective_s
+from costmodel.terms.comm import (
+    Placement,
+    collective_time_s,
+    groups,
+    sharded_collective_s,
+)
 from costmodel.terms.compute import layer_compute
 
 NEUTRAL = RuntimeSpec(name="neutral", version=1)
