@@ -7,14 +7,18 @@ Rows (../shared/reference/):
   500 W (configs/clusters/grand-teton-h100.yaml), FSDP2, FSDP2 + TP (async or not),
   eager or compiled; pytorch-native runtime. Float8 rows are left out: the cost model has
   no fp8 precision yet (that leaves out both 405B PP rows and the two H200 rows too).
-- h200: h200/executor_runs.json, Shardwise's executor on one H200 (eager); pytorch-native.
-  The planner's own first plan ran out of memory: printed with the estimate's peak.
+- h200: h200/executor_runs.json, Shardwise's executor on one H200 (eager), and its layer
+  profile h200/llama3-8b_layers_profile.json (layer and LM head + loss at TP shards 1-8);
+  pytorch-native. The planner's own first plan ran out of memory: printed with the
+  estimate's peak.
 - korthikanti: calibration_runs.json, Megatron-LM on DGX A100 80GB; megatron runtime.
 
 Fitted coefficients (everything else stays at the value its runtime file documents):
 - pytorch-native: gemm_efficiency_scale, elementwise_traffic_factor (eager),
-  compiled_elementwise_traffic_factor, zero3_overlap, collective_half_bytes,
-  async_tp_overlap (the h200 group alone, one eager GPU, determines only the first two).
+  loss_traffic_factor, compiled_elementwise_traffic_factor, zero3_overlap,
+  collective_half_bytes, async_tp_overlap, and the Hopper GPUs' GEMM curve half
+  dimension (hardware: configs/hardware/h100-sxm, h200, h100-hbm2e-500w). The h200 group
+  alone (one eager GPU) determines only the kernel ones.
 - megatron: gemm_efficiency_scale, pp_overlap.
 
 The fit minimises the sum of squared log errors of step time (a deterministic coordinate
@@ -41,8 +45,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from costmodel.estimate import estimate
+from costmodel.estimate.uniform import unit_costs
 from costmodel.problem import Problem
-from costmodel.specs.loading import load_cluster, load_model, load_runtime, make_training
+from costmodel.specs.loading import (
+    load_cluster,
+    load_model,
+    load_runtime,
+    make_training,
+)
 from costmodel.specs.runtime import RuntimeSpec
 from costmodel.strategy import Strategy, even_stages
 from costmodel.units import GIB
@@ -54,21 +64,31 @@ TIME_TARGET = 0.10
 TORCHTITAN_MODELS = {"Llama 3.1 8B": "llama3-8b", "Llama 3.1 70B": "llama3-70b", "Llama 3.1 405B": "llama3-405b"}
 KORTHIKANTI_MODELS = {"22B": "gpt-22b", "175B (GPT-3)": "gpt3-175b", "530B (MT-NLG)": "gpt-530b", "1T": "gpt-1t"}
 
-PYTORCH_FREE = ("gemm_efficiency_scale", "elementwise_traffic_factor", "compiled_elementwise_traffic_factor",
-                "zero3_overlap", "collective_half_bytes", "async_tp_overlap")
+# gemm_half_dim is the Hopper GPUs' (H100 SXM, H100 HBM2e 500 W, H200: one GH100 die)
+# GEMM curve, a hardware coefficient fitted beside the runtime's on the same rows.
+PYTORCH_FREE = ("gemm_efficiency_scale", "gemm_half_dim", "elementwise_traffic_factor", "loss_traffic_factor",
+                "layer_launch_s", "compiled_elementwise_traffic_factor", "zero3_overlap", "collective_half_bytes",
+                "async_tp_overlap")
+# What the torchtitan group alone determines: large layers (no launch-bound kernels), the
+# loss a small share of the step, no narrow-shard profile; the rest stays neutral.
+TITAN_FREE = ("gemm_efficiency_scale", "elementwise_traffic_factor", "compiled_elementwise_traffic_factor",
+              "zero3_overlap", "collective_half_bytes", "async_tp_overlap")
 # What one eager GPU without collectives can determine (the h200 group alone).
-KERNEL_FREE = ("gemm_efficiency_scale", "elementwise_traffic_factor")
+KERNEL_FREE = ("gemm_efficiency_scale", "gemm_half_dim", "elementwise_traffic_factor", "loss_traffic_factor",
+               "layer_launch_s")
+HOPPER = ("H100-SXM", "H200", "H100-HBM2e-500W")
 # Megatron-LM's elementwise kernels are fused: its traffic factor is 1 by definition (the
 # one-pass count of costmodel.terms.compute was fitted on its 22B layer), not fitted.
 MEGATRON_FREE = ("gemm_efficiency_scale", "pp_overlap")
 # Bounds of each coefficient (physical: fractions in [0, 1], factors and scales positive).
 # The traffic factors are at least 1: no kernel makes fewer passes than the one-pass count.
 BOUNDS = {"gemm_efficiency_scale": (0.3, 1.3), "elementwise_traffic_factor": (1.0, 20.0),
+          "gemm_half_dim": (16.0, 2048.0), "loss_traffic_factor": (1.0, 20.0), "layer_launch_s": (0.0, 0.05),
           "compiled_elementwise_traffic_factor": (1.0, 20.0), "zero3_overlap": (0.0, 1.0),
           "collective_half_bytes": (0.0, 64e6), "async_tp_overlap": (0.0, 1.0), "step_overhead_s": (0.0, 2.0),
           "pp_overlap": (0.0, 1.0)}
 # Where a coefficient is zero, the search steps to this value first.
-FLOOR = {"pp_overlap": 0.05, "collective_half_bytes": 1e5, "step_overhead_s": 1e-3, "zero3_overlap": 0.05, "async_tp_overlap": 0.05}
+FLOOR = {"layer_launch_s": 1e-4, "pp_overlap": 0.05, "collective_half_bytes": 1e5, "step_overhead_s": 1e-3, "zero3_overlap": 0.05, "async_tp_overlap": 0.05}
 
 
 @dataclass(frozen=True)
@@ -82,6 +102,23 @@ class Row:
     measured_step_s: float | None
     measured_memory_gib: float | None
     note: str = ""
+    kind: str | None = None    # a layer kind of a layer profile (its measured_step_s: forward + backward)
+
+
+@dataclass(frozen=True)
+class Fit:
+    """What a fit moves: the runtime profile and the Hopper GEMM curve's half dimension."""
+
+    runtime: RuntimeSpec
+    hopper_half_dim: float = 128.0
+
+    def get(self, name: str) -> float:
+        return self.hopper_half_dim if name == "gemm_half_dim" else getattr(self.runtime, name)
+
+    def set(self, name: str, value: float) -> Fit:
+        if name == "gemm_half_dim":
+            return replace(self, hopper_half_dim=value)
+        return replace(self, runtime=replace(self.runtime, **{name: value}))
 
 
 def torchtitan_rows() -> tuple[list[Row], list[str]]:
@@ -135,6 +172,26 @@ def h200_rows() -> list[Row]:
     return rows
 
 
+def h200_layer_rows() -> list[Row]:
+    """h200/llama3-8b_layers_profile.json: the executor's Llama-3-8B transformer layer and
+    LM head + loss at seq 8192, micro-batch 1 and 2, TP shards 1-8, forward + backward on
+    one H200 (eager). The embedding (1-2 ms, launch-bound) is left out."""
+    data = json.loads((REFERENCE / "h200" / "llama3-8b_layers_profile.json").read_text())
+    model = load_model("llama3-8b")
+    cluster = load_cluster("dgx-h200", gpus=8)
+    rows = []
+    for entry in data["layers"]:
+        if entry["kind"] == "embedding":
+            continue
+        b, tp, seq = entry["micro_batch_size"], entry["tp"], entry["seq_len"]
+        training = make_training(model, cluster, 8 * b, seq, "bf16", "adamw", entry["attention"] == "flash")
+        strategy = Strategy(dp=1, tp=tp, pp=1, micro_batch_size=b, num_microbatches=1)
+        rows.append(Row(f"h200_profile_{entry['kind']}_mbs{b}_tp{tp}", "h200", "pytorch-native",
+                        Problem(model, cluster, training, runtime=load_runtime()), strategy, (),
+                        entry["forward_s"] + entry["backward_s"], None, kind=entry["kind"]))
+    return rows
+
+
 def korthikanti_rows() -> list[Row]:
     rows = []
     for run in json.loads((REFERENCE / "calibration_runs.json").read_text()):
@@ -154,25 +211,35 @@ def korthikanti_rows() -> list[Row]:
     return rows
 
 
-def with_runtime(row: Row, runtime: RuntimeSpec) -> Problem:
-    return replace(row.problem, runtime=replace(runtime, **dict(row.settings)))
+def with_fit(row: Row, state: Fit) -> Problem:
+    cluster = row.problem.cluster
+    if cluster.gpu.name in HOPPER:
+        cluster = replace(cluster, gpu=replace(cluster.gpu, gemm_half_dim=state.hopper_half_dim))
+    return replace(row.problem, cluster=cluster, runtime=replace(state.runtime, **dict(row.settings)))
 
 
-def predict(row: Row, runtime: RuntimeSpec):
-    return estimate(with_runtime(row, runtime), row.strategy)
+def predict(row: Row, state: Fit) -> tuple[float, float | None]:
+    """(seconds, peak GiB or None): a step, or a layer kind's forward + backward compute."""
+    problem = with_fit(row, state)
+    if row.kind is not None:
+        units = unit_costs(problem, row.strategy)
+        work = {"layer": units.layer_work["none"], "head": units.last_work}[row.kind]
+        return work.compute_s, None
+    e = estimate(problem, row.strategy)
+    return e.step_time_s, e.peak_memory_bytes / GIB
 
 
-def log_error(row: Row, runtime: RuntimeSpec) -> float:
-    return math.log(predict(row, runtime).step_time_s / row.measured_step_s)
+def log_error(row: Row, state: Fit) -> float:
+    return math.log(predict(row, state)[0] / row.measured_step_s)
 
 
-def fit(rows: list[Row], base: RuntimeSpec, free: tuple[str, ...]) -> RuntimeSpec:
+def fit(rows: list[Row], base: Fit, free: tuple[str, ...]) -> Fit:
     """Coordinate search over multiplicative steps (halving them when no step helps),
-    minimising the sum of squared log errors of step time. Deterministic."""
+    minimising the sum of squared log errors of time. Deterministic."""
     timed = [r for r in rows if r.measured_step_s]
 
-    def loss(rt: RuntimeSpec) -> float:
-        return sum(log_error(r, rt) ** 2 for r in timed)
+    def loss(state: Fit) -> float:
+        return sum(log_error(r, state) ** 2 for r in timed)
 
     current, best = base, loss(base)
     step = 0.5
@@ -180,13 +247,13 @@ def fit(rows: list[Row], base: RuntimeSpec, free: tuple[str, ...]) -> RuntimeSpe
         improved = False
         for name in free:
             low, high = BOUNDS[name]
-            value = getattr(current, name)
+            value = current.get(name)
             for candidate in ((value or FLOOR.get(name, 0.0)) * (1 + step), value * (1 - step) if value else 0.0,
                               value * (1 + step)):
                 candidate = min(max(candidate, low), high)
                 if candidate == value:
                     continue
-                trial = replace(current, **{name: candidate})
+                trial = current.set(name, candidate)
                 score = loss(trial)
                 if score < best - 1e-12:
                     current, best, improved = trial, score, True
@@ -196,22 +263,22 @@ def fit(rows: list[Row], base: RuntimeSpec, free: tuple[str, ...]) -> RuntimeSpe
     return current
 
 
-def table(rows: list[Row], runtimes: dict[str, RuntimeSpec], label: str) -> tuple[list[str], list[dict]]:
+def table(rows: list[Row], runtimes: dict[str, Fit], label: str) -> tuple[list[str], list[dict]]:
     lines = [f"{label}",
              f"  {'row':<44} {'group':<18} {'measured s':>10} {'predicted s':>11} {'time err':>9} "
              f"{'meas GiB':>9} {'pred GiB':>9} {'mem err':>8}"]
     out = []
     for r in rows:
-        e = predict(r, runtimes[r.runtime_name])
-        pred_gib = e.peak_memory_bytes / GIB
-        t_err = None if not r.measured_step_s else e.step_time_s / r.measured_step_s - 1
+        seconds, pred_gib = predict(r, runtimes[r.runtime_name])
+        t_err = None if not r.measured_step_s else seconds / r.measured_step_s - 1
         m_err = None if not r.measured_memory_gib else pred_gib / r.measured_memory_gib - 1
-        out.append({"id": r.id, "group": r.group, "runtime": r.runtime_name, "measured_step_s": r.measured_step_s,
-                    "predicted_step_s": e.step_time_s, "time_error": t_err, "measured_memory_gib": r.measured_memory_gib,
+        out.append({"id": r.id, "group": r.group, "runtime": r.runtime_name, "measured_s": r.measured_step_s,
+                    "predicted_s": seconds, "time_error": t_err, "measured_memory_gib": r.measured_memory_gib,
                     "predicted_memory_gib": pred_gib, "memory_error": m_err, "note": r.note})
-        fmt = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
-        lines.append(f"  {r.id:<44} {r.group:<18} {fmt(r.measured_step_s, '10.3f')} {e.step_time_s:11.3f} "
-                     f"{fmt(t_err, '+9.1%')} {fmt(r.measured_memory_gib, '9.1f')} {pred_gib:9.1f} {fmt(m_err, '+8.1%')}"
+        fmt = lambda x, f: "-" if x is None else format(x, f)
+        lines.append(f"  {r.id[:44]:<44} {r.group:<18} {fmt(r.measured_step_s, '10.4f')} {seconds:11.4f} "
+                     f"{fmt(t_err, '+9.1%')} {fmt(r.measured_memory_gib, '9.1f')} {fmt(pred_gib, '9.1f')} "
+                     f"{fmt(m_err, '+8.1%')}"
                      + (f"  [{r.note[:60]}]" if r.note else ""))
     timed = [abs(o["time_error"]) for o in out if o["time_error"] is not None]
     within = sum(t <= TIME_TARGET for t in timed)
@@ -232,21 +299,27 @@ def _max(rows: list[dict]) -> float:
     return max(abs(r["time_error"]) for r in rows if r["time_error"] is not None)
 
 
-def coefficients(rt: RuntimeSpec, free: tuple[str, ...]) -> str:
-    return ", ".join(f"{n} {getattr(rt, n):.4g}" for n in free)
+def coefficients(state: Fit, free: tuple[str, ...]) -> str:
+    return ", ".join(f"{n} {state.get(n):.4g}" for n in free)
 
 
 def main() -> None:
     if not REFERENCE.exists():
         sys.exit(f"reference runs not found at {REFERENCE}")
     titan, left_out = torchtitan_rows()
-    h200, korth = h200_rows(), korthikanti_rows()
-    native0, megatron0 = load_runtime("pytorch-native"), load_runtime("megatron")
-    # Start from neutral coefficients, so the fit does not start at its own answer.
+    h200, korth = h200_rows() + h200_layer_rows(), korthikanti_rows()
+    # The checked-in profiles and Hopper curve (configs/hardware/h200.yaml, the same in h100-sxm.yaml
+    # and h100-hbm2e-500w.yaml), as the planner uses them.
+    checked_half = load_cluster("dgx-h200").gpu.gemm_half_dim or 128.0
+    native0 = Fit(load_runtime("pytorch-native"), checked_half)
+    megatron0 = Fit(load_runtime("megatron"))
+    # Start from neutral coefficients (and the A100-fitted curve, half dimension 128), so
+    # the fit does not start at its own answer.
     neutral = dict(gemm_efficiency_scale=1.0, elementwise_traffic_factor=1.0, compiled_elementwise_traffic_factor=1.0,
-                   zero3_overlap=1.0, collective_half_bytes=0.0, async_tp_overlap=0.0, step_overhead_s=0.0)
-    native_start = replace(native0, **neutral)
-    megatron_start = replace(megatron0, gemm_efficiency_scale=1.0, pp_overlap=0.0)
+                   loss_traffic_factor=1.0, layer_launch_s=0.0, zero3_overlap=1.0, collective_half_bytes=0.0, async_tp_overlap=0.0,
+                   step_overhead_s=0.0)
+    native_start = Fit(replace(native0.runtime, **neutral), 128.0)
+    megatron_start = Fit(replace(megatron0.runtime, gemm_efficiency_scale=1.0, pp_overlap=0.0))
     report: list[str] = ["Left out: " + "; ".join(left_out), ""]
     results: dict = {"left_out": left_out}
 
@@ -261,8 +334,8 @@ def main() -> None:
     report.append(f"                 megatron: {coefficients(megatron, MEGATRON_FREE)}")
     lines, out = table(titan + h200 + korth, {"pytorch-native": native, "megatron": megatron}, "Fit rows (fitted on all)")
     report += lines + [""]
-    results["fit"] = {"pytorch-native": {n: getattr(native, n) for n in PYTORCH_FREE},
-                      "megatron": {n: getattr(megatron, n) for n in MEGATRON_FREE}, "rows": out}
+    results["fit"] = {"pytorch-native": {n: native.get(n) for n in PYTORCH_FREE},
+                      "megatron": {n: megatron.get(n) for n in MEGATRON_FREE}, "rows": out}
 
     # Checked-in profiles, as the planner uses them.
     lines, out = table(titan + h200 + korth, {"pytorch-native": native0, "megatron": megatron0},
@@ -273,7 +346,7 @@ def main() -> None:
     results["cross_validation"] = {}
     summary = ["Cross-validation summary (time):"]
     for fit_rows, held, base, free, name in (
-            (titan, h200, native_start, PYTORCH_FREE, "pytorch-native: fit torchtitan, predict h200"),
+            (titan, h200, native_start, TITAN_FREE, "pytorch-native: fit torchtitan, predict h200"),
             (h200, titan, native_start, KERNEL_FREE, "pytorch-native: fit h200 (kernels only), predict torchtitan"),
             ([r for r in korth if r.group == "korthikanti-small"], [r for r in korth if r.group == "korthikanti-large"],
              megatron_start, MEGATRON_FREE, "megatron: fit 22B+175B, predict 530B+1T"),
@@ -281,11 +354,11 @@ def main() -> None:
              megatron_start, MEGATRON_FREE, "megatron: fit 530B+1T, predict 22B+175B")):
         rt = fit(fit_rows, base, free)
         report.append(f"Cross-validation, {name}: {coefficients(rt, free)}")
-        lines, fit_out = table(fit_rows, {rt.name: rt}, "  fitted rows")
+        lines, fit_out = table(fit_rows, {rt.runtime.name: rt}, "  fitted rows")
         report += lines
-        lines, held_out = table(held, {rt.name: rt}, "  held-out rows")
+        lines, held_out = table(held, {rt.runtime.name: rt}, "  held-out rows")
         report += lines + [""]
-        results["cross_validation"][name] = {"coefficients": {n: getattr(rt, n) for n in free}, "fit": fit_out,
+        results["cross_validation"][name] = {"coefficients": {n: rt.get(n) for n in free}, "fit": fit_out,
                                              "held_out": held_out}
         summary.append(f"  {name}: fit median |error| {_median(fit_out):.1%}, held-out median |error| "
                        f"{_median(held_out):.1%} (max {_max(held_out):.1%})")

@@ -23,8 +23,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from costmodel.terms.counts import model_flops_per_step
 from costmodel.specs.loading import load_model
+from costmodel.terms.counts import model_flops_per_step
 from planner.api import plan
 
 REPO = Path(__file__).resolve().parents[1]
@@ -62,7 +62,7 @@ WHY = {
         "extrapolates from Korthikanti's tp-8 layer (no published A100 layer measures it there); and the "
         "activation memory that decides how little it recomputes comes from the memory model under rewrite"),
     "Llama 3 70B on 64 H100": (
-        "torchtitan's 31.8% ran on 500 W H100s (a GEMM ceiling of 0.72 against the SXM's 0.84 here) with full "
+        "torchtitan's 31.8% ran on 500 W H100s (a GEMM ceiling of 0.72 against the SXM's 0.80 here) with full "
         "recompute (a third more compute); Meta's 38-43% is 405B at 8-16k GPUs. The plan recomputes only some "
         "layers on 700 W SXM parts, under a memory model that under-counts bf16 runs by ~16% (issue 19), so "
         "it may recompute less than would fit"),

@@ -11,7 +11,13 @@ from dataclasses import asdict, dataclass, field
 import networkx as nx
 
 from costmodel.measured import MeasuredTimes
-from costmodel.specs import ClusterSpec, MixedClusterSpec, ModelSpec, RuntimeSpec, TrainingSpec
+from costmodel.specs import (
+    ClusterSpec,
+    MixedClusterSpec,
+    ModelSpec,
+    RuntimeSpec,
+    TrainingSpec,
+)
 from costmodel.specs.loading import load_runtime
 
 

@@ -118,8 +118,11 @@ def unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
         zero3_fwd = max(0.0, gather - zero3_hide * layer.forward_s)
         zero3_bwd = max(0.0, gather + scatter - zero3_hide * layer_backward)
 
-    fwd_compute = layer.forward_s
-    bwd_compute = layer_backward
+    # The runtime's per-layer launch time, a third of it in forward (one forward kernel
+    # for two in backward, as the GEMMs); measured layer times hold their own.
+    launch = runtime.layer_launch_s if measured is None else 0.0
+    fwd_compute = layer.forward_s + launch / 3
+    bwd_compute = layer_backward + 2 * launch / 3
     base = Work(compute_s=fwd_compute + bwd_compute, tp_comm_s=tp_forward + tp_backward,
                 ep_comm_s=2 * ep_one_way, dp_comm_s=zero3_fwd + zero3_bwd)
     # The runtime's selective recompute: the attention core (Korthikanti et al. §4.3),
@@ -133,7 +136,7 @@ def unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
         # Full recompute repeats the forward's TP and EP collectives, but not ZeRO-3's
         # gather: the recomputed forward runs inside backward, on the weights already
         # gathered for it (FSDP2's pre-backward unshard; counted in the executor).
-        "full": base + Work(recompute_s=fwd_compute, tp_comm_s=tp_forward, ep_comm_s=ep_one_way),
+        "full": base + Work(recompute_s=fwd_compute, tp_comm_s=tp_forward, ep_comm_s=ep_one_way),  # launches too
     }
     if training.flash_attention:
         # FlashAttention already recomputes the scores in its backward pass, so
@@ -149,9 +152,14 @@ def unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
     emb_fwd = compute.embedding_compute_s(model, cluster, training, b, runtime)
     head_fwd = compute.head_compute_s(model, cluster, training, b, tp, runtime)
     emb_bwd, head_bwd = compute.BACKWARD_FACTOR * emb_fwd, compute.BACKWARD_FACTOR * head_fwd
+    emb_launch = head_launch = runtime.layer_launch_s
     if problem.measured_times is not None:
-        emb_fwd, emb_bwd = problem.measured_times.times("embedding", b, tp) or (emb_fwd, emb_bwd)
-        head_fwd, head_bwd = problem.measured_times.times("head", b, tp) or (head_fwd, head_bwd)
+        emb_measured = problem.measured_times.times("embedding", b, tp)
+        head_measured = problem.measured_times.times("head", b, tp)
+        emb_fwd, emb_bwd = emb_measured or (emb_fwd, emb_bwd)
+        head_fwd, head_bwd = head_measured or (head_fwd, head_bwd)
+        emb_launch = 0.0 if emb_measured else emb_launch
+        head_launch = 0.0 if head_measured else head_launch
     if sp:
         boundary = coll("reduce_scatter", message, where["tp"]) + coll("all_gather", message, where["tp"])
         emb_comm = head_comm = boundary
@@ -178,9 +186,9 @@ def unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
                 + sharded_collective_s("reduce_scatter", local_parameters * states.gradients, where["dp"], cluster,
                                        runtime))
 
-    first_work = Work(compute_s=emb_fwd + emb_bwd, tp_comm_s=emb_comm,
+    first_work = Work(compute_s=emb_fwd + emb_bwd + emb_launch, tp_comm_s=emb_comm,
                       dp_comm_s=zero3_ends_s(first_local))
-    last_work = Work(compute_s=head_fwd + head_bwd, tp_comm_s=head_comm,
+    last_work = Work(compute_s=head_fwd + head_bwd + head_launch, tp_comm_s=head_comm,
                      dp_comm_s=zero3_ends_s(last_local))
     # With tp > 1 the activation is scattered over the tp ranks before the send and
     # gathered after (Narayanan et al. 2021 §4.1, scatter/gather optimisation).

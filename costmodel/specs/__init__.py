@@ -9,5 +9,16 @@ from costmodel.specs.model import FAMILIES, ModelSpec
 from costmodel.specs.runtime import DEFAULT_RUNTIME, RuntimeSpec
 from costmodel.specs.training import OPTIMIZERS, PRECISIONS, TrainingSpec
 
-__all__ = ["FAMILIES", "OPTIMIZERS", "PRECISIONS", "ClusterSpec", "GPUSpec", "LinkSpec", "MixedClusterSpec",
-           "ModelSpec", "RuntimeSpec", "DEFAULT_RUNTIME", "TrainingSpec"]
+__all__ = [
+           "DEFAULT_RUNTIME",
+           "FAMILIES",
+           "OPTIMIZERS",
+           "PRECISIONS",
+           "ClusterSpec",
+           "GPUSpec",
+           "LinkSpec",
+           "MixedClusterSpec",
+           "ModelSpec",
+           "RuntimeSpec",
+           "TrainingSpec",
+]

@@ -9,8 +9,8 @@ naming the field, which the CLI prints as one line with exit code 2.
 from __future__ import annotations
 
 import json
-from functools import lru_cache
 from dataclasses import fields, replace
+from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -453,8 +453,8 @@ def runtime_from_dict(data: dict, name: str, field: str = "--runtime") -> Runtim
             values[key] = _optional_fraction(data, key, field)
     for key in NUMBER_FIELDS:
         if key in data:
-            values[key] = as_float(data[key], f"{field}.{key}", exclusive=key not in ("collective_half_bytes",
-                                                                                     "step_overhead_s"))
+            values[key] = as_float(data[key], f"{field}.{key}",
+                                   exclusive=key not in ("collective_half_bytes", "layer_launch_s", "step_overhead_s"))
     for key in FLAG_FIELDS:
         if key in data:
             values[key] = as_bool(data[key], f"{field}.{key}")

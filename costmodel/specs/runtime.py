@@ -45,10 +45,19 @@ class RuntimeSpec:
     elementwise_traffic_factor: float = 1.0
     compiled_elementwise_traffic_factor: float = 1.0
     torch_compile: bool = False
+    # HBM traffic of the cross-entropy over the fp32 logits over the one-pass count of
+    # costmodel.terms.compute.head_compute_s: eager PyTorch upcasts the logits, then
+    # log-softmaxes them, each a pass of its own (a fused vocab-parallel kernel: 1).
+    loss_traffic_factor: float = 1.0
     # Fraction of a layer's forward GEMMs repeated by the engine's selective recompute
     # (0: the attention core only, Korthikanti et al. 2022; 0.5: torchtitan's op-level
     # SAC, which recomputes every second matmul).
     selective_recompute_gemm_fraction: float = 0.0
+    # Seconds of one layer's forward + backward that no shape changes: eager PyTorch
+    # dispatches and launches each of a layer's ~100 kernels from the host (a few
+    # microseconds each), visible where the kernels are short (narrow TP shards, small
+    # micro-batches, the embedding). Charged to each layer, the embedding and the head.
+    layer_launch_s: float = 0.0
     # Seconds per step outside the layers: launch, optimizer bookkeeping, host sync.
     step_overhead_s: float = 0.0
     # coefficient -> the measurements it was fitted on (or the source it was read from).
@@ -70,5 +79,5 @@ class RuntimeSpec:
 FRACTION_FIELDS = ("dp_overlap", "zero3_overlap", "tp_overlap", "async_tp_overlap", "pp_overlap",
                    "selective_recompute_gemm_fraction")
 NUMBER_FIELDS = ("collective_half_bytes", "gemm_efficiency_scale", "elementwise_traffic_factor",
-                 "compiled_elementwise_traffic_factor", "step_overhead_s")
+                 "compiled_elementwise_traffic_factor", "loss_traffic_factor", "layer_launch_s", "step_overhead_s")
 FLAG_FIELDS = ("async_tp", "torch_compile")

@@ -150,8 +150,9 @@ def head_compute_s(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpe
                    micro_batch_size: int, tp: int, runtime: RuntimeSpec | None = None) -> float:
     """Forward seconds of final norm, logits and cross-entropy on the last stage. The
     loss reads and writes fp32 logits (vocab-parallel cross-entropy, Megatron-LM), one
-    pass per elementwise kernel the runtime runs (its elementwise traffic factor)."""
-    gemm_scale, traffic = _kernel_factors(runtime)
+    pass per kernel the runtime runs over them (its loss traffic factor)."""
+    gemm_scale = _kernel_factors(runtime)[0]
+    traffic = 1.0 if runtime is None else runtime.loss_traffic_factor
     peak = cluster.gpu.peak_for(training.precision) * gemm_scale
     tokens = micro_batch_size * training.seq_len
     logits = gemm_time_s(tokens, model.vocab_size / tp, model.hidden_size, peak, device=cluster.gpu)

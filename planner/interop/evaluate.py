@@ -11,7 +11,13 @@ from dataclasses import asdict, dataclass, fields, replace
 from costmodel.estimate import Estimate, estimate
 from costmodel.problem import Problem
 from costmodel.specs import MixedClusterSpec
-from costmodel.specs.loading import SpecError, as_int, load_cluster, load_model, load_runtime
+from costmodel.specs.loading import (
+    SpecError,
+    as_int,
+    load_cluster,
+    load_model,
+    load_runtime,
+)
 from costmodel.strategy import Strategy
 from costmodel.units import GIB
 from planner.api import make_problem

@@ -15,7 +15,12 @@ from costmodel.estimate import estimate
 from costmodel.estimate.uniform import unit_costs
 from costmodel.problem import Problem
 from costmodel.specs import RuntimeSpec
-from costmodel.specs.loading import load_cluster, load_model, load_runtime, make_training
+from costmodel.specs.loading import (
+    load_cluster,
+    load_model,
+    load_runtime,
+    make_training,
+)
 from costmodel.strategy import Strategy, even_stages
 
 REPO = Path(__file__).resolve().parents[2]

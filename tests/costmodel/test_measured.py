@@ -17,7 +17,13 @@ from costmodel.measured import (
     read_profile,
 )
 from costmodel.problem import Problem
-from costmodel.specs.loading import load_runtime, SpecError, load_cluster, load_model, make_training
+from costmodel.specs.loading import (
+    SpecError,
+    load_cluster,
+    load_model,
+    load_runtime,
+    make_training,
+)
 from costmodel.strategy import Strategy
 from costmodel.terms import compute
 from planner.api import make_problem
@@ -165,7 +171,8 @@ def _analytic_layer_s(b):
     p = tiny_problem()
     # `shardwise plan` prices under the default runtime, pytorch-native: its kernel factors
     forward = compute.layer_compute(p.model, p.cluster, p.training, b, 1, False, 1, load_runtime()).forward_s
-    return forward * (1 + compute.BACKWARD_FACTOR)
+    # and its per-layer launch time, which a measured layer holds already
+    return forward * (1 + compute.BACKWARD_FACTOR) + load_runtime().layer_launch_s
 
 
 def test_plan_refuses_a_profile_of_another_seq_with_exit_2(tmp_path):

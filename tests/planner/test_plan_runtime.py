@@ -12,7 +12,7 @@ from planner.api import plan
 from planner.console.cli import main
 from planner.plan_file import check_plan, problem_of, read_plan, runtime_of, write_plan
 
-ARGS = dict(model="tiny-llama", cluster="dgx-a100-80gb", global_batch=8, gpus=8, seq_len=256, top=1)
+ARGS = {"model": "tiny-llama", "cluster": "dgx-a100-80gb", "global_batch": 8, "gpus": 8, "seq_len": 256, "top": 1}
 
 
 def test_the_plan_records_its_runtime_and_reads_it_back(tmp_path):

@@ -14,7 +14,13 @@ from costmodel.estimate.mixed import replica_shares
 from costmodel.estimate.uniform import rank_work, unit_costs
 from costmodel.problem import Problem
 from costmodel.specs import MixedClusterSpec
-from costmodel.specs.loading import SpecError, load_cluster, load_model, load_runtime, make_training
+from costmodel.specs.loading import (
+    SpecError,
+    load_cluster,
+    load_model,
+    load_runtime,
+    make_training,
+)
 from costmodel.strategy import Strategy, even_stages
 
 

@@ -35,7 +35,12 @@ from costmodel.estimate.uniform import (
     unit_costs,
 )
 from costmodel.problem import Problem
-from costmodel.specs.loading import load_cluster, load_model, load_runtime, make_training
+from costmodel.specs.loading import (
+    load_cluster,
+    load_model,
+    load_runtime,
+    make_training,
+)
 from costmodel.strategy import Strategy, even_stages
 from costmodel.terms.comm import groups
 from costmodel.terms.compute import OPTIMIZER_BYTES_PER_PARAMETER, layer_compute

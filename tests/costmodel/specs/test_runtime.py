@@ -11,9 +11,21 @@ from costmodel.estimate import estimate
 from costmodel.estimate.uniform import unit_costs
 from costmodel.problem import Problem
 from costmodel.specs import RuntimeSpec
-from costmodel.specs.loading import SpecError, load_cluster, load_model, load_runtime, make_training, runtime_from_dict
+from costmodel.specs.loading import (
+    SpecError,
+    load_cluster,
+    load_model,
+    load_runtime,
+    make_training,
+    runtime_from_dict,
+)
 from costmodel.strategy import Strategy, even_stages
-from costmodel.terms.comm import Placement, collective_time_s, groups, sharded_collective_s
+from costmodel.terms.comm import (
+    Placement,
+    collective_time_s,
+    groups,
+    sharded_collective_s,
+)
 from costmodel.terms.compute import layer_compute
 
 NEUTRAL = RuntimeSpec(name="neutral", version=1)
@@ -183,3 +195,27 @@ def test_pytorch_native_prices_a_torchtitan_row_near_its_measurement():
     s = Strategy(dp=8, tp=1, pp=1, micro_batch_size=2, num_microbatches=1, zero_stage=3, recompute="selective",
                  stages=even_stages(32, 1, 1, "selective"))
     assert estimate(prob, s).step_time_s == pytest.approx(16 * 8192 / (5762 * 8), rel=0.10)
+
+
+def test_layer_launch_time_by_hand():
+    # Each layer's forward + backward, the embedding and the head each pay layer_launch_s
+    # (a third in forward); full recompute repeats the forward's third.
+    rt = replace(NEUTRAL, layer_launch_s=0.003)
+    s = Strategy(dp=1, tp=1, pp=1, micro_batch_size=1, num_microbatches=8, stages=even_stages(32, 1))
+    with_launch, without = unit_costs(llama_problem(rt), s), unit_costs(llama_problem(NEUTRAL), s)
+    assert with_launch.layer_work["none"].compute_s - without.layer_work["none"].compute_s == pytest.approx(0.003)
+    assert with_launch.layer_work["full"].recompute_s - without.layer_work["full"].recompute_s == pytest.approx(0.001)
+    assert with_launch.first_work.compute_s - without.first_work.compute_s == pytest.approx(0.003)
+    assert with_launch.last_work.compute_s - without.last_work.compute_s == pytest.approx(0.003)
+
+
+def test_loss_traffic_factor_by_hand():
+    # The loss reads and writes fp32 logits: 2 * 4 bytes per logit, times the factor, at
+    # 0.8 of HBM bandwidth (costmodel.terms.compute.head_compute_s).
+    from costmodel.terms.compute import head_compute_s
+    model, cluster = load_model("llama2-7b"), load_cluster("dgx-a100-80gb")
+    training = make_training(model, cluster, 8, 2048)
+    base = head_compute_s(model, cluster, training, 1, 1, NEUTRAL)
+    more = head_compute_s(model, cluster, training, 1, 1, replace(NEUTRAL, loss_traffic_factor=1.5))
+    loss_bytes = 2 * 4 * 2048 * 32000
+    assert more - base == pytest.approx(0.5 * loss_bytes / (0.8 * 2.039e12), rel=1e-9)
