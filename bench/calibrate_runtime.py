@@ -303,6 +303,24 @@ def coefficients(state: Fit, free: tuple[str, ...]) -> str:
     return ", ".join(f"{n} {state.get(n):.4g}" for n in free)
 
 
+def bands(results: dict) -> dict[str, dict[str, float]]:
+    """Each runtime's band: step time from the whole-step rows each cross-validation held
+    out (the per-layer profile rows are not steps), peak memory from every row that
+    measured it under the checked-in profiles (memory is counted, not fitted, so every
+    row is held out). Ratios are measured over predicted, 1 where no row measured."""
+    out = {}
+    for runtime in ("pytorch-native", "megatron"):
+        held = [r for name, cv in results["cross_validation"].items() if name.startswith(runtime)
+                for r in cv["held_out"] if r["time_error"] is not None and "_profile_" not in r["id"]]
+        time_ratios = [1 / (1 + r["time_error"]) for r in held]
+        memory_ratios = [1 / (1 + r["memory_error"]) for r in results["checked_in"]
+                         if r["runtime"] == runtime and r["memory_error"] is not None]
+        out[runtime] = {"step_time_low_ratio": min([1.0, *time_ratios]),
+                        "step_time_high_ratio": max([1.0, *time_ratios]),
+                        "memory_high_ratio": max([1.0, *memory_ratios])}
+    return out
+
+
 def main() -> None:
     if not REFERENCE.exists():
         sys.exit(f"reference runs not found at {REFERENCE}")
@@ -363,6 +381,9 @@ def main() -> None:
         summary.append(f"  {name}: fit median |error| {_median(fit_out):.1%}, held-out median |error| "
                        f"{_median(held_out):.1%} (max {_max(held_out):.1%})")
     report += summary
+    results["band"] = bands(results)
+    report += ["", "Band (measured over predicted; copied into configs/runtimes/*.yaml):"]
+    report += [f"  {name}: " + ", ".join(f"{k} {v:.3f}" for k, v in b.items()) for name, b in results["band"].items()]
     text = "\n".join(report) + "\n"
     print(text, end="")
     out_dir = REPO / "bench" / "results"

@@ -33,14 +33,24 @@ from dataclasses import replace
 from pathlib import Path
 
 from costmodel.estimate import estimate
-from costmodel.estimate.uniform import dp_sync_s, optimizer_step_s, rank_work, unit_costs
+from costmodel.estimate.uniform import (
+    dp_sync_s,
+    optimizer_step_s,
+    rank_work,
+    unit_costs,
+)
 from costmodel.problem import Problem
 from costmodel.specs.loading import load_cluster, load_model, make_training
 from costmodel.strategy import Strategy
 from planner.rules import load_rules
 from planner.search import Infeasible, search
 from planner.search.mixed import search_mixed
-from planner.search.partition import rank_stages, layout, rank_bytes, usable_memory_bytes
+from planner.search.partition import (
+    layout,
+    rank_bytes,
+    rank_stages,
+    usable_memory_bytes,
+)
 from planner.search.space import describe, enumerate_space, recompute_modes
 
 # (model, layers, cluster, gpus, global batch, seq, rules, --fix)
@@ -129,7 +139,7 @@ def _compositions(total: int, parts: int, least: int):
 def brute_force(problem: Problem, rules, space: list[Strategy]) -> tuple[float, str, int]:
     """(step time, strategy, partitions costed) of the fastest partition that fits."""
     modes = recompute_modes(problem, rules)
-    usable = usable_memory_bytes(problem, rules.memory_headroom)
+    usable = usable_memory_bytes(problem, rules)
     layers = problem.model.num_hidden_layers
     best, costed = (float("inf"), "none fits"), 0
     for strategy in space:

@@ -59,16 +59,19 @@ def make_problem(model: str, cluster: str, global_batch: Any, *, nodes: Any = No
 
 
 def make_rules(rules: str | Path | None = None, fix: dict | None = None, *, objective: Any = None,
-               budgets: dict[str, Any] | None = None) -> Rules:
+               budgets: dict[str, Any] | None = None, memory_margin: Any = None) -> Rules:
     """The rule set `shardwise plan` searches under: `rules` (a built-in name or a file)
     with the `fix` pins (parsed, as parse_fix returns them) and, over the file's own, the
-    `objective` and the `budgets` (rules field -> value: max_cost_per_step_usd,
-    power_cap_w, energy_budget_j; None values are not given). A bad value raises
+    `objective`, the `budgets` (rules field -> value: max_cost_per_step_usd,
+    power_cap_w, energy_budget_j; None values are not given) and the `memory_margin`
+    (None: the file's, else the runtime profile's memory band). A bad value raises
     SpecError naming its command-line option."""
     rule_set = load_rules(rules).with_fix(fix or {})
     given = {key: as_float(value, BUDGETS[key]) for key, value in (budgets or {}).items() if value is not None}
     if objective is not None:
         given["objective"] = parse_objective(objective, "--objective")
+    if memory_margin is not None:
+        given["memory_margin"] = as_float(memory_margin, "--memory-margin", minimum=0.0, exclusive=False)
     return replace(rule_set, **given)
 
 

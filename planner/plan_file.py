@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from costmodel.estimate import Estimate
+from costmodel.estimate.band import band
 from costmodel.estimate.energy import cost_energy
 from costmodel.measured import LayerPoint, MeasuredTimes
 from costmodel.problem import NodeCost, Problem, TracedModel, TracedProblem
@@ -73,15 +74,18 @@ def strategy_dict(strategy: Strategy) -> dict:
     return out
 
 
-def candidate_dict(candidate: Candidate, cluster: ClusterSpec | None = None) -> dict:
-    """A candidate's strategy and estimate; given a cluster with a price or power
-    figures, also its "cost_energy" (costmodel.estimate.energy), which plans of unpriced
+def candidate_dict(candidate: Candidate, cluster: ClusterSpec | None = None, runtime: RuntimeSpec | None = None) -> dict:
+    """A candidate's strategy and estimate; given a runtime, the estimate's uncertainty
+    "band" (costmodel.estimate.band); given a cluster with a price or power figures,
+    also its "cost_energy" (costmodel.estimate.energy), which plans of unpriced
     clusters never carry."""
     estimate = asdict(candidate.estimate)
     if not estimate["replica_time_s"]:
         del estimate["replica_time_s"]   # set for replica groups only; other plans keep their bytes
     out = {"strategy": strategy_dict(candidate.strategy), "estimate": estimate,
            "partition_gap": candidate.gap}
+    if runtime is not None:
+        out["band"] = asdict(band(candidate.estimate, runtime))
     figures = cost_energy(cluster, candidate.strategy, candidate.estimate).as_dict() if cluster else {}
     if figures:
         out["cost_energy"] = figures
@@ -112,6 +116,7 @@ def plan_document(problem, rules_name: str, result: SearchResult) -> dict:
     """The plan as a JSON-ready dict (no wall-clock seconds: they would break determinism)."""
     stats = asdict(result.stats)
     stats.pop("seconds")
+    runtime = problem.runtime if isinstance(problem, Problem) else None
     doc = {
         "schema_version": SCHEMA_VERSION,
         "model": asdict(problem.model),
@@ -120,12 +125,12 @@ def plan_document(problem, rules_name: str, result: SearchResult) -> dict:
         "training": asdict(problem.training),
         **({"runtime": runtime_dict(problem.runtime)} if isinstance(problem, Problem) else {}),
         "rules": rules_name,
-        **candidate_dict(result.best, problem.cluster),
-        "alternatives": [candidate_dict(c, problem.cluster) for c in result.alternatives],
+        **candidate_dict(result.best, problem.cluster, runtime),
+        "alternatives": [candidate_dict(c, problem.cluster, runtime) for c in result.alternatives],
         "search": stats,
     }
     if result.pareto:
-        doc["pareto"] = [candidate_dict(c, problem.cluster) for c in result.pareto]
+        doc["pareto"] = [candidate_dict(c, problem.cluster, runtime) for c in result.pareto]
     if getattr(problem, "measured_times", None) is not None:
         # The measured times the estimate used, so the plan says what priced it (the
         # file's path is left out: the same measurements give the same plan).

@@ -43,6 +43,10 @@ class Rules:
     tp_divides_heads: bool = True
     ep_divides_experts: bool = True
     memory_headroom: float = 0.05
+    # A plan fits when its estimated peak memory x (1 + memory_margin) is within the
+    # device's memory x (1 - memory_headroom). None: the high side of the runtime
+    # profile's memory band (RuntimeSpec.memory_high_ratio - 1).
+    memory_margin: float | None = None
     max_stage_imbalance: float = 0.25
     micro_batch_min: int = 1
     micro_batch_max: int = 16
@@ -124,7 +128,7 @@ def parse_fix(text: str | dict | None, field_name: str = "--fix") -> dict[str, A
 
 
 def rules_from_dict(data: dict, name: str) -> Rules:
-    known = {"tp_within_node", "tp_divides_heads", "ep_divides_experts", "memory_headroom",
+    known = {"tp_within_node", "tp_divides_heads", "ep_divides_experts", "memory_headroom", "memory_margin",
              "max_stage_imbalance", "micro_batch_size", "allowed", "forbid", "pinned", "objective", *BUDGETS}
     unknown = sorted(set(data) - known)
     if unknown:
@@ -134,6 +138,8 @@ def rules_from_dict(data: dict, name: str) -> Rules:
                         minimum=0.0, exclusive=False)
     if headroom >= 1:
         raise SpecError("rules.memory_headroom", f"must be below 1, got {headroom}")
+    margin = data.get("memory_margin")
+    margin = None if margin is None else as_float(margin, "rules.memory_margin", minimum=0.0, exclusive=False)
     imbalance = as_float(data.get("max_stage_imbalance", defaults.max_stage_imbalance),
                          "rules.max_stage_imbalance", minimum=0.0, exclusive=False)
     bounds = data.get("micro_batch_size", {}) or {}
@@ -176,6 +182,7 @@ def rules_from_dict(data: dict, name: str) -> Rules:
         tp_divides_heads=as_bool(data.get("tp_divides_heads", True), "rules.tp_divides_heads"),
         ep_divides_experts=as_bool(data.get("ep_divides_experts", True), "rules.ep_divides_experts"),
         memory_headroom=headroom,
+        memory_margin=margin,
         max_stage_imbalance=imbalance,
         micro_batch_min=mbs_min,
         micro_batch_max=mbs_max,

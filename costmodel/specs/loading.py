@@ -18,9 +18,27 @@ from typing import Any
 import yaml
 
 from costmodel.specs.hardware import ClusterSpec, GPUSpec, LinkSpec, MixedClusterSpec
-from costmodel.specs.model import FAMILIES, MLP_KINDS, NORM_KINDS, POSITION_KINDS, ModelSpec
-from costmodel.specs.runtime import DEFAULT_RUNTIME, FLAG_FIELDS, FRACTION_FIELDS, NUMBER_FIELDS, RuntimeSpec
-from costmodel.specs.training import MIXED_PRECISION, OPTIMIZERS, PRECISIONS, TrainingSpec
+from costmodel.specs.model import (
+    FAMILIES,
+    MLP_KINDS,
+    NORM_KINDS,
+    POSITION_KINDS,
+    ModelSpec,
+)
+from costmodel.specs.runtime import (
+    BAND_FIELDS,
+    DEFAULT_RUNTIME,
+    FLAG_FIELDS,
+    FRACTION_FIELDS,
+    NUMBER_FIELDS,
+    RuntimeSpec,
+)
+from costmodel.specs.training import (
+    MIXED_PRECISION,
+    OPTIMIZERS,
+    PRECISIONS,
+    TrainingSpec,
+)
 
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 
@@ -444,7 +462,8 @@ def mixed_cluster_from_dict(data: dict, name: str) -> MixedClusterSpec:
 def runtime_from_dict(data: dict, name: str, field: str = "--runtime") -> RuntimeSpec:
     """Validate a runtime profile mapping (configs/runtimes/*.yaml, or a plan's
     `runtime`) into a RuntimeSpec; SpecError names `field`.the_key."""
-    allowed = {"name", "version", "description", "fitted_on", *FRACTION_FIELDS, *NUMBER_FIELDS, *FLAG_FIELDS}
+    allowed = {"name", "version", "description", "fitted_on", *FRACTION_FIELDS, *NUMBER_FIELDS, *FLAG_FIELDS,
+               *BAND_FIELDS}
     _check_keys(data, allowed, field)
     values: dict[str, Any] = {"name": str(data.get("name", name)),
                               "version": as_int(data.get("version"), f"{field}.version")}
@@ -455,13 +474,19 @@ def runtime_from_dict(data: dict, name: str, field: str = "--runtime") -> Runtim
         if key in data:
             values[key] = as_float(data[key], f"{field}.{key}",
                                    exclusive=key not in ("collective_half_bytes", "layer_launch_s", "step_overhead_s"))
+    for key in BAND_FIELDS:
+        if key in data:
+            values[key] = as_float(data[key], f"{field}.{key}", exclusive=True)
+            low = key == "step_time_low_ratio"
+            if (values[key] > 1.0) if low else (values[key] < 1.0):
+                raise SpecError(f"{field}.{key}", f"must be {'at most' if low else 'at least'} 1, got {data[key]}")
     for key in FLAG_FIELDS:
         if key in data:
             values[key] = as_bool(data[key], f"{field}.{key}")
     fitted = data.get("fitted_on", {})
     if not isinstance(fitted, dict) or not all(isinstance(v, str) for v in fitted.values()):
         raise SpecError(f"{field}.fitted_on", "expected a mapping of coefficient to the measurements it was fitted on")
-    unknown = sorted(set(fitted) - set(FRACTION_FIELDS) - set(NUMBER_FIELDS) - set(FLAG_FIELDS))
+    unknown = sorted(set(fitted) - set(FRACTION_FIELDS) - set(NUMBER_FIELDS) - set(FLAG_FIELDS) - set(BAND_FIELDS))
     if unknown:
         raise SpecError(f"{field}.fitted_on.{unknown[0]}", "not a coefficient of the runtime")
     values["fitted_on"] = {str(k): v for k, v in sorted(fitted.items())}

@@ -60,6 +60,13 @@ class RuntimeSpec:
     layer_launch_s: float = 0.0
     # Seconds per step outside the layers: launch, optimizer bookkeeping, host sync.
     step_overhead_s: float = 0.0
+    # The band an estimate under this runtime carries: measured over predicted, at its
+    # least and most, over the rows that `bench/calibrate_runtime.py` held out of the
+    # fit (step time) or that PyTorch's own accounting and real runs give (peak memory,
+    # which is counted, not fitted). 1.0 where nothing was measured.
+    step_time_low_ratio: float = 1.0
+    step_time_high_ratio: float = 1.0
+    memory_high_ratio: float = 1.0
     # coefficient -> the measurements it was fitted on (or the source it was read from).
     fitted_on: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
 
@@ -78,6 +85,8 @@ class RuntimeSpec:
 # Fields a runtime file gives as numbers in [0, 1] (fractions), other numbers, flags.
 FRACTION_FIELDS = ("dp_overlap", "zero3_overlap", "tp_overlap", "async_tp_overlap", "pp_overlap",
                    "selective_recompute_gemm_fraction")
+# The band's ratios: the low one at most 1, the high ones at least 1.
+BAND_FIELDS = ("step_time_low_ratio", "step_time_high_ratio", "memory_high_ratio")
 NUMBER_FIELDS = ("collective_half_bytes", "gemm_efficiency_scale", "elementwise_traffic_factor",
                  "compiled_elementwise_traffic_factor", "loss_traffic_factor", "layer_launch_s", "step_overhead_s")
 FLAG_FIELDS = ("async_tp", "torch_compile")

@@ -92,11 +92,15 @@ def main() -> None:
               help="Drop plans using more than this many joules per step (all GPUs).")
 @click.option("--pareto", is_flag=True, default=False,
               help="Solve every candidate that fits and list those no other beats on all of step time, cost and energy.")
+@click.option("--memory-margin", "memory_margin", default=None,
+              help="A plan fits when its estimated peak memory x (1 + this) is within the device's usable memory "
+                   "[default: the rules' memory_margin, else the runtime profile's measured memory band, "
+                   "memory_high_ratio - 1]. 0 checks the estimate itself.")
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
 @click.option("-o", "--output", default=None, help="Write the plan file here.")
 def plan(model_name, cluster_name, nodes, gpus, global_batch, seq, precision, optimizer, attention, runtime_name,
          rules_name, fix, overrides, profile_file, top, objective, max_cost, power_cap, energy_budget, pareto,
-         fmt, output) -> None:
+         memory_margin, fmt, output) -> None:
     """Find the best strategy that fits (fastest, or by --objective), and write it as a plan file."""
     try:
         problem = make_problem(model_name, cluster_name, global_batch, nodes=nodes, gpus=gpus, seq_len=seq,
@@ -105,7 +109,7 @@ def plan(model_name, cluster_name, nodes, gpus, global_batch, seq, precision, op
                                runtime=runtime_name)
         rules = make_rules(rules_name, parse_fix(fix), objective=objective,
                            budgets={"max_cost_per_step_usd": max_cost, "power_cap_w": power_cap,
-                                    "energy_budget_j": energy_budget})
+                                    "energy_budget_j": energy_budget}, memory_margin=memory_margin)
         top_k = as_int(top, "--top")
         with progress_bar("searching") as progress:
             result = search(problem, rules, top=top_k, progress=progress, pareto=pareto)

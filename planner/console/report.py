@@ -46,13 +46,21 @@ def print_plan(doc: dict, seconds: float, console: Console | None = None) -> Non
     console.print(f"[bold]{model['name']}[/] on {cluster_line(cluster)}, global batch {doc['training']['global_batch']} "
                   f"x {doc['training']['seq_len']} tokens, {doc['training']['precision']}")
     table = Table(title="Plans, best first")
-    for col in ("#", "strategy", "step s", "tokens/s", "TFLOP/s/GPU", "MFU", "peak GiB"):
+    banded = "band" in doc   # plans from before runtime profiles carry none
+    columns = ("#", "strategy", "step s", *(("step s band",) if banded else ()), "tokens/s", "TFLOP/s/GPU", "MFU",
+               "peak GiB", *(("up to GiB",) if banded else ()))
+    for col in columns:
         table.add_column(col, justify="left" if col == "strategy" else "right")
     for i, cand in enumerate([doc] + doc["alternatives"]):
-        e = cand["estimate"]
-        table.add_row(str(i + 1), _label(cand["strategy"]), f"{e['step_time_s']:.3f}", f"{e['tokens_per_s']:,.0f}",
-                      f"{e['tflops_per_gpu']:.1f}", f"{e['mfu']:.1%}", f"{e['peak_memory_bytes'] / GIB:.1f}")
+        e, band = cand["estimate"], cand.get("band")
+        table.add_row(str(i + 1), _label(cand["strategy"]), f"{e['step_time_s']:.3f}",
+                      *((f"{band['step_time_low_s']:.3f}-{band['step_time_high_s']:.3f}",) if banded else ()),
+                      f"{e['tokens_per_s']:,.0f}", f"{e['tflops_per_gpu']:.1f}", f"{e['mfu']:.1%}",
+                      f"{e['peak_memory_bytes'] / GIB:.1f}",
+                      *((f"{band['peak_memory_high_bytes'] / GIB:.1f}",) if banded else ()))
     console.print(table)
+    if banded:
+        console.print(band_line(doc))
     st = doc["search"]
     console.print(f"search: {st['candidates']} candidates, {st['pruned_memory']} pruned by memory, "
                   f"{st['pruned_bound']} by bound, {st['ilp_solves']} ILP solves, gap {st['gap']:.2%}"
@@ -65,6 +73,13 @@ def _timeouts(stats: dict) -> str:
     return f" ({count} solver time-outs)" if count else ""
 
 
+def band_line(doc: dict) -> str:
+    """What the band columns mean, with the runtime profile they come from."""
+    runtime = doc.get("runtime", {})
+    return (f"band: measured over estimated on runs the {runtime.get('name', 'runtime')} profile was not fitted on "
+            f"(bench/calibrate_runtime.py); plans are checked at the memory band's high side unless --memory-margin says otherwise")
+
+
 def explain_tables(doc: dict) -> tuple[list[str], list[tuple[str, list[str], list[list[str]]]]]:
     """`explain`'s summary lines and tables (title, columns, rows of strings), shared by
     the terminal (rich) and the HTML report."""
@@ -72,6 +87,10 @@ def explain_tables(doc: dict) -> tuple[list[str], list[tuple[str, list[str], lis
     lines = [f"{doc['model']['name']}: {_label(s)}",
              f"step {e['step_time_s']:.3f} s, {e['tokens_per_s']:,.0f} tokens/s, "
              f"{e['tflops_per_gpu']:.1f} TFLOP/s per GPU, MFU {e['mfu']:.1%}, HFU {e['hfu']:.1%}"]
+    if "band" in doc:
+        b = doc["band"]
+        lines.append(f"band: step {b['step_time_low_s']:.3f}-{b['step_time_high_s']:.3f} s, "
+                     f"peak memory up to {b['peak_memory_high_bytes'] / GIB:.2f} GiB")
     runtime = doc.get("runtime")
     # Plans written before runtime profiles were priced as pytorch-native (plan_file.runtime_of).
     lines.append(f"runtime: {runtime['name']} v{runtime['version']}" if isinstance(runtime, dict)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields, replace
 
 from costmodel.estimate import Estimate, estimate
+from costmodel.estimate.band import Band, band
 from costmodel.problem import Problem
 from costmodel.specs import MixedClusterSpec
 from costmodel.specs.loading import (
@@ -68,6 +69,10 @@ class Evaluation:
     @property
     def fits(self) -> bool:
         return self.yours.peak_memory_bytes <= self.usable_memory_bytes
+
+    @property
+    def yours_band(self) -> Band:
+        return band(self.yours, self.problem.runtime)
 
     @property
     def gain(self) -> float | None:
@@ -151,7 +156,7 @@ def evaluate_config(source: str, config: str, model_name: str, cluster_name: str
         missing = err.reason
     changes = tuple(strategy_changes(strategy, best.strategy)) if best else ()
     terms = _terms(yours, best.estimate) if best else ()
-    return Evaluation(problem, strategy, yours, usable_memory_bytes(problem, rules.memory_headroom), best, missing,
+    return Evaluation(problem, strategy, yours, usable_memory_bytes(problem, rules), best, missing,
                       changes, terms, imported.warnings)
 
 
@@ -159,6 +164,10 @@ def summary_line(ev: Evaluation) -> str:
     """yours: 132.0 TFLOP/s per GPU, 71.2 GiB peak; best: 151.0 (+14%): tp 8→4, pp 4→8"""
     y = ev.yours
     line = f"yours: {y.tflops_per_gpu:.1f} TFLOP/s per GPU, {y.peak_memory_bytes / GIB:.1f} GiB peak"
+    if ev.yours_band != Band(y.step_time_s, y.step_time_s, y.peak_memory_bytes):
+        b = ev.yours_band
+        line += (f" (step {b.step_time_low_s:.3f}-{b.step_time_high_s:.3f} s, up to "
+                 f"{b.peak_memory_high_bytes / GIB:.1f} GiB, the {ev.problem.runtime.name} profile's band)")
     if ev.best is None:
         return line + f"; best: no plan under these rules ({ev.best_missing})"
     b = ev.best.estimate
@@ -173,7 +182,7 @@ def memory_line(ev: Evaluation) -> str | None:
     gpu = ev.problem.cluster.gpu
     return (f"yours does not fit: pipeline rank {ev.yours.peak_memory_rank} needs "
             f"{ev.yours.peak_memory_bytes / GIB:.1f} GiB, {gpu.name} has {gpu.memory_bytes / GIB:.0f} GiB "
-            f"({ev.usable_memory_bytes / GIB:.1f} GiB usable with the rules' memory headroom)")
+            f"({ev.usable_memory_bytes / GIB:.1f} GiB usable after the rules' memory headroom and margin)")
 
 
 def reason_lines(ev: Evaluation) -> list[str]:
@@ -192,9 +201,11 @@ def evaluation_document(ev: Evaluation) -> dict:
     """The evaluation as JSON-ready data, rounded like plan files."""
     best = None
     if ev.best is not None:
-        best = {"strategy": strategy_dict(ev.best.strategy), "estimate": asdict(ev.best.estimate)}
+        best = {"strategy": strategy_dict(ev.best.strategy), "estimate": asdict(ev.best.estimate),
+                "band": asdict(band(ev.best.estimate, ev.problem.runtime))}
     return _round({
-        "yours": {"strategy": strategy_dict(ev.strategy), "estimate": asdict(ev.yours), "fits_memory": ev.fits},
+        "yours": {"strategy": strategy_dict(ev.strategy), "estimate": asdict(ev.yours),
+                  "band": asdict(ev.yours_band), "fits_memory": ev.fits},
         "best": best, "best_missing": ev.best_missing, "gain": ev.gain, "changes": list(ev.changes),
         "terms": [asdict(t) for t in ev.terms], "usable_memory_bytes": ev.usable_memory_bytes,
         "summary": summary_line(ev), "warnings": list(ev.warnings),

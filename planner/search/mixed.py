@@ -44,7 +44,12 @@ from costmodel.specs import ClusterSpec, MixedClusterSpec
 from costmodel.strategy import Strategy, even_stages
 from planner.rules import BUDGETS, Rules
 from planner.search import bounds
-from planner.search.partition import TimedOut, solve_partition, usable_memory_bytes
+from planner.search.partition import (
+    TimedOut,
+    memory_limits,
+    solve_partition,
+    usable_memory_bytes,
+)
 from planner.search.result import (
     Candidate,
     Infeasible,
@@ -156,7 +161,7 @@ def _relaxed(problem: Problem, rules: Rules, s: Strategy, cache: dict) -> tuple[
     cluster: MixedClusterSpec = problem.cluster
     groups = [cluster.group(n) for n in dict.fromkeys(s.stage_groups or s.replica_groups)]
     units = fastest_units([group_units(problem, g, s, cache)[1] for g in groups])
-    usable = max(usable_memory_bytes(replace(problem, cluster=g), rules.memory_headroom) for g in groups)
+    usable = max(usable_memory_bytes(replace(problem, cluster=g), rules) for g in groups)
     return units, usable
 
 
@@ -170,7 +175,7 @@ def _bound_s(problem: Problem, rules: Rules, s: Strategy, modes: tuple[str, ...]
 
 def _fits(problem: Problem, rules: Rules, memory: list[tuple[str, float]]) -> bool:
     cluster: MixedClusterSpec = problem.cluster
-    return all(mem <= usable_memory_bytes(replace(problem, cluster=cluster.group(name)), rules.memory_headroom)
+    return all(mem <= usable_memory_bytes(replace(problem, cluster=cluster.group(name)), rules)
                for name, mem in memory)
 
 
@@ -253,8 +258,7 @@ def search_mixed(problem: Problem, rules: Rules, top: int = 3,
         if s.replica_groups:
             return solve_replicas(problem, rules, s, modes)
         rank_costs = stage_rank_costs(problem, s, cache)
-        solution = solve_partition(problem, rank_costs[0][1], s, modes, rules.memory_headroom,
-                                   rules.max_stage_imbalance, "memory" if objective == "memory" else "time",
+        solution = solve_partition(problem, rank_costs[0][1], s, modes, rules, "memory" if objective == "memory" else "time",
                                    cutoff_s, rank_costs)
         return as_candidate(solution, lambda staged: estimate_ranks(problem, staged, rank_costs))
 
@@ -264,5 +268,5 @@ def search_mixed(problem: Problem, rules: Rules, top: int = 3,
     check_timeouts(kept, solved)
     if not found:
         raise Infeasible(f"no placement of {len(placed)} strategies on the groups of {cluster.name} fits "
-                         f"device memory (memory_headroom {rules.memory_headroom:g}) and the rules")
+                         f"device memory ({memory_limits(problem, rules)}) and the rules")
     return finish(problem, rules, kept, pareto, len(placed), pruned_memory, len(scored), solved, started)

@@ -10,7 +10,7 @@ keeps one layer's working activations), so their coefficients come from evaluati
 times and (a, c) the schedule's coefficients (`costmodel.terms.pipeline`):
 
     minimise  a * max_r t_r + c * sum_r t_r + max_r dp_exposed_r + max_r optimizer_r
-    subject to  memory_r <= capacity * (1 - headroom)            for every rank r
+    subject to  memory_r <= capacity * (1 - headroom) / (1 + margin)   for every rank r
                 pp * max_r t_r <= (1 + max_stage_imbalance) * sum_r t_r
                 sum_r N_r = L,  N_r >= vpp,  F_r + S_r <= N_r
 
@@ -40,10 +40,12 @@ from costmodel.estimate.uniform import (
     rank_memory,
     rank_work,
 )
-from costmodel.problem import Problem
+from costmodel.problem import Problem, TracedProblem
+from costmodel.specs.loading import load_runtime
 from costmodel.strategy import Stage, Strategy
 from costmodel.terms.pipeline import pipeline_coefficients
 from costmodel.units import MIB
+from planner.rules import Rules
 
 # Integer scales: time in units of 1/TIME_RESOLUTION of one plain layer's micro-batch
 # time, memory in MiB (rounded down, so the program drops no partition that fits; the
@@ -145,12 +147,29 @@ def rank_model(problem: Problem, units: UnitCosts, strategy: Strategy, pp_rank: 
     return RankModel(*affines)
 
 
-def usable_memory_bytes(problem: Problem, headroom: float) -> float:
-    return problem.cluster.gpu.memory_bytes * (1.0 - headroom)
+def memory_margin(problem: Problem | TracedProblem, rules: Rules) -> float:
+    """The rules' memory margin, or by default the high side of the runtime profile's
+    memory band (costmodel.estimate.band): a plan is checked at the memory it may
+    really need, not at its estimate."""
+    if rules.memory_margin is not None:
+        return rules.memory_margin
+    runtime = problem.runtime if isinstance(problem, Problem) else load_runtime()
+    return runtime.memory_high_ratio - 1.0
+
+
+def memory_limits(problem: Problem | TracedProblem, rules: Rules) -> str:
+    """The two rules behind the usable memory, for messages."""
+    return f"memory_headroom {rules.memory_headroom:g}, memory_margin {memory_margin(problem, rules):.3g}"
+
+
+def usable_memory_bytes(problem: Problem | TracedProblem, rules: Rules) -> float:
+    """What an estimate's peak may reach on one device: its memory less the rules'
+    headroom, over 1 + the memory margin."""
+    return problem.cluster.gpu.memory_bytes * (1.0 - rules.memory_headroom) / (1.0 + memory_margin(problem, rules))
 
 
 def solve_partition(problem: Problem, units: UnitCosts, strategy: Strategy, modes: tuple[str, ...],
-                    headroom: float, max_imbalance: float, objective: str = "time",
+                    rules: Rules, objective: str = "time",
                     cutoff_s: float | None = None,
                     rank_costs: list[tuple[Problem, UnitCosts]] | None = None) -> Solution | TimedOut | None:
     """The best partition of `strategy`, or None when no partition fits memory and the
@@ -178,7 +197,7 @@ def solve_partition(problem: Problem, units: UnitCosts, strategy: Strategy, mode
                                   + abs(r.optimizer.per_layer) + abs(r.dp_exposed.per_layer))
                       for r in ranks)) + 1000 * (layers + pp)
     n_vars, t_vars = [], []
-    caps = [math.floor(usable_memory_bytes(p, headroom) / MEMORY_UNIT_BYTES) for p, _ in rank_costs]
+    caps = [math.floor(usable_memory_bytes(p, rules) / MEMORY_UNIT_BYTES) for p, _ in rank_costs]
     mem_cap = max(caps)
     exposed = model.NewIntVar(0, big_t, "dp_exposed")
     opt = model.NewIntVar(0, big_t, "optimizer")
@@ -209,7 +228,7 @@ def solve_partition(problem: Problem, units: UnitCosts, strategy: Strategy, mode
     model.Add(sum(n for n, _, _ in n_vars) == layers)
     if pp > 1:
         # Imbalance as a ratio of integers: pp * max <= (1 + imb) * sum, in thousandths.
-        model.Add(1000 * pp * peak_t <= round(1000 * (1 + max_imbalance)) * sum(t_vars))
+        model.Add(1000 * pp * peak_t <= round(1000 * (1 + rules.max_stage_imbalance)) * sum(t_vars))
 
     a, c = pipeline_coefficients(strategy.schedule, m, vpp)
     # Scale by vpp so the interleaved coefficients (m - 1/vpp, 1/vpp) become integers.
@@ -234,7 +253,7 @@ def solve_partition(problem: Problem, units: UnitCosts, strategy: Strategy, mode
             return None if solved == "infeasible" else TimedOut(0.0)
         status, value, bound, counts = solved
         over = [r for r, (p, u) in enumerate(rank_costs)
-                if rank_bytes(p, u, strategy, r, counts[r]) > usable_memory_bytes(p, headroom)]
+                if rank_bytes(p, u, strategy, r, counts[r]) > usable_memory_bytes(p, rules)]
         if not over:
             break
         for r in over:   # the affine memory under-counted this rank's layer counts

@@ -32,7 +32,7 @@ from costmodel.strategy import Stage, Strategy
 from costmodel.terms.pipeline import pipeline_coefficients
 from costmodel.units import GIB
 from planner.rules import Rules
-from planner.search.partition import usable_memory_bytes
+from planner.search.partition import memory_limits, usable_memory_bytes
 from planner.search.result import Candidate, Infeasible, SearchResult, SearchStats
 from planner.search.space import describe, enumerate_traced
 
@@ -135,7 +135,7 @@ def search_traced(problem: TracedProblem, rules: Rules, top: int = 3) -> SearchR
     space, why = enumerate_traced(problem, rules)
     if not space:
         raise Infeasible(f"no strategy satisfies the rules and the cluster ({why.summary()})")
-    usable = usable_memory_bytes(problem, rules.memory_headroom)
+    usable = usable_memory_bytes(problem, rules)
     scored = []
     for strategy in space:
         units = traced_units(problem, strategy)
@@ -183,7 +183,7 @@ def _memory_reason(problem: TracedProblem, rules: Rules, strategy: Strategy) -> 
         full = count if rules.permits("recompute", "full") else 0
         need = max(need, stage_memory(problem, units, strategy, Stage(r, r, first, count, full)).total_bytes)
         first += count
-    gpu, usable = problem.cluster.gpu, usable_memory_bytes(problem, rules.memory_headroom)
+    gpu, usable = problem.cluster.gpu, usable_memory_bytes(problem, rules)
     return (f"memory binds: {describe(strategy)} needs {need / GIB:.2f} GiB on its fullest stage, {gpu.name} "
-            f"has {gpu.memory_bytes / GIB:.1f} GiB ({usable / GIB:.2f} GiB usable with memory_headroom "
-            f"{rules.memory_headroom:g}); more GPUs, or devices with more memory, would relax it")
+            f"has {gpu.memory_bytes / GIB:.1f} GiB ({usable / GIB:.2f} GiB usable with "
+            f"{memory_limits(problem, rules)}); more GPUs, or devices with more memory, would relax it")

@@ -17,7 +17,12 @@ from costmodel.strategy import Strategy, even_stages
 from costmodel.units import GIB
 from planner.rules import BUDGETS, Rules
 from planner.search import bounds
-from planner.search.partition import TimedOut, solve_partition, usable_memory_bytes
+from planner.search.partition import (
+    TimedOut,
+    memory_limits,
+    solve_partition,
+    usable_memory_bytes,
+)
 from planner.search.result import (
     Candidate,
     Infeasible,
@@ -50,7 +55,7 @@ def search_uniform(problem: Problem, rules: Rules, top: int = 3,
     if not space:
         raise Infeasible(f"no strategy satisfies the rules and the cluster ({why.summary()})")
     modes = recompute_modes(problem, rules)
-    usable = usable_memory_bytes(problem, rules.memory_headroom)
+    usable = usable_memory_bytes(problem, rules)
     objective = rules.objective
     budgeted = any(getattr(rules, key) is not None for key in BUDGETS)
 
@@ -78,8 +83,7 @@ def search_uniform(problem: Problem, rules: Rules, top: int = 3,
 
     def solve(strategy: Strategy, cutoff_s: float | None) -> Candidate | TimedOut | None:
         units = cache[unit_key(strategy)]
-        solution = solve_partition(problem, units, strategy, modes, rules.memory_headroom,
-                                   rules.max_stage_imbalance, "memory" if objective == "memory" else "time",
+        solution = solve_partition(problem, units, strategy, modes, rules, "memory" if objective == "memory" else "time",
                                    cutoff_s)
         return as_candidate(solution, lambda s: estimate(problem, s, units))
 
@@ -106,11 +110,11 @@ def _memory_reason(problem: Problem, rules: Rules, strategy: Strategy, modes: tu
     s = strategy.with_stages(even_stages(layers, strategy.pp, strategy.vpp, frugal))
     e = estimate(problem, s)
     gpu = problem.cluster.gpu
-    usable = usable_memory_bytes(problem, rules.memory_headroom)
+    usable = usable_memory_bytes(problem, rules)
     need = e.peak_memory_bytes
     if need <= usable:
         return (f"max_stage_imbalance {rules.max_stage_imbalance:g} binds: no partition of {layers} layers "
                 f"over pp {strategy.pp} keeps the slowest stage that close to the mean")
     return (f"stage {e.peak_memory_rank} needs {need / GIB:.1f} GiB, {gpu.name} has "
-            f"{gpu.memory_bytes / GIB:.0f} GiB ({usable / GIB:.1f} GiB usable with memory_headroom "
-            f"{rules.memory_headroom:g}); closest: {describe(s)} recompute={frugal}")
+            f"{gpu.memory_bytes / GIB:.0f} GiB ({usable / GIB:.1f} GiB usable with "
+            f"{memory_limits(problem, rules)}); closest: {describe(s)} recompute={frugal}")

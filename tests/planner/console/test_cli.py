@@ -90,3 +90,24 @@ def test_no_plan_for_want_of_solver_time_says_so(monkeypatch):
                                     "--global-batch", "32", "--seq", "2048"])
     assert out.exit_code == 3
     assert "time limit" in out.output and "--fix" in out.output
+
+
+def test_plans_carry_the_runtime_band_and_check_memory_at_its_high_side():
+    args = ["plan", "--model", "llama2-7b", "--cluster", "dgx-a100-40gb", "--gpus", "8", "--global-batch", "32",
+            "--seq", "4096", "--top", "1", "--format", "json"]
+    doc = json.loads(CliRunner().invoke(main, args).output)
+    runtime, e, band = doc["runtime"], doc["estimate"], doc["band"]
+    assert band["step_time_low_s"] == pytest.approx(e["step_time_s"] * runtime["step_time_low_ratio"], rel=1e-6)
+    assert band["step_time_high_s"] == pytest.approx(e["step_time_s"] * runtime["step_time_high_ratio"], rel=1e-6)
+    assert band["peak_memory_high_bytes"] == pytest.approx(e["peak_memory_bytes"] * runtime["memory_high_ratio"],
+                                                           rel=1e-6)
+    assert band["peak_memory_high_bytes"] <= 40 * 2**30 * 0.95 * (1 + 1e-9)   # the high side fits
+    # A margin so large that nothing fits: exit 3, the message naming both limits.
+    out = CliRunner().invoke(main, args[:-2] + ["--memory-margin", "9"])
+    assert out.exit_code == 3 and "memory_margin 9" in out.output
+
+
+def test_a_bad_memory_margin_is_named():
+    out = CliRunner().invoke(main, ["plan", "--model", "llama2-7b", "--cluster", "dgx-a100-40gb", "--gpus", "8",
+                                    "--global-batch", "32", "--memory-margin", "-1"])
+    assert out.exit_code == 2 and "--memory-margin" in out.output and "Traceback" not in out.output

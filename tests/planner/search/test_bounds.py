@@ -37,7 +37,7 @@ def case(name):
 def test_bounds_never_exceed_the_estimate(name):
     problem, rules = case(name)
     modes = recompute_modes(problem, rules)
-    usable = usable_memory_bytes(problem, rules.memory_headroom)
+    usable = usable_memory_bytes(problem, rules)
     space, _ = enumerate_space(problem, rules)
     checked = 0
     for strategy in space[::max(1, len(space) // 60)]:

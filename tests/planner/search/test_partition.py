@@ -39,8 +39,9 @@ def test_partition_matches_exhaustive_enumeration(strategy):
     program's partition is the fastest that fits (1e-3 relative for integer rounding)."""
     p = problem(batch=32)
     units = unit_costs(p, strategy)
-    usable = usable_memory_bytes(p, 0.05)
-    sol = solve_partition(p, units, strategy, ("none", "full"), 0.05, 10.0)
+    rules = replace(load_rules(), max_stage_imbalance=10.0, memory_margin=0.0)
+    usable = usable_memory_bytes(p, rules)
+    sol = solve_partition(p, units, strategy, ("none", "full"), rules)
     best = float("inf")
     layers = p.model.num_hidden_layers
     for split in itertools.product(range(1, layers), repeat=3):
@@ -68,11 +69,12 @@ def test_partition_matches_exhaustive_enumeration(strategy):
 
 
 def llama_40_layers_fsdp():
-    """The issue's case: 40 Llama 2 70B layers on 8 A100 80GB, dp 8, micro-batch 4, one
-    micro-batch per step: ZeRO-3 with every layer recomputed needs 78.07 GiB, 2 GiB over."""
+    """Issue 19's case: 40 Llama 2 70B layers on 8 A100 80GB, dp 8, micro-batch 4, one
+    micro-batch per step, counted as that issue counted it (Megatron-LM's 16-bit recipe,
+    no memory margin): ZeRO-3 with every layer recomputed needs 78.07 GiB, 2 GiB over."""
     m = replace(load_model("llama2-70b"), num_hidden_layers=40)
     c = load_cluster("dgx-a100-80gb", gpus=8)
-    p = Problem(m, c, make_training(m, c, 32, 4096))
+    p = Problem(m, c, make_training(m, c, 32, 4096, mixed_precision="megatron"))
     return p, Strategy(dp=8, tp=1, pp=1, micro_batch_size=4, num_microbatches=1, zero_stage=3)
 
 
@@ -104,11 +106,12 @@ def test_a_partition_that_does_not_fit_is_never_returned():
     full: the affine memory once under-counted it and the program returned it."""
     p, strategy = llama_40_layers_fsdp()
     units = unit_costs(p, strategy)
-    usable = usable_memory_bytes(p, 0.05)
+    rules = replace(load_rules(), memory_margin=0.0)
+    usable = usable_memory_bytes(p, rules)
     everything_full = strategy.with_stages(layout(strategy, [(40, 40, 0)]))
     assert estimate(p, everything_full, units).peak_memory_bytes == pytest.approx(78.07 * 2**30, rel=1e-3)
     assert estimate(p, everything_full, units).peak_memory_bytes > usable
-    assert solve_partition(p, units, strategy, ("none", "selective", "full"), 0.05, 0.25) is None
+    assert solve_partition(p, units, strategy, ("none", "selective", "full"), rules) is None
 
 
 def test_returned_partitions_fit_in_full():
@@ -117,15 +120,26 @@ def test_returned_partitions_fit_in_full():
     m = replace(load_model("llama2-70b"), num_hidden_layers=40)
     c = load_cluster("dgx-a100-80gb", gpus=16)
     p = Problem(m, c, make_training(m, c, 32, 4096))
-    usable = usable_memory_bytes(p, 0.05)
     rules = load_rules("fsdp")
+    usable = usable_memory_bytes(p, rules)
     modes = recompute_modes(p, rules)
     space, _ = enumerate_space(p, rules)
     returned = 0
     for strategy in space:
         units = unit_costs(p, strategy)
-        sol = solve_partition(p, units, strategy, modes, 0.05, rules.max_stage_imbalance)
+        sol = solve_partition(p, units, strategy, modes, rules)
         if isinstance(sol, Solution):
             assert estimate(p, sol.strategy, units).peak_memory_bytes <= usable
             returned += 1
     assert returned >= 1
+
+
+def test_usable_memory_is_capacity_less_headroom_over_the_margin():
+    """80 GiB x (1 - 0.05) / (1 + margin): the rules' margin when given, else the high
+    side of the runtime profile's memory band."""
+    p = problem(cluster="dgx-a100-80gb")
+    p = replace(p, runtime=replace(p.runtime, memory_high_ratio=1.08))
+    gib = 2**30
+    assert usable_memory_bytes(p, replace(load_rules(), memory_margin=0.0)) == pytest.approx(76 * gib)
+    assert usable_memory_bytes(p, replace(load_rules(), memory_margin=0.25)) == pytest.approx(76 * gib / 1.25)
+    assert usable_memory_bytes(p, load_rules()) == pytest.approx(76 * gib / 1.08)

@@ -66,7 +66,7 @@ def brute(problem):
     rows = []
     for s in space:
         units = unit_costs(problem, s)
-        solution = solve_partition(problem, units, s, modes, rules.memory_headroom, rules.max_stage_imbalance)
+        solution = solve_partition(problem, units, s, modes, rules)
         if solution is None:
             continue
         e = estimate(problem, solution.strategy, units)
