@@ -454,7 +454,7 @@ def make_training(model: ModelSpec, cluster: ClusterSpec | MixedClusterSpec, glo
     if optimizer not in OPTIMIZERS:
         raise SpecError("--optimizer", f"unknown {optimizer!r} (known: {', '.join(OPTIMIZERS)})")
     if mixed_precision not in MIXED_PRECISION:
-        raise SpecError("--mixed-precision", f"unknown {mixed_precision!r} (known: {', '.join(MIXED_PRECISION)})")
+        raise SpecError("mixed_precision", f"unknown {mixed_precision!r} (known: {', '.join(MIXED_PRECISION)})")
     return TrainingSpec(batch, seq, precision, optimizer, flash_attention, mixed_precision)
 
 
