@@ -26,9 +26,10 @@ Known differences between the tracker and a GPU, left in the figures:
   parallel/loss.py, _propagate_tensor_meta); under FakeTensorMode the tracker counts
   them as memory: two fp32 tensors of tokens x the whole vocabulary (7.83 GiB for
   Llama-3-8B at seq 8192), which no GPU allocates (LOSS_PARALLEL_META_BYTES).
-- Pythia (GPT-NeoX): the fused query_key_value output stays alive through V's view
-  (4 bytes per s*h per layer more than separate projections); Phi-2: SDPA's head-major
-  output is copied on CPU and dropout masks are kept in bf16 (bool on CUDA).
+- Phi-2: SDPA's output is head-major on CPU after the partial rotary's cat, so its
+  transpose-reshape is a copy (2 bytes per s*h per layer, not counted: CUDA's flash
+  kernels write it token-major); dropout masks are bf16 on CPU (bool on CUDA; counted
+  at 2 bytes).
 
 Kinds, tracker -> cost model: parameters (sharded params, buffers) -> weights;
 gradients live at the peak -> gradients; optimizer states -> optimizer; activations

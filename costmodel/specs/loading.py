@@ -78,7 +78,7 @@ _HF_ARCHITECTURE = {
              "lm_head_bias": True}, False),
     # GPTNeoXLayer: input_layernorm and post_attention_layernorm, parallel when
     # use_parallel_residual; partial rotary.
-    "gpt_neox": ({"position_embedding": "rope"}, False),
+    "gpt_neox": ({"position_embedding": "rope", "fused_qkv": True}, False),
     # GPTJBlock: one ln_1, attention without biases, MLP with, lm_head with bias.
     "gptj": ({"position_embedding": "rope", "parallel_block": True, "norms_per_layer": 1,
               "attention_bias": False, "attention_out_bias": False, "lm_head_bias": True}, False),
@@ -97,7 +97,8 @@ _MODEL_INT_FIELDS = (
     "intermediate_size", "vocab_size", "max_position_embeddings",
     "num_local_experts", "num_experts_per_tok",
 )
-_MODEL_BOOL_FIELDS = ("attention_bias", "attention_out_bias", "mlp_bias", "qk_norm", "parallel_block", "lm_head_bias")
+_MODEL_BOOL_FIELDS = ("attention_bias", "attention_out_bias", "mlp_bias", "qk_norm", "parallel_block", "lm_head_bias",
+                      "fused_qkv")
 _MODEL_CHOICE_FIELDS = {"mlp": MLP_KINDS, "norm": NORM_KINDS, "position_embedding": POSITION_KINDS}
 
 
@@ -523,7 +524,7 @@ def make_training(model: ModelSpec, cluster: ClusterSpec | MixedClusterSpec, glo
     if optimizer not in OPTIMIZERS:
         raise SpecError("--optimizer", f"unknown {optimizer!r} (known: {', '.join(OPTIMIZERS)})")
     if mixed_precision not in MIXED_PRECISION:
-        raise SpecError("--mixed-precision", f"unknown {mixed_precision!r} (known: {', '.join(MIXED_PRECISION)})")
+        raise SpecError("mixed_precision", f"unknown {mixed_precision!r} (known: {', '.join(MIXED_PRECISION)})")
     return TrainingSpec(batch, seq, precision, optimizer, flash_attention, mixed_precision)
 
 

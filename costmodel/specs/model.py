@@ -69,6 +69,7 @@ class ModelSpec:
     sliding_window: int | None = None       # Mistral: a mask is built once seq_len reaches it
     hidden_act: str | None = None           # HF's name; "gelu_new" is an elementwise formula
     resid_dropout: float = 0.0              # dropout on the attention and MLP outputs (Phi, GPT-2)
+    fused_qkv: bool = False                 # one q/k/v projection whose output V is a view of (GPT-NeoX)
 
     def __post_init__(self):
         family = FAMILY_DEFAULTS.get(self.model_type, _LLAMA)
@@ -116,4 +117,4 @@ class ModelSpec:
 
 _ARCHITECTURE_FIELDS = ("head_dim", "mlp", "norm", "position_embedding", "attention_bias", "attention_out_bias",
                         "mlp_bias", "qk_norm", "parallel_block", "norms_per_layer", "lm_head_bias",
-                        "sliding_window", "hidden_act", "resid_dropout")
+                        "sliding_window", "hidden_act", "resid_dropout", "fused_qkv")

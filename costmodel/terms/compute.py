@@ -165,7 +165,7 @@ def embedding_compute_s(model: ModelSpec, cluster: ClusterSpec, training: Traini
     """Forward seconds of the embedding lookup (and position add): writes b*s*h values."""
     traffic = _kernel_factors(runtime)[1]
     tokens = micro_batch_size * training.seq_len
-    reads = 2 if model.is_gpt else 1
+    reads = 2 if model.position_embedding == "learned" else 1
     return memory_bound_time_s(traffic * (reads + 1) * activation_bytes_per_value(training) * tokens
                                * model.hidden_size, cluster)
 

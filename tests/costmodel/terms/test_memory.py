@@ -309,4 +309,4 @@ def test_loss_peak_is_three_fp32_logit_tensors(dgx):
 def test_mixed_precision_must_be_known(dgx):
     with pytest.raises(SpecError) as err:
         training(load_model("tiny-llama"), dgx, mixed_precision="amp")
-    assert err.value.field == "--mixed-precision"
+    assert err.value.field == "mixed_precision"

@@ -107,3 +107,15 @@ def test_h200_runs_of_the_executor():
             assert -0.03 <= error <= 0.05, row["request"]
         else:
             assert row["estimate_bytes"] > row["gpu_bytes"], row["request"]
+
+
+@pytest.mark.parametrize("name, mixed", [("llama-3-8b", "param_dtype"), ("qwen3-1.7b", "param_dtype"),
+                                         ("gemma-2b", "param_dtype"), ("pythia-1.4b", "param_dtype"),
+                                         ("llama3-8b", "autocast")])
+def test_saved_tensors_per_layer_are_counted(name, mixed):
+    """What autograd saves for one layer (saved_tensors_hooks, bf16, seq 1024) equals
+    costmodel.terms.memory's count, within Gemma's per-layer fp32 (1 + w) (16 bytes per
+    token) and, under autocast on CPU, the head-major SDPA output copy CUDA does not make."""
+    measured, estimated = bench.saved_bytes_per_layer(name, mixed)
+    cpu_only = 2.0 if mixed == "autocast" else 0.0
+    assert measured == pytest.approx(estimated + cpu_only, abs=0.01)
