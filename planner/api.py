@@ -50,10 +50,12 @@ def make_problem(model: str, cluster: str, global_batch: Any, *, nodes: Any = No
     else:
         model_spec = load_model(model, overrides)
     cluster_spec = load_cluster(cluster, nodes=nodes, gpus=gpus)
-    training = make_training(model_spec, cluster_spec, global_batch, seq_len, precision, optimizer, flash_attention)
+    runtime = runtime if isinstance(runtime, RuntimeSpec) else load_runtime(runtime)
+    # The engine decides how a 16-bit run holds its weights, and so what memory counts.
+    training = make_training(model_spec, cluster_spec, global_batch, seq_len, precision, optimizer, flash_attention,
+                             runtime.mixed_precision)
     measured = load_measured_times(profile, model_spec, training) if profile is not None else None
-    problem = Problem(model_spec, cluster_spec, training, measured,
-                      runtime if isinstance(runtime, RuntimeSpec) else load_runtime(runtime))
+    problem = Problem(model_spec, cluster_spec, training, measured, runtime)
     check_fix(problem, fix or {})
     return problem
 

@@ -463,8 +463,8 @@ def mixed_cluster_from_dict(data: dict, name: str) -> MixedClusterSpec:
 def runtime_from_dict(data: dict, name: str, field: str = "--runtime") -> RuntimeSpec:
     """Validate a runtime profile mapping (configs/runtimes/*.yaml, or a plan's
     `runtime`) into a RuntimeSpec; SpecError names `field`.the_key."""
-    allowed = {"name", "version", "description", "fitted_on", *FRACTION_FIELDS, *NUMBER_FIELDS, *FLAG_FIELDS,
-               *BAND_FIELDS}
+    allowed = {"name", "version", "description", "fitted_on", "mixed_precision", *FRACTION_FIELDS, *NUMBER_FIELDS,
+               *FLAG_FIELDS, *BAND_FIELDS}
     _check_keys(data, allowed, field)
     values: dict[str, Any] = {"name": str(data.get("name", name)),
                               "version": as_int(data.get("version"), f"{field}.version")}
@@ -475,6 +475,11 @@ def runtime_from_dict(data: dict, name: str, field: str = "--runtime") -> Runtim
         if key in data:
             values[key] = as_float(data[key], f"{field}.{key}",
                                    exclusive=key not in ("collective_half_bytes", "layer_launch_s", "step_overhead_s"))
+    if "mixed_precision" in data:
+        if data["mixed_precision"] not in MIXED_PRECISION:
+            raise SpecError(f"{field}.mixed_precision",
+                            f"unknown {data['mixed_precision']!r} (known: {', '.join(MIXED_PRECISION)})")
+        values["mixed_precision"] = data["mixed_precision"]
     for key in BAND_FIELDS:
         if key in data:
             values[key] = as_float(data[key], f"{field}.{key}", exclusive=True)

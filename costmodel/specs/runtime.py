@@ -60,6 +60,10 @@ class RuntimeSpec:
     layer_launch_s: float = 0.0
     # Seconds per step outside the layers: launch, optimizer bookkeeping, host sync.
     step_overhead_s: float = 0.0
+    # How the engine holds a 16-bit run's weights (costmodel.specs.training.MIXED_PRECISION):
+    # what the memory terms count. The executor casts under torch.autocast; Megatron-LM
+    # and DeepSpeed keep 16-bit weights and gradients beside an fp32 master copy.
+    mixed_precision: str = "autocast"
     # The band an estimate under this runtime carries: measured over predicted, at its
     # least and most, over the rows that `bench/calibrate_runtime.py` held out of the
     # fit (step time) or that PyTorch's own accounting and real runs give (peak memory,

@@ -136,11 +136,13 @@ def layer_compute(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
     # GELU reads and writes f values; SwiGLU reads two and writes one; sharded by tp.
     act_values = (3 if model.gated_mlp else 2) * f * model.num_experts_per_tok
     activation = value * act_values * tokens / tp
-    if model.is_gpt and not (runtime is not None and runtime.torch_compile):
+    one_kernel_each = model.norm == "layernorm" and not model.gated_mlp and model.position_embedding == "learned"
+    if one_kernel_each and not (runtime is not None and runtime.torch_compile):
         # The runtime's eager traffic factor counts the norms, rotary embedding and gated
         # activation that PyTorch code writes as several tensor ops (torchtitan's and the
-        # executor's RMSNorm, apply_rope, silu(x) * y); GPT's LayerNorm and GELU are one
-        # kernel each in eager PyTorch (nn.LayerNorm, F.gelu) and are charged one pass.
+        # executor's RMSNorm, apply_rope, silu(x) * y); LayerNorm and an ungated GELU with
+        # learned positions (GPT) are one kernel each in eager PyTorch (nn.LayerNorm,
+        # F.gelu) and are charged one pass.
         traffic = 1.0
     elementwise = memory_bound_time_s(traffic * (replicated + activation), cluster)
     return LayerCompute(gemm, core, elementwise)

@@ -39,20 +39,23 @@ def test_cli_infeasible_exits_3_naming_memory():
     assert "needs" in out.output and "GiB" in out.output and "would fit if you use" in out.output
 
 
-# The two requests issue 19 found the search wrong on.
+# The two requests issue 19 found the search wrong on, priced as that issue priced them:
+# Megatron-LM's runtime and 16-bit recipe, memory checked at the estimate itself.
+ISSUE_19 = ["--runtime", "megatron", "--memory-margin", "0"]
 GPT3_16_LAYERS = ["plan", "--model", "gpt3-175b", "--set", "num_hidden_layers=16", "--cluster", "dgx-a100-80gb",
-                  "--gpus", "32", "--global-batch", "64", "--seq", "2048", "--rules", "megatron", "--format", "json"]
+                  "--gpus", "32", "--global-batch", "64", "--seq", "2048", "--rules", "megatron", "--format", "json",
+                  *ISSUE_19]
 LLAMA2_40_LAYERS = ["plan", "--model", "llama2-70b", "--set", "num_hidden_layers=40", "--cluster", "dgx-a100-80gb",
-                    "--gpus", "8", "--global-batch", "32", "--seq", "4096", "--fix", "dp=8,mbs=4"]
+                    "--gpus", "8", "--global-batch", "32", "--seq", "4096", "--fix", "dp=8,mbs=4", *ISSUE_19]
 
 
 def test_the_search_finds_the_plan_its_bounds_once_pruned():
     """dp 16, tp 2, mbs 4 (one micro-batch: activations and gradients never coexist)
-    runs in 3.0954 s; the bounds once pruned it and returned dp 8 tp 4 at 3.2033 s."""
+    is the fastest; the bounds once pruned it and returned dp 8 tp 4, 3.5% slower."""
     best = json.loads(CliRunner().invoke(main, GPT3_16_LAYERS).output)
     pinned = json.loads(CliRunner().invoke(main, GPT3_16_LAYERS + ["--fix", "dp=16,tp=2,mbs=4"]).output)
-    assert best["estimate"]["step_time_s"] <= pinned["estimate"]["step_time_s"]
-    assert best["estimate"]["step_time_s"] == pytest.approx(3.0954, abs=1e-4)
+    assert best["estimate"]["step_time_s"] == pinned["estimate"]["step_time_s"]
+    assert (best["strategy"]["dp"], best["strategy"]["tp"], best["strategy"]["micro_batch_size"]) == (16, 2, 4)
     assert best["search"]["gap"] == 0.0 and best["search"]["solver_timeouts"] == 0
 
 
