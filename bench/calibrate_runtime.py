@@ -131,7 +131,10 @@ def torchtitan_rows() -> tuple[list[Row], list[str]]:
         s, gpus = run["strategy"], run["gpus"]
         model = load_model(TORCHTITAN_MODELS[run["model"]["name"]])
         cluster = load_cluster("grand-teton-h100", gpus=gpus)
-        training = make_training(model, cluster, s["global_batch_size"], s["seq_len"], "bf16", "adamw", True)
+        # torchtitan shards with FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
+        # (torchtitan/distributed/utils.py), which gathers 16-bit weights: "param_dtype".
+        training = make_training(model, cluster, s["global_batch_size"], s["seq_len"], "bf16", "adamw", True,
+                                 "param_dtype")
         recompute = "full" if s["activation_checkpointing"] == "full" else "selective"
         if s["pp"] > 1:
             raise SystemExit(f"{run['id']}: a bf16 PP row; map its schedule before using it")
