@@ -482,6 +482,7 @@ def evaluate(source, model_name, cluster_name, nodes, gpus, global_batch, seq, p
     shardwise evaluate --from deepspeed ds_config.json --model llama2-7b --cluster dgx-a100-80gb --gpus 8 --seq 4096
     """
     from planner.interop.evaluate import (
+        band_line,
         evaluate_config,
         evaluation_document,
         memory_line,
@@ -504,6 +505,7 @@ def evaluate(source, model_name, cluster_name, nodes, gpus, global_batch, seq, p
         click.echo(dumps(evaluation_document(ev)), nl=False)
         return
     click.echo(summary_line(ev))
+    click.echo(band_line(ev))
     if memory_line(ev):
         click.echo(memory_line(ev))
     reasons = reason_lines(ev)

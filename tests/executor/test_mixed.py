@@ -268,8 +268,12 @@ def test_a_plan_the_planner_made_for_a_mixed_cluster_runs_as_one_process(fix, mi
     doc = plan("tiny-gpt", str(mixed_cluster_file), BATCH, seq_len=16, precision="fp32", fix=fix)
     s = doc["strategy"]
     if fix["pp"] == 1:
-        # Half the peak: the fast replica takes the larger share of the 4 micro-batches.
-        assert s["replica_groups"] == ["fast", "slow"] and s["replica_microbatches"][0] > s["replica_microbatches"][1]
+        # The fast replica takes at least the slow one's share of the 4 micro-batches (on
+        # layers this small the runtime's per-layer launch cost can outweigh the slow
+        # group's half-speed compute and even the shares; uneven shares run in
+        # test_replica_shares_train_as_one_process).
+        assert s["replica_groups"] == ["fast", "slow"] and s["replica_microbatches"][0] >= s["replica_microbatches"][1]
+        assert sum(s["replica_microbatches"]) == BATCH
     else:
         assert sorted(s["stage_groups"]) == ["fast", "slow"]
     path = tmp_path / "plan.json"
