@@ -52,20 +52,17 @@ JOBS = [
 ]
 
 
-# Why a plan may claim more than the published run, job by job (read from the printed breakdowns; the
-# memory model is being rewritten elsewhere and is taken as it is).
+# Why a plan may claim more than the published run, job by job (read from the printed breakdowns).
 WHY = {
     "GPT-3 175B on 128 A100 80GB": (
         "the published 51.4% ran global batch 64 (pipeline bubble (p-1)/(v m) = 7/192 of compute plus selective "
         "recompute); at batch 1536 the bubble all but vanishes and the plan recomputes only some layers (mixed), "
         "so ~90% of the step is compute at the GEMM curve's efficiency for tp 2-4 shards, which the curve "
-        "extrapolates from Korthikanti's tp-8 layer (no published A100 layer measures it there); and the "
-        "activation memory that decides how little it recomputes comes from the memory model under rewrite"),
+        "extrapolates from Korthikanti's tp-8 layer (no published A100 layer measures it there)"),
     "Llama 3 70B on 64 H100": (
         "torchtitan's 31.8% ran on 500 W H100s (a GEMM ceiling of 0.72 against the SXM's 0.80 here) with full "
         "recompute (a third more compute); Meta's 38-43% is 405B at 8-16k GPUs. The plan recomputes only some "
-        "layers on 700 W SXM parts, under a memory model that under-counts bf16 runs by ~16% (issue 19), so "
-        "it may recompute less than would fit"),
+        "layers on 700 W SXM parts"),
     "Llama 3 405B on 1024 H100": (
         "Meta's 43% is at 8,192 GPUs (dp 64, more DP traffic and stragglers over a 54-day run); at 1,024 GPUs "
         "the same tp 8 pp 8 plan pays less data-parallel time; under pytorch-native the excess is a few points, "
