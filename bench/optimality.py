@@ -48,7 +48,7 @@ from planner.search.mixed import search_mixed
 from planner.search.partition import (
     layout,
     rank_bytes,
-    rank_stages,
+    rank_strategy,
     usable_memory_bytes,
 )
 from planner.search.space import describe, enumerate_space, recompute_modes
@@ -122,7 +122,7 @@ def _rank_options(problem, units, strategy, pp_rank, layers, modes, usable):
         counts = (layers, full, sel)
         if rank_bytes(problem, units, strategy, pp_rank, counts) > usable:
             continue
-        s = replace(strategy, stages=rank_stages(strategy, pp_rank, *counts))
+        s = rank_strategy(strategy, pp_rank, counts)
         times = (rank_work(units, s, pp_rank).total_s, dp_sync_s(problem, units, s, pp_rank),
                  optimizer_step_s(problem, units, s, pp_rank))
         fits.append((times, counts))

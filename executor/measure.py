@@ -69,37 +69,37 @@ def measure_gemm(device: torch.device, dtype: torch.dtype, shapes=GEMM_SHAPES, r
 
 
 def measure_roofline(device: torch.device, dtype: torch.dtype, reps: int, max_seconds: float) -> tuple[list, list, dict]:
-    """Square GEMMs and elementwise passes, each doubled in size until its rate settles
-    (changes by less than ROOFLINE_SETTLED between two sizes) or one call would take
-    longer than `max_seconds`: the small shapes a layer asks for never reach a chip's
-    peak (on an H200 a 4096 x 256 x 256 GEMM runs at a third of it, a 4 MiB copy at an
-    eighth of its bandwidth), and a fitted spec must rest on measurements that did.
-    Returns the GEMM points, the elementwise points and whether each settled."""
-    gemm, settled_gemm = [], False
-    dim = 256
-    while dim <= MAX_ROOFLINE_DIM:
-        point = measure_gemm(device, dtype, [(dim, dim, dim)], reps)[0]
-        gemm.append(point)
-        rates = [2 * p["m"] ** 3 / p["seconds"] for p in gemm]
-        if len(rates) > 1 and abs(rates[-1] / rates[-2] - 1) < ROOFLINE_SETTLED:
-            settled_gemm = True
-            break
-        if point["seconds"] * 8 > max_seconds:   # the next size does 8x the work
-            break
-        dim *= 2
-    elementwise, settled_bandwidth = [], False
-    size = ELEMENTWISE_BYTES[0]
-    while size <= MAX_ROOFLINE_BYTES:
-        point = measure_elementwise(device, dtype, [size], reps)[0]
-        elementwise.append(point)
-        rates = [p["bytes"] / p["seconds"] for p in elementwise]
-        if len(rates) > 1 and abs(rates[-1] / rates[-2] - 1) < ROOFLINE_SETTLED:
-            settled_bandwidth = True
-            break
-        if point["seconds"] * 4 > max_seconds:
-            break
-        size *= 4
+    """Square GEMMs (side doubled) and elementwise passes (size x4), each grown until its
+    rate settles (changes by less than ROOFLINE_SETTLED between two sizes) or the next
+    call would take longer than `max_seconds`: the small shapes a layer asks for never
+    reach a chip's peak (on an H200 a 4096 x 256 x 256 GEMM runs at a third of it, a
+    4 MiB copy at an eighth of its bandwidth), and a fitted spec must rest on
+    measurements that did. Returns the GEMM points, the elementwise points and whether
+    each settled."""
+    gemm, settled_gemm = _grow_until_settled(
+        lambda dim: measure_gemm(device, dtype, [(dim, dim, dim)], reps)[0], 256, MAX_ROOFLINE_DIM, 2, 8,
+        lambda p: 2 * p["m"] * p["n"] * p["k"] / p["seconds"], max_seconds)
+    elementwise, settled_bandwidth = _grow_until_settled(
+        lambda size: measure_elementwise(device, dtype, [size], reps)[0], ELEMENTWISE_BYTES[0], MAX_ROOFLINE_BYTES, 4,
+        4, lambda p: p["bytes"] / p["seconds"], max_seconds)
     return gemm, elementwise, {"gemm_settled": settled_gemm, "bandwidth_settled": settled_bandwidth}
+
+
+def _grow_until_settled(measure, first: int, last: int, growth: int, work_growth: int, rate,
+                        max_seconds: float) -> tuple[list, bool]:
+    """Points measure(size) for size = first, first x growth, ... up to `last`, until
+    two in a row differ in rate by less than ROOFLINE_SETTLED (True) or the next size,
+    `work_growth` times the work (8 for a square GEMM's doubled side), would take longer
+    than `max_seconds` (False)."""
+    points, size = [], first
+    while size <= last:
+        points.append(measure(size))
+        if len(points) > 1 and abs(rate(points[-1]) / rate(points[-2]) - 1) < ROOFLINE_SETTLED:
+            return points, True
+        if points[-1]["seconds"] * work_growth > max_seconds:
+            break
+        size *= growth
+    return points, False
 
 
 def measure_elementwise(device: torch.device, dtype: torch.dtype, sizes=ELEMENTWISE_BYTES, reps: int = 5,

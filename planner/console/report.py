@@ -77,7 +77,8 @@ def band_line(doc: dict) -> str:
     """What the band columns mean, with the runtime profile they come from."""
     runtime = doc.get("runtime", {})
     return (f"band: measured over estimated on runs the {runtime.get('name', 'runtime')} profile was not fitted on "
-            f"(bench/calibrate_runtime.py); plans are checked at the memory band's high side unless --memory-margin says otherwise")
+            f"(bench/calibrate_runtime.py); plans are checked at the memory band's high side unless "
+            f"--memory-margin says otherwise")
 
 
 def explain_tables(doc: dict) -> tuple[list[str], list[tuple[str, list[str], list[list[str]]]]]:

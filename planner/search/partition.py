@@ -98,7 +98,7 @@ class TimedOut:
     bound_s: float
 
 
-def rank_stages(strategy: Strategy, pp_rank: int, layers: int, full: int, selective: int) -> tuple[Stage, ...]:
+def _rank_stages(strategy: Strategy, pp_rank: int, layers: int, full: int, selective: int) -> tuple[Stage, ...]:
     """Rank `pp_rank`'s chunks with `layers` layers, as `split_rank` lays them out.
     Layer offsets are placeholders: the cost model only counts layers per rank."""
     counts = _split(layers, strategy.vpp)
@@ -128,7 +128,7 @@ def rank_model(problem: Problem, units: UnitCosts, strategy: Strategy, pp_rank: 
     v = strategy.vpp
 
     def at(layers: int, full: int = 0, selective: int = 0):
-        s = replace(strategy, stages=rank_stages(strategy, pp_rank, layers, full, selective))
+        s = rank_strategy(strategy, pp_rank, (layers, full, selective))
         window = layers * units.layer_backward_s
         return (rank_work(units, s, pp_rank).total_s,
                 rank_memory(problem, units, s, pp_rank).total_bytes,
@@ -197,7 +197,8 @@ def solve_partition(problem: Problem, units: UnitCosts, strategy: Strategy, mode
                                   + abs(r.optimizer.per_layer) + abs(r.dp_exposed.per_layer))
                       for r in ranks)) + 1000 * (layers + pp)
     n_vars, t_vars = [], []
-    caps = [math.floor(usable_memory_bytes(p, rules) / MEMORY_UNIT_BYTES) for p, _ in rank_costs]
+    usable = [usable_memory_bytes(p, rules) for p, _ in rank_costs]
+    caps = [math.floor(u / MEMORY_UNIT_BYTES) for u in usable]
     mem_cap = max(caps)
     exposed = model.NewIntVar(0, big_t, "dp_exposed")
     opt = model.NewIntVar(0, big_t, "optimizer")
@@ -252,8 +253,7 @@ def solve_partition(problem: Problem, units: UnitCosts, strategy: Strategy, mode
         if isinstance(solved, str):
             return None if solved == "infeasible" else TimedOut(0.0)
         status, value, bound, counts = solved
-        over = [r for r, (p, u) in enumerate(rank_costs)
-                if rank_bytes(p, u, strategy, r, counts[r]) > usable_memory_bytes(p, rules)]
+        over = [r for r, (p, u) in enumerate(rank_costs) if rank_bytes(p, u, strategy, r, counts[r]) > usable[r]]
         if not over:
             break
         for r in over:   # the affine memory under-counted this rank's layer counts
@@ -292,12 +292,16 @@ def _solve(model: cp_model.CpModel, n_vars: list, objective: str, peak_mem, time
     return status, solver.ObjectiveValue(), solver.BestObjectiveBound(), counts
 
 
+def rank_strategy(strategy: Strategy, pp_rank: int, counts: tuple[int, int, int]) -> Strategy:
+    """`strategy` with only rank `pp_rank`'s stages, holding `counts` (layers, full,
+    selective): what the cost model's per-rank functions read."""
+    return replace(strategy, stages=_rank_stages(strategy, pp_rank, *counts))
+
+
 def rank_bytes(problem: Problem, units: UnitCosts, strategy: Strategy, pp_rank: int,
-                counts: tuple[int, int, int]) -> float:
-    """The full cost model's peak memory of rank `pp_rank` holding `counts` (layers,
-    full, selective)."""
-    s = replace(strategy, stages=rank_stages(strategy, pp_rank, *counts))
-    return rank_memory(problem, units, s, pp_rank).total_bytes
+               counts: tuple[int, int, int]) -> float:
+    """The full cost model's peak memory of rank `pp_rank` holding `counts`."""
+    return rank_memory(problem, units, rank_strategy(strategy, pp_rank, counts), pp_rank).total_bytes
 
 
 def layout(strategy: Strategy, counts: list[tuple[int, int, int]]) -> tuple[Stage, ...]:
@@ -306,7 +310,7 @@ def layout(strategy: Strategy, counts: list[tuple[int, int, int]]) -> tuple[Stag
     pp = strategy.pp
     chunks = {}
     for r, (layers, full, selective) in enumerate(counts):
-        for stage in rank_stages(strategy, r, layers, full, selective):
+        for stage in _rank_stages(strategy, r, layers, full, selective):
             chunks[stage.index] = stage
     stages, first = [], 0
     for index in range(strategy.num_virtual_stages):
