@@ -57,6 +57,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -77,7 +78,7 @@ from costmodel.specs.loading import load_cluster, load_model, make_training  # n
 from costmodel.strategy import Strategy, even_stages  # noqa: E402
 from costmodel.terms import memory  # noqa: E402
 from costmodel.units import GIB  # noqa: E402
-from executor.models import build_model, cross_entropy, materialize  # noqa: E402
+from executor.models import build_model, cross_entropy, materialize, op_level_context  # noqa: E402
 from executor.parallelize import apply_fsdp, apply_tensor_parallel  # noqa: E402
 from executor.train import TrainConfig, make_optimizer  # noqa: E402
 
@@ -93,6 +94,8 @@ class Case:
     parallel: str     # "zero3" (dp 8) or "tp" (tp 8)
     precision: str = "fp32"
     seq_len: int | None = None   # None: the run's (main's) sequence length
+    micro_batch_size: int = 1
+    recompute: str = "none"      # "selective": op-level (torchtitan's per-op SAC), every layer
 
     @property
     def hf(self) -> bool:
@@ -130,6 +133,10 @@ BF16_CASES = (
     Case("Pythia-1.4B fsdp8 bf16", _hf("pythia-1.4b"), "zero3", "bf16", 2048),
     Case("executor llama3-8b zero3 dp8 autocast", "llama3-8b", "zero3", "bf16", 4096),
     Case("executor llama3-8b tp8 autocast", "llama3-8b", "tp", "bf16", 8192),
+    # torchtitan's Llama 3.1 8B rows (torchtitan_h100_runs.json: FSDP 8, local batch 2,
+    # seq 8192, per-op SAC), as transformers builds the model and as the executor runs it.
+    Case("Llama-3-8B fsdp8 bf16 mbs2 op-SAC", _hf("llama-3-8b"), "zero3", "bf16", 8192, 2, "selective"),
+    Case("executor llama3-8b zero3 dp8 autocast op-SAC", "llama3-8b", "zero3", "bf16", 4096, 2, "selective"),
 )
 
 # Tracker reference types by the cost model's kinds (FSDPMemTracker's _FSDPRefType and
@@ -163,12 +170,13 @@ def problem_and_strategy(case: Case, seq_len: int, layers: int | None) -> tuple[
     # Flash attention as the model runs it: the executor calls SDPA (fused on CPU, the
     # s x s scores never stored); transformers is built with eager attention.
     # bf16 Hugging Face models run SDPA (flash attention); fp32 ones eager.
-    training = make_training(spec, cluster, dp, seq_len, precision=case.precision, optimizer="adamw",
+    training = make_training(spec, cluster, dp * case.micro_batch_size, seq_len, precision=case.precision,
+                             optimizer="adamw",
                              flash_attention=not case.hf or case.precision != "fp32",
                              mixed_precision=case.mixed_precision)
-    strategy = Strategy(dp=dp, tp=tp, pp=1, micro_batch_size=1, num_microbatches=1,
-                        zero_stage=3 if case.parallel == "zero3" else 0,
-                        stages=even_stages(spec.num_hidden_layers, 1))
+    strategy = Strategy(dp=dp, tp=tp, pp=1, micro_batch_size=case.micro_batch_size, num_microbatches=1,
+                        zero_stage=3 if case.parallel == "zero3" else 0, recompute=case.recompute,
+                        stages=even_stages(spec.num_hidden_layers, 1, recompute=case.recompute))
     return Problem(spec, cluster, training), strategy
 
 
@@ -214,7 +222,10 @@ def _shard_hf(model, case: Case, mesh) -> None:
         embed = getattr(inner, "embed_tokens", None) or getattr(inner, "embed_in", None)
         norm = getattr(inner, "norm", None) or getattr(inner, "final_layernorm", None) or getattr(inner, "final_layer_norm", None)
         head = getattr(model, "lm_head", None) or getattr(model, "embed_out", None)
-        for layer in layers:
+        for i, layer in enumerate(layers):
+            if case.recompute == "selective":
+                # torchtitan wraps each block so (distributed/activation_checkpoint.py).
+                layer = layers[i] = checkpoint_wrapper(layer, context_fn=op_level_context)
             fully_shard(layer, mesh=mesh, mp_policy=mp)
         if not model.config.tie_word_embeddings:
             fully_shard(embed, mesh=mesh, mp_policy=mp)
@@ -240,6 +251,8 @@ def _build(case: Case, seq_len: int, layers: int | None, mesh):
         return model, lambda x: model(x, use_cache=False).logits.float()   # transformers' loss upcasts
     spec = model_spec(case, layers)
     model = build_model(spec, seq_len)
+    for layer in model.layers.values():
+        layer.set_recompute(case.recompute)
     if case.parallel == "zero3":
         apply_fsdp(model, mesh, 3, set())
     else:
@@ -282,8 +295,8 @@ def tracked(case: Case, seq_len: int, layers: int | None = None) -> dict:
         _materialize(model, case)
         optimizer = make_optimizer("adamw", model.parameters(), TrainConfig())
         vocab = model_spec(case, layers).vocab_size
-        x = torch.randint(0, vocab, (1, seq_len))
-        y = torch.randint(0, vocab, (1, seq_len))
+        x = torch.randint(0, vocab, (case.micro_batch_size, seq_len))
+        y = torch.randint(0, vocab, (case.micro_batch_size, seq_len))
         if case.parallel == "zero3":
             tracker = FSDPMemTracker(model, optimizer)
             tracker.track_inputs((x, y))
@@ -326,7 +339,8 @@ def compare(case: Case, seq_len: int, layers: int | None = None) -> dict:
     problem, strategy = problem_and_strategy(case, seq_len, layers)
     states = memory.sharded_state_bytes(sum_parameters(problem, strategy), problem.training,
                                         strategy.zero_stage, strategy.dp)
-    return {"case": case.name, "seq_len": seq_len, "layers": problem.model.num_hidden_layers,
+    return {"case": case.name, "seq_len": seq_len, "micro_batch_size": case.micro_batch_size,
+            "recompute": case.recompute, "layers": problem.model.num_hidden_layers,
             "precision": case.precision if case.precision == "fp32" else f"{case.precision} {case.mixed_precision}",
             "vocab_size": problem.model.vocab_size,
             "tracker": measured["peak"], "predicted": predicted(case, seq_len, layers),
@@ -352,7 +366,8 @@ def table(rows: list[dict]) -> str:
     lines = []
     for row in rows:
         t, p = row["tracker"], row["predicted"]
-        lines.append(f"{row['case']}  (seq {row['seq_len']}, {row['layers']} layers, micro-batch 1, "
+        lines.append(f"{row['case']}  (seq {row['seq_len']}, {row['layers']} layers, "
+                     f"micro-batch {row.get('micro_batch_size', 1)}, "
                      f"{row.get('precision', 'fp32')}, AdamW)")
         lines.append(f"  {'kind':14s} {'tracker GiB':>12s} {'predicted GiB':>14s}")
         for kind in KINDS:
@@ -507,6 +522,8 @@ def main(which: str = "all") -> None:
         print(saved_table())
         return
     cases = (CASES if which in ("all", "fp32") else ()) + (BF16_CASES if which in ("all", "bf16") else ())
+    if which == "sac":
+        cases = tuple(c for c in BF16_CASES if c.recompute == "selective")
     rows = []
     for case in cases:
         rows.append(compare(case, case.seq_len or 2048))

@@ -29,7 +29,8 @@ does; this module gives it the model and the user's optimizer. Two kinds of mode
   * data parallelism: DDP for ZeRO 0 (PyTorch's `replicate` over TP weights), FSDP2 for
     ZeRO 2 and 3; ZeRO 1 runs as ZeRO 2 (the same traffic; the optimizer is the user's,
     so it cannot be wrapped in ZeroRedundancyOptimizer);
-  * full recompute: `checkpoint_wrapper` on the first layers of each stage.
+  * recompute: `checkpoint_wrapper` on the first layers of each stage, whole (full) or
+    under the op-level policy (selective; executor.models.op_level_context).
   A model it cannot split as the plan asks gets UnsupportedPlan naming the module; its
   weights go in and out under the model's own names and layouts.
 """
@@ -63,6 +64,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from costmodel.specs import ModelSpec, TrainingSpec
 from costmodel.strategy import Strategy
 from costmodel.trace import split_role
+from executor.models import op_level_context
 from executor.mesh import RankMesh, tied_ends_group
 from executor.parallelize import BuiltinModel, UnsupportedPlan, wrap_ddp
 from executor.step import Accumulation, ModelParts, StageShapes, TiedEmbedding
@@ -193,16 +195,13 @@ def refuse_unsupported(strategy: Strategy) -> None:
                      ("ep", strategy.ep == 1), ("schedule", strategy.schedule != "interleaved")):
         if not ok:
             raise UnsupportedPlan(f"plan.strategy.{knob}: auto_parallelize on a Hugging Face model runs tp, "
-                                  f"pp (gpipe, 1f1b), dp, ZeRO and full recompute; plan with --fix "
+                                  f"pp (gpipe, 1f1b), dp, ZeRO and recompute; plan with --fix "
                                   f"sp=off,vpp=1,ep=1")
     if len(set(strategy.replica_microbatches)) > 1:
         raise UnsupportedPlan(f"plan.strategy.replica_groups: auto_parallelize on a Hugging Face model gives "
                               f"every replica an equal share, the plan's are "
                               f"{list(strategy.replica_microbatches)} micro-batches; run uneven shares with "
                               f"Shardwise's own models, or plan with stage groups")
-    if any(st.selective_recompute_layers for st in strategy.stages):
-        raise UnsupportedPlan("plan.strategy.stages: selective recompute needs the attention core as a "
-                              "module of its own; plan with --fix recompute=full or none")
 
 
 class DecoderStage(nn.Module):
@@ -333,9 +332,12 @@ class DecoderModel:
             setattr(lm, _child_name(lm, head), None)
         if s.tp > 1:
             self._tensor_parallel(lm, base, stack_name, prefix)
+        full, selective = stage.full_recompute_layers, stage.selective_recompute_layers
         for i, layer in enumerate(getattr(base, stack_name)):
-            if i < stage.full_recompute_layers:
+            if i < full:
                 getattr(base, stack_name)[i] = checkpoint_wrapper(layer)
+            elif i < full + selective:
+                getattr(base, stack_name)[i] = checkpoint_wrapper(layer, context_fn=op_level_context)
         return DecoderStage(lm, self.is_first, self.is_last)
 
     def _tensor_parallel(self, lm: nn.Module, base: nn.Module, stack_name: str, prefix: str) -> None:

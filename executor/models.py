@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from costmodel.specs import ModelSpec
 from costmodel.strategy import RECOMPUTE_MODES
@@ -82,6 +82,43 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flash: boo
     return scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
 
 
+def _op_level_save_list() -> frozenset:
+    """The ops whose outputs op-level selective recompute keeps: matmuls (every second one
+    is dropped by the policy), every SDPA kernel PyTorch may pick on this device, and
+    sequence parallelism's reduce-scatters (torchtitan's `_save_list`)."""
+    ops = {torch.ops.aten.mm.default}
+    for namespace, name in (("aten", "_scaled_dot_product_flash_attention"),
+                            ("aten", "_scaled_dot_product_efficient_attention"),
+                            ("aten", "_scaled_dot_product_cudnn_attention"),
+                            ("aten", "_scaled_dot_product_flash_attention_for_cpu"),
+                            ("_c10d_functional", "reduce_scatter_tensor")):
+        packet = getattr(getattr(torch.ops, namespace), name, None)
+        if packet is not None:
+            ops.add(packet.default)
+    return frozenset(ops)
+
+
+OP_LEVEL_SAVE = _op_level_save_list()
+
+
+def op_level_context():
+    """Contexts for one checkpointed layer under op-level selective recompute, the policy
+    of torchtitan's per-op SAC (torchtitan/distributed/activation_checkpoint.py): keep
+    the outputs of OP_LEVEL_SAVE but every second matmul, counted in forward order (the
+    recompute counts its own, so the two agree), and recompute the rest. The cost model
+    counts the same (costmodel.terms.recompute)."""
+    mm = torch.ops.aten.mm.default
+    counts = {False: 0, True: 0}   # matmuls seen, by ctx.is_recompute
+
+    def policy(ctx, func, *args, **kwargs):
+        if func == mm:
+            counts[ctx.is_recompute] += 1
+        keep = func in OP_LEVEL_SAVE and not (func == mm and counts[ctx.is_recompute] % 2 == 0)
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
 def make_norm(spec: ModelSpec, dim: int | None = None) -> nn.Module:
     dim = dim or spec.hidden_size
     return nn.LayerNorm(dim) if spec.norm == "layernorm" else RMSNorm(dim, unit_offset=spec.norm == "rmsnorm_unit_offset")
@@ -105,7 +142,6 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(spec.head_dim) if spec.qk_norm else None
         self.k_norm = RMSNorm(spec.head_dim) if spec.qk_norm else None
         self.flash = True
-        self.recompute_core = False   # selective recompute: checkpoint the attention core
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
@@ -114,10 +150,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.recompute_core:
-            out = checkpoint(attention_core, q, k, v, self.flash, use_reentrant=False)
-        else:
-            out = attention_core(q, k, v, self.flash)
+        out = attention_core(q, k, v, self.flash)
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -190,7 +223,7 @@ class MoE(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer layer, sequential (x + attn, then + mlp) or parallel (GPT-J
     / GPT-NeoX / Phi: x + attn(norm x) + mlp(norm' x), norm' = norm with one norm per
-    layer). `recompute` is "none", "selective" (the attention core) or "full" (the whole
+    layer). `recompute` is "none", "selective" (op-level: `op_level_context`) or "full" (the whole
     layer; Chen et al. 2016 checkpointing)."""
 
     def __init__(self, spec: ModelSpec):
@@ -206,7 +239,6 @@ class Block(nn.Module):
         if mode not in RECOMPUTE_MODES:
             raise ValueError(f"recompute: expected one of {RECOMPUTE_MODES}, got {mode!r}")
         self.recompute = mode
-        self.attention.recompute_core = mode == "selective"
 
     def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         normed = self.attention_norm(x)
@@ -219,6 +251,8 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if self.recompute == "full":
             return checkpoint(self._forward, x, cos, sin, use_reentrant=False)
+        if self.recompute == "selective":
+            return checkpoint(self._forward, x, cos, sin, use_reentrant=False, context_fn=op_level_context)
         return self._forward(x, cos, sin)
 
 

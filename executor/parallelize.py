@@ -125,7 +125,8 @@ def stage_module(spec: ModelSpec, seq_len: int, stage: Stage | None, num_stages:
 
 def apply_recompute(model: Transformer, stage: Stage | None, strategy: Strategy) -> None:
     """The stage's first `full_recompute_layers` layers recompute whole, the next
-    `selective_recompute_layers` their attention core (costmodel.strategy.Stage)."""
+    `selective_recompute_layers` by the op-level policy (executor.models.op_level_context;
+    costmodel.strategy.Stage)."""
     layers = list(model.layers.values())
     if stage is None:   # pp = 1: one stage holding every layer
         stage = strategy.stages[0]

@@ -44,6 +44,7 @@ class UnitCosts:
     p2p_s: float                           # one activation (or gradient) send between stages
     p2p_bytes: float
     tied_sync_s: float = 0.0               # all-reduce of the tied embedding's gradient, first and last stage
+    selective_rebuilds_layer: bool = False  # selective recompute remakes the layer's activations (op-level)
 
 
 def unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
@@ -125,24 +126,27 @@ def unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
     bwd_compute = layer_backward + 2 * launch / 3
     base = Work(compute_s=fwd_compute + bwd_compute, tp_comm_s=tp_forward + tp_backward,
                 ep_comm_s=2 * ep_one_way, dp_comm_s=zero3_fwd + zero3_bwd)
-    # The runtime's selective recompute: the attention core (Korthikanti et al. §4.3),
-    # and where the engine's policy also repeats a fraction of the forward GEMMs with
-    # the elementwise ops between them (torchtitan's op-level SAC), those.
-    fraction = runtime.selective_recompute_gemm_fraction
-    op_level = fraction * layer.gemm_s + (layer.elementwise_s if fraction > 0 else 0.0)
+    # The runtime's selective recompute (costmodel.terms.recompute): the attention core
+    # (Korthikanti et al. §4.3), which FlashAttention already recomputes in its own
+    # backward, leaving nothing to repeat (Dao et al. 2022 §3.1); or op-level, which
+    # repeats every second matmul and all the elementwise ops, and the attention core
+    # where SDPA's output is not kept (math attention).
+    if runtime.selective_recompute == "op-level":
+        fraction = compute.op_level_gemm_fraction(model, cluster, training, b, tp, ep)
+        selective = fraction * layer.gemm_s + layer.elementwise_s + (0.0 if training.flash_attention
+                                                                     else layer.attention_core_s)
+    else:
+        selective = 0.0 if training.flash_attention else layer.attention_core_s
     layer_work = {
         "none": base,
-        "selective": base + Work(recompute_s=layer.attention_core_s + op_level),
+        "selective": base + Work(recompute_s=selective) if selective else base,
         # Full recompute repeats the forward's TP and EP collectives, but not ZeRO-3's
         # gather: the recomputed forward runs inside backward, on the weights already
         # gathered for it (FSDP2's pre-backward unshard; counted in the executor).
         "full": base + Work(recompute_s=fwd_compute, tp_comm_s=tp_forward, ep_comm_s=ep_one_way),  # launches too
     }
-    if training.flash_attention:
-        # FlashAttention already recomputes the scores in its backward pass, so
-        # selective recompute has no attention core left to recompute (Dao et al. 2022 §3.1).
-        layer_work["selective"] = base + Work(recompute_s=op_level) if op_level else base
-    activation = {mode: memory.layer_activation_bytes(model, training, b, tp, sp, mode) for mode in RECOMPUTE_MODES}
+    activation = {mode: memory.layer_activation_bytes(model, training, b, tp, sp, mode, runtime.selective_recompute, ep)
+                  for mode in RECOMPUTE_MODES}
 
     # Embedding and LM head, both split over the vocabulary (Shoeybi et al. 2019 §3).
     # The embedding's output is all-reduced (with SP reduce-scattered forward and its
@@ -218,6 +222,7 @@ def unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
         p2p_s=p2p_s,
         p2p_bytes=p2p_bytes,
         tied_sync_s=tied_sync_s,
+        selective_rebuilds_layer=runtime.selective_recompute == "op-level",
     )
 
 
@@ -274,6 +279,27 @@ def rank_parameters(units: UnitCosts, strategy: Strategy, pp_rank: int) -> tuple
     return dense, experts
 
 
+def fsdp_stream_pool_bytes(problem: Problem, units: UnitCosts, strategy: Strategy, pp_rank: int) -> float:
+    """What the CUDA caching allocator reserves for FSDP2's own streams beyond the allocated
+    peak of `rank_memory`: the caching allocator keeps one pool of blocks per stream, and
+    FSDP2 allocates the reduce-scatter outputs, which stay as the sharded gradients'
+    storage, on the reduce-scatter stream and the all-gather outputs on the copy-in
+    stream (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py, foreach_reduce and
+    foreach_all_gather). So the compute stream cannot reuse them, and
+    torch.cuda.max_memory_reserved (what torchtitan logs as `memory`) counts every
+    gradient and two gathered units on top of the compute stream's peak. Not needed to
+    run (the allocator frees whole cached segments before it runs out); for comparing
+    with reserved figures. 0 without ZeRO-3 over more than one rank."""
+    if strategy.zero_stage != 3 or strategy.dp == 1:
+        return 0.0
+    dense, experts = rank_parameters(units, strategy, pp_rank)
+    gradients = (memory.sharded_state_bytes(dense, problem.training, 3, strategy.dp)[1]
+                 + memory.sharded_state_bytes(experts, problem.training, 3, strategy.dp // strategy.ep)[1])
+    largest = max(units.layer_dense_parameters + units.layer_expert_parameters, units.last_parameters,
+                  units.first_parameters)
+    return gradients + 2 * largest * memory.compute_copy_bytes(problem.training)
+
+
 def rank_memory(problem: Problem, units: UnitCosts, strategy: Strategy, pp_rank: int) -> MemoryBreakdown:
     """Memory of one rank at its peak, by kind."""
     training, model = problem.training, problem.model
@@ -321,7 +347,9 @@ def rank_memory(problem: Problem, units: UnitCosts, strategy: Strategy, pp_rank:
             head_in_backward = False
     if head_in_backward:
         activations += in_flight * units.logits_bytes
-    if any(s.full_recompute_layers for s in stages):
+    if any(s.full_recompute_layers or (s.selective_recompute_layers and units.selective_rebuilds_layer)
+           for s in stages):
+        # A recomputed layer's activations are made whole again for its backward.
         activations += units.layer_working_bytes
     buffers = temporaries = loss_buffers = 0.0
     copy, reduce_bytes = memory.compute_copy_bytes(training), memory.held_state_bytes(training).gradients

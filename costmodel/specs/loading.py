@@ -31,6 +31,7 @@ from costmodel.specs.runtime import (
     FLAG_FIELDS,
     FRACTION_FIELDS,
     NUMBER_FIELDS,
+    SELECTIVE_POLICIES,
     RuntimeSpec,
 )
 from costmodel.specs.training import (
@@ -463,8 +464,15 @@ def mixed_cluster_from_dict(data: dict, name: str) -> MixedClusterSpec:
 def runtime_from_dict(data: dict, name: str, field: str = "--runtime") -> RuntimeSpec:
     """Validate a runtime profile mapping (configs/runtimes/*.yaml, or a plan's
     `runtime`) into a RuntimeSpec; SpecError names `field`.the_key."""
-    allowed = {"name", "version", "description", "fitted_on", "mixed_precision", *FRACTION_FIELDS, *NUMBER_FIELDS,
+    allowed = {"name", "version", "description", "fitted_on", "mixed_precision", "selective_recompute", *FRACTION_FIELDS, *NUMBER_FIELDS,
                *FLAG_FIELDS, *BAND_FIELDS}
+    if "selective_recompute_gemm_fraction" in data and "selective_recompute" not in data:
+        # Plans written before the policy had a name: 0 was the attention core, 0.5 torchtitan's op-level SAC.
+        data = {**data, "selective_recompute": "op-level" if data["selective_recompute_gemm_fraction"] else
+                "attention-core"}
+    data = {k: v for k, v in data.items() if k != "selective_recompute_gemm_fraction"}
+    if isinstance(data.get("fitted_on"), dict):
+        data["fitted_on"] = {k: v for k, v in data["fitted_on"].items() if k != "selective_recompute_gemm_fraction"}
     _check_keys(data, allowed, field)
     values: dict[str, Any] = {"name": str(data.get("name", name)),
                               "version": as_int(data.get("version"), f"{field}.version")}
@@ -475,11 +483,11 @@ def runtime_from_dict(data: dict, name: str, field: str = "--runtime") -> Runtim
         if key in data:
             values[key] = as_float(data[key], f"{field}.{key}",
                                    exclusive=key not in ("collective_half_bytes", "layer_launch_s", "step_overhead_s"))
-    if "mixed_precision" in data:
-        if data["mixed_precision"] not in MIXED_PRECISION:
-            raise SpecError(f"{field}.mixed_precision",
-                            f"unknown {data['mixed_precision']!r} (known: {', '.join(MIXED_PRECISION)})")
-        values["mixed_precision"] = data["mixed_precision"]
+    for key, known in (("mixed_precision", MIXED_PRECISION), ("selective_recompute", SELECTIVE_POLICIES)):
+        if key in data:
+            if data[key] not in known:
+                raise SpecError(f"{field}.{key}", f"unknown {data[key]!r} (known: {', '.join(known)})")
+            values[key] = data[key]
     for key in BAND_FIELDS:
         if key in data:
             values[key] = as_float(data[key], f"{field}.{key}", exclusive=True)
@@ -492,7 +500,8 @@ def runtime_from_dict(data: dict, name: str, field: str = "--runtime") -> Runtim
     fitted = data.get("fitted_on", {})
     if not isinstance(fitted, dict) or not all(isinstance(v, str) for v in fitted.values()):
         raise SpecError(f"{field}.fitted_on", "expected a mapping of coefficient to the measurements it was fitted on")
-    unknown = sorted(set(fitted) - set(FRACTION_FIELDS) - set(NUMBER_FIELDS) - set(FLAG_FIELDS) - set(BAND_FIELDS))
+    unknown = sorted(set(fitted) - set(FRACTION_FIELDS) - set(NUMBER_FIELDS) - set(FLAG_FIELDS) - set(BAND_FIELDS)
+                     - {"selective_recompute"})
     if unknown:
         raise SpecError(f"{field}.fitted_on.{unknown[0]}", "not a coefficient of the runtime")
     values["fitted_on"] = {str(k): v for k, v in sorted(fitted.items())}

@@ -49,10 +49,11 @@ class RuntimeSpec:
     # costmodel.terms.compute.head_compute_s: eager PyTorch upcasts the logits, then
     # log-softmaxes them, each a pass of its own (a fused vocab-parallel kernel: 1).
     loss_traffic_factor: float = 1.0
-    # Fraction of a layer's forward GEMMs repeated by the engine's selective recompute
-    # (0: the attention core only, Korthikanti et al. 2022; 0.5: torchtitan's op-level
-    # SAC, which recomputes every second matmul).
-    selective_recompute_gemm_fraction: float = 0.0
+    # What the engine's selective recompute keeps and repeats (costmodel.terms.recompute):
+    # "attention-core" (Korthikanti et al. 2022 §4.3, Megatron-LM) or "op-level"
+    # (torchtitan's per-op SAC, which the executor runs too: every second matmul and the
+    # elementwise ops are repeated, SDPA's output is kept).
+    selective_recompute: str = "attention-core"
     # Seconds of one layer's forward + backward that no shape changes: eager PyTorch
     # dispatches and launches each of a layer's ~100 kernels from the host (a few
     # microseconds each), visible where the kernels are short (narrow TP shards, small
@@ -87,8 +88,9 @@ class RuntimeSpec:
 
 
 # Fields a runtime file gives as numbers in [0, 1] (fractions), other numbers, flags.
-FRACTION_FIELDS = ("dp_overlap", "zero3_overlap", "tp_overlap", "async_tp_overlap", "pp_overlap",
-                   "selective_recompute_gemm_fraction")
+# Selective recompute policies an engine runs (costmodel.terms.recompute).
+SELECTIVE_POLICIES = ("attention-core", "op-level")
+FRACTION_FIELDS = ("dp_overlap", "zero3_overlap", "tp_overlap", "async_tp_overlap", "pp_overlap")
 # The band's ratios: the low one at most 1, the high ones at least 1.
 BAND_FIELDS = ("step_time_low_ratio", "step_time_high_ratio", "memory_high_ratio")
 NUMBER_FIELDS = ("collective_half_bytes", "gemm_efficiency_scale", "elementwise_traffic_factor",

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from costmodel.specs import ClusterSpec, GPUSpec, ModelSpec, RuntimeSpec, TrainingSpec
+from costmodel.terms.recompute import op_level_split
 
 # Best fraction of peak a large bf16/fp16 GEMM reaches (cuBLAS on A100 sustains ~80-85%
 # of the 312 TFLOP/s peak on large square GEMMs); fitted to Korthikanti Table 4.
@@ -146,6 +147,24 @@ def layer_compute(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
         traffic = 1.0
     elementwise = memory_bound_time_s(traffic * (replicated + activation), cluster)
     return LayerCompute(gemm, core, elementwise)
+
+
+def op_level_gemm_fraction(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
+                           micro_batch_size: int, tp: int, ep: int = 1) -> float:
+    """Share of a layer's forward GEMM time that op-level selective recompute repeats
+    (costmodel.terms.recompute.op_level_split), each matmul priced on the GEMM curve:
+    Llama-3-8B repeats k, o and up, 37% of its GEMM FLOPs. A share, so that it applies
+    to a measured layer's GEMM time as well."""
+    peak = cluster.gpu.peak_for(training.precision)
+    tokens = micro_batch_size * training.seq_len
+
+    def seconds(matmuls) -> float:
+        return sum(gemm_time_s(tokens * m.tokens_fraction, m.out_width, m.in_width, peak, device=cluster.gpu)
+                   for m in matmuls)
+
+    kept, repeated = op_level_split(model, tp, ep)
+    total = seconds(kept) + seconds(repeated)
+    return seconds(repeated) / total if total > 0 else 0.0
 
 
 def head_compute_s(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,

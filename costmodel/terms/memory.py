@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from costmodel.specs import ModelSpec, TrainingSpec
+from costmodel.terms.recompute import op_level_split
 from costmodel.terms.compute import activation_bytes_per_value
 from costmodel.units import GIB
 
@@ -222,8 +223,32 @@ def pytorch_layer_activation_bytes(model: ModelSpec, training: TrainingSpec, mic
     return split + replicated / seq_split + router + weight_copies + scores
 
 
+def op_level_activation_bytes(model: ModelSpec, training: TrainingSpec, micro_batch_size: int,
+                              tp: int, sequence_parallel: bool, ep: int = 1) -> float:
+    """Activations one layer keeps under op-level selective recompute (torchtitan's
+    per-op SAC, costmodel.terms.recompute), one micro-batch, one rank: the layer's input
+    (kept by the checkpoint: the residual stream, fp32 under autocast), the output of
+    every second matmul, SDPA's output and fp32 log-sum-exp (flash attention only:
+    math attention is recomputed) and, with sequence parallelism, the outputs of the
+    two reduce-scatters. Everything else is made again in backward."""
+    tokens = micro_batch_size * training.seq_len
+    seq_split = tp if sequence_parallel else 1
+    v = float(activation_bytes_per_value(training))
+    autocast = training.precision != "fp32" and training.mixed_precision == "autocast"
+    residual = 4.0 if autocast else v
+    kept_matmuls, _ = op_level_split(model, tp, ep)
+    saved = residual * tokens * model.hidden_size / seq_split
+    saved += v * sum(m.output_values(tokens) for m in kept_matmuls)
+    if training.flash_attention:
+        saved += (v * model.q_size + 4.0 * model.num_attention_heads) * tokens / tp
+    if tp > 1 and sequence_parallel:
+        saved += 2 * v * tokens * model.hidden_size / tp
+    return saved
+
+
 def layer_activation_bytes(model: ModelSpec, training: TrainingSpec, micro_batch_size: int,
-                           tp: int, sequence_parallel: bool, recompute: str) -> float:
+                           tp: int, sequence_parallel: bool, recompute: str,
+                           selective_policy: str = "attention-core", ep: int = 1) -> float:
     """Activations one layer keeps for backward, one micro-batch, one rank.
 
     Korthikanti et al. 2022 §4.1 (Table 2) with 16-bit values: sbh(34 + 5as/h) without
@@ -234,8 +259,11 @@ def layer_activation_bytes(model: ModelSpec, training: TrainingSpec, micro_batch
     matrices (GELU: 2 tensors of f, SwiGLU: 3), MoE MLP tensors by the k experts each
     token visits, dropout masks only in GPT models, and FlashAttention keeps its output
     instead of the s x s scores (Dao et al. 2022 §3.1). `saved_tensors` adds what eager
-    PyTorch modules keep beyond Megatron-LM's fused kernels.
+    PyTorch modules keep beyond Megatron-LM's fused kernels. Under the op-level
+    selective policy (`selective_policy`, the runtime's) see `op_level_activation_bytes`.
     """
+    if recompute == "selective" and selective_policy == "op-level":
+        return op_level_activation_bytes(model, training, micro_batch_size, tp, sequence_parallel, ep)
     if training.precision != "fp32" and training.mixed_precision != "megatron":
         return pytorch_layer_activation_bytes(model, training, micro_batch_size, tp, sequence_parallel, recompute)
     b, s, h, f = micro_batch_size, training.seq_len, model.hidden_size, model.intermediate_size

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 
-from costmodel.specs import ModelSpec, TrainingSpec
+from costmodel.specs import ModelSpec, RuntimeSpec, TrainingSpec
 from costmodel.specs.loading import SpecError
 from costmodel.strategy import Strategy
 from planner.interop import importers
@@ -19,9 +19,11 @@ from planner.interop.common import Exported, strategy_changes
 from planner.interop.deepspeed import export_deepspeed
 from planner.interop.megatron import export_megatron
 from planner.interop.torchtitan import export_torchtitan, export_torchtitan_toml
-from planner.plan_file import is_traced, model_of, strategy_of, training_of
+from planner.plan_file import is_traced, model_of, runtime_of, strategy_of, training_of
 
 TARGETS = ("torchtitan", "torchtitan-toml", "megatron", "deepspeed")
+# The selective recompute each engine runs (costmodel.terms.recompute); DeepSpeed has none.
+ENGINE_SELECTIVE = {"torchtitan": "op-level", "torchtitan-toml": "op-level", "megatron": "attention-core"}
 
 
 # ---------------------------------------------------------------------------
@@ -40,13 +42,16 @@ _EXPORTERS = {"torchtitan": export_torchtitan, "torchtitan-toml": export_torchti
               "megatron": export_megatron, "deepspeed": export_deepspeed}
 
 
-def export_strategy(target: str, strategy: Strategy, model: ModelSpec, training: TrainingSpec) -> Exported:
+def export_strategy(target: str, strategy: Strategy, model: ModelSpec, training: TrainingSpec,
+                    runtime: RuntimeSpec | None = None) -> Exported:
     """The target's configuration for `strategy`, with what it cannot express as warnings;
-    the text is read back and any strategy it describes other than the plan's is one more."""
+    the text is read back and any strategy it describes other than the plan's is one more.
+    `runtime`: the profile the plan was priced under (its selective recompute policy)."""
     if target not in _EXPORTERS:
         raise SpecError("--to", f"unknown target {target!r} (known: {', '.join(TARGETS)})")
     exported = _EXPORTERS[target](strategy, model, training)
-    exported = Exported(exported.text, exported.warnings + _group_warnings(target, strategy))
+    exported = Exported(exported.text, exported.warnings + _group_warnings(target, strategy)
+                        + _selective_warnings(target, strategy, runtime))
     try:
         back = importers.read_text(target, exported.text, model, strategy.num_gpus)
     except SpecError as err:
@@ -56,6 +61,18 @@ def export_strategy(target: str, strategy: Strategy, model: ModelSpec, training:
         return Exported(exported.text, exported.warnings + (f"{target} will run this configuration with "
                                                             f"{', '.join(changes)} (plan → exported)",))
     return exported
+
+
+def _selective_warnings(target: str, strategy: Strategy, runtime: RuntimeSpec | None) -> tuple[str, ...]:
+    """A plan priced under one selective recompute policy, exported to an engine that runs the other."""
+    engine = ENGINE_SELECTIVE.get(target)
+    if runtime is None or engine is None or not any(st.selective_recompute_layers for st in strategy.stages):
+        return ()
+    if runtime.selective_recompute == engine:
+        return ()
+    return (f"{target}'s selective recompute is {engine}, the plan priced it as {runtime.selective_recompute} "
+            f"(runtime {runtime.name}): its memory and time differ; plan with --runtime "
+            f"{'pytorch-native' if engine == 'op-level' else 'megatron'} to price what {target} runs",)
 
 
 def _group_warnings(target: str, strategy: Strategy) -> tuple[str, ...]:
@@ -83,4 +100,4 @@ def export_plan(doc: dict, target: str) -> Exported:
     """Export a plan document (read with planner.plan_file.read_plan)."""
     if is_traced(doc):
         raise SpecError("plan.model", "a traced module's plan has no transformer layers an engine could place")
-    return export_strategy(target, strategy_of(doc), model_of(doc), training_of(doc))
+    return export_strategy(target, strategy_of(doc), model_of(doc), training_of(doc), runtime_of(doc))

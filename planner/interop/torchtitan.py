@@ -349,10 +349,9 @@ def _torchtitan_strategy(sections: dict, ac: Recompute, warnings: list[str], mod
         settings.append(("async_tp", _tt_bool(sections[p]["enable_async_tensor_parallel"],
                                               "parallelism.enable_async_tensor_parallel")))
     if ac.mode == "selective" and ac.every_nth is None:
-        # torchtitan's per-op SAC (distributed/activation_checkpoint.py, _save_list policy)
-        # saves every matmul's output but every second one: it recomputes half the
-        # forward GEMMs and the elementwise ops between them.
-        settings.append(("selective_recompute_gemm_fraction", 0.5))
+        # torchtitan's per-op SAC (distributed/activation_checkpoint.py, _save_list policy):
+        # costmodel.terms.recompute's op-level policy.
+        settings.append(("selective_recompute", "op-level"))
     return Imported(strategy, global_batch, seq, precision, tuple(warnings), tuple(settings))
 
 
@@ -476,10 +475,6 @@ def _torchtitan_fields(strategy: Strategy, model: ModelSpec, training: TrainingS
                         "fp16 exported as bfloat16")
     train["mixed_precision_param"] = "float32" if training.precision == "fp32" else "bfloat16"
     ac = all_or_nothing(s, release, "activation checkpointing applies one policy to every block", warnings)
-    if ac == "selective":
-        warnings.append(f"{release}'s selective activation checkpointing is per-op (it saves matmul and attention "
-                        "outputs but recomputes every second matmul), not the plan's attention-core-only selective "
-                        "recompute: its memory and time differ")
     return par, train, ac, warnings
 
 

@@ -70,7 +70,7 @@ class Affine:
     per_layer: float
     per_full: float = 0.0
     per_selective: float = 0.0
-    if_recompute: float = 0.0   # added once when the rank fully recomputes any layer
+    if_recompute: float = 0.0   # added once when the rank rebuilds any layer in backward
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,9 @@ class RankModel:
     memory: Affine      # peak bytes
     dp_exposed: Affine  # gradient sync minus the backward window, seconds
     optimizer: Affine   # seconds
+    # The runtime's selective recompute rebuilds the layer in backward too (op-level),
+    # so a selective layer also turns on the memory's if_recompute.
+    selective_rebuilds: bool = False
 
 
 @dataclass(frozen=True)
@@ -137,14 +140,20 @@ def rank_model(problem: Problem, units: UnitCosts, strategy: Strategy, pp_rank: 
 
     base, more = at(v + 2), at(v + 3)
     one_full, two_full = at(v + 2, full=1), at(v + 2, full=2)
-    one_sel = at(v + 2, selective=1)
+    one_sel, two_sel = at(v + 2, selective=1), at(v + 2, selective=2)
     per_layer = [b - a for a, b in zip(base, more)]
     per_full = [b - a for a, b in zip(one_full, two_full)]
     indicator = [o - b - f for o, b, f in zip(one_full, base, per_full)]
-    per_sel = [s - b for s, b in zip(one_sel, base)]
+    per_sel = [b - a for a, b in zip(one_sel, two_sel)]
+    sel_indicator = [o - b - s for o, b, s in zip(one_sel, base, per_sel)]
+    # Both indicators stand for the one rebuilt layer's activations: one z, at the
+    # smaller of the two, keeps the program's memory a relaxation.
+    rebuilds = sel_indicator[1] > 0.5 * indicator[1] > 0
+    if rebuilds:
+        indicator = [min(a, b) for a, b in zip(indicator, sel_indicator)]
     affines = [Affine(base[i] - (v + 2) * per_layer[i], per_layer[i], per_full[i], per_sel[i], indicator[i])
                for i in range(4)]
-    return RankModel(*affines)
+    return RankModel(*affines, selective_rebuilds=rebuilds)
 
 
 def memory_margin(problem: Problem | TracedProblem, rules: Rules) -> float:
@@ -213,6 +222,8 @@ def solve_partition(problem: Problem, units: UnitCosts, strategy: Strategy, mode
             model.Add(f + s == n)
         z = model.NewBoolVar(f"z{r}")
         model.Add(f <= layers * z)
+        if rm.selective_rebuilds:
+            model.Add(s <= layers * z)
         tr = model.NewIntVar(0, big_t, f"t{r}")
         model.Add(tr == t(rm.time.const) + t(rm.time.per_layer) * n + t(rm.time.per_full) * f
                   + t(rm.time.per_selective) * s)

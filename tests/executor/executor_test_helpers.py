@@ -176,6 +176,7 @@ AUTO_LAYOUTS = {
     "tp2xpp2": {"dp": 1, "tp": 2, "pp": 2, "schedule": "gpipe"},
     "zero3-dp2": {"dp": 2, "tp": 1, "pp": 1, "zero": 3},
     "tp2-recompute": {"dp": 1, "tp": 2, "pp": 1, "recompute": "full"},
+    "dp2-selective": {"dp": 2, "tp": 1, "pp": 1, "zero": 0, "recompute": "selective"},
 }
 
 

@@ -65,12 +65,15 @@ PLANS = {
     "zero3-tp2": strategy(dp=2, tp=2, zero=3),
     "zero3-pp2": strategy(dp=2, pp=2, zero=3),
     "recompute-selective": strategy(dp=2, recompute="selective"),
+    # op-level SAC keeps sequence parallelism's reduce-scatter outputs and DTensor matmuls
+    "recompute-selective-tp2-sp": strategy(tp=2, sp=True, recompute="selective"),
     "recompute-full": strategy(pp=2, recompute="full"),
     "pp2-uneven": strategy(pp=2, stages=UNEVEN),
     "dp2-accumulate": strategy(dp=2, m=2),
 }
 # Llama-style: the layouts where GQA, RoPE and SwiGLU meet tensor and pipeline splits.
-LLAMA_PLANS = ["tp2", "tp2-sp", "pp2-1f1b", "dp2-tp2", "zero3-tp2", "recompute-full", "pp2-uneven"]
+LLAMA_PLANS = ["tp2", "tp2-sp", "pp2-1f1b", "dp2-tp2", "zero3-tp2", "recompute-full", "recompute-selective",
+               "recompute-selective-tp2-sp", "pp2-uneven"]
 MOE_PLANS = {"ep2": strategy(dp=2, ep=2), "ep2-zero3": strategy(dp=2, ep=2, zero=3), "ep2-pp2": strategy(dp=2, ep=2, pp=2)}
 
 # The production dtypes' loss checks: one layout of each kind of split, and ZeRO with

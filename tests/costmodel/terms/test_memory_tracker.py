@@ -119,3 +119,22 @@ def test_saved_tensors_per_layer_are_counted(name, mixed):
     measured, estimated = bench.saved_bytes_per_layer(name, mixed)
     cpu_only = 2.0 if mixed == "autocast" else 0.0
     assert measured == pytest.approx(estimated + cpu_only, abs=0.01)
+
+
+# The executor's autocast fp32 weights make a short sequence peak in the optimizer step:
+# it runs at seq 4096, where the peak is the loss, as in the full model.
+@pytest.mark.parametrize("name, seq", [("executor llama3-8b zero3 dp8 autocast op-SAC", 4096),
+                                       ("Llama-3-8B fsdp8 bf16 mbs2 op-SAC", 1024)])
+def test_op_level_selective_recompute_keeps_what_the_policy_saves(name, seq):
+    """Under op-level SAC (torchtitan's policy; executor.models.op_level_context) a layer
+    keeps its input, every second matmul's output and SDPA's: what one more layer adds
+    at the tracker's peak (its kept tensors and its share of the model states) equals the
+    cost model's per-layer count, as the executor and as transformers build the model."""
+    try:
+        two, four = (bench.compare(BF16[name], seq, layers) for layers in (2, 4))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    tracked = (four["tracker"]["total"] - two["tracker"]["total"]) / 2
+    predicted = (four["predicted"]["total"] - two["predicted"]["total"]) / 2
+    assert predicted == pytest.approx(tracked, rel=1e-3)

@@ -17,7 +17,7 @@ import tomllib
 from click.testing import CliRunner
 
 from costmodel.estimate import estimate
-from costmodel.specs.loading import SpecError, load_model
+from costmodel.specs.loading import SpecError, load_model, load_runtime
 from costmodel.strategy import Strategy, even_stages, summarize_recompute
 from costmodel.units import GIB
 from planner.api import make_problem, plan
@@ -267,6 +267,24 @@ def test_warnings_say_what_each_engine_cannot_express():
     warned("deepspeed", replace(_strategy(2, 1, [16, 16]), zero_stage=3), "refuses ZeRO-2 and ZeRO-3")
     warned("torchtitan-toml", _strategy(1, 1, [32], sp=False), "always runs sequence parallelism")
     warned("deepspeed", _strategy(1, 1, [32], Recompute("selective")), "no selective (attention-core) recompute")
+
+
+def test_a_selective_plan_priced_under_the_other_policy_is_warned():
+    # torchtitan's selective AC is op-level, Megatron-LM's the attention core: a plan
+    # priced under the runtime whose policy the engine runs exports without a word.
+    selective = _strategy(1, 1, [32], Recompute("selective"))
+    training = _problem_for(selective).training
+    native, megatron = load_runtime("pytorch-native"), load_runtime("megatron")
+
+    def policy_warnings(target, runtime):
+        return [w for w in export_strategy(target, selective, LLAMA, training, runtime).warnings
+                if "selective recompute is" in w]
+
+    assert policy_warnings("torchtitan", native) == [] and policy_warnings("megatron", megatron) == []
+    assert policy_warnings("torchtitan", megatron) == [
+        "torchtitan's selective recompute is op-level, the plan priced it as attention-core (runtime megatron): "
+        "its memory and time differ; plan with --runtime pytorch-native to price what torchtitan runs"]
+    assert "plan with --runtime megatron" in policy_warnings("megatron", native)[0]
 
 
 MEGATRON_ARGS = ("--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --micro-batch-size 1 "

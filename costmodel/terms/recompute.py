@@ -1,0 +1,82 @@
+"""What an engine's selective recompute keeps and repeats, per layer.
+
+Two policies run under the name "selective" (`RuntimeSpec.selective_recompute`):
+
+- "attention-core": Korthikanti et al. 2022 §4.3 (Megatron-LM): the layer keeps every
+  activation except the attention scores, and repeats QK^T, softmax and AV in backward.
+  With FlashAttention there is nothing left to drop or repeat (Dao et al. 2022 §3.1).
+- "op-level": torchtitan's per-op selective activation checkpointing
+  (torchtitan/distributed/activation_checkpoint.py, `_save_list` and
+  `_get_custom_policy`; torch.utils.checkpoint.create_selective_checkpoint_contexts), as
+  the executor runs it too (executor/parallelize.py). Inside each checkpointed layer the
+  policy saves the outputs of SDPA, of sequence-parallel reduce-scatters and of every
+  `aten.mm` but every second one (counted in forward order), and recomputes the rest:
+  the other matmuls and every elementwise op (norms, RoPE, activation, residuals). A
+  linear with a bias runs `addmm`, which the policy neither saves nor counts. The layer's
+  input is kept by the checkpoint itself.
+
+This module lists a layer's matmuls in forward order, as the executor's and torchtitan's
+modules call them, and splits them by the op-level policy; costmodel.terms.compute
+prices the repeated ones and costmodel.terms.memory the kept ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from costmodel.specs import ModelSpec
+
+
+@dataclass(frozen=True)
+class Matmul:
+    """One matmul of a layer's forward on one rank: tokens x in_width @ in_width x out_width."""
+
+    name: str
+    out_width: float         # output values per token on this rank
+    in_width: float          # the contraction
+    tokens_fraction: float = 1.0   # of the micro-batch's tokens (an MoE expert's share)
+    bias: bool = False       # F.linear with a bias: addmm, not mm
+
+    def output_values(self, tokens: float) -> float:
+        return self.out_width * tokens * self.tokens_fraction
+
+
+def layer_matmuls(model: ModelSpec, tp: int, ep: int = 1) -> tuple[Matmul, ...]:
+    """A layer's matmuls in the order its forward calls them (executor.models.Attention,
+    MLP and MoE; torchtitan's llama3 Attention and FeedForward call theirs in the same
+    order). Column-parallel outputs are split by tp; a row-parallel matmul (output
+    projection, MLP down) writes the whole hidden width per token before its all-reduce
+    or reduce-scatter sums the partial results (Shoeybi et al. 2019 §3)."""
+    h, f, q, kv = model.hidden_size, model.intermediate_size, model.q_size, model.kv_size
+    if model.fused_qkv:
+        attention = [Matmul("qkv", (q + 2 * kv) / tp, h, bias=model.attention_bias)]
+    else:
+        attention = [Matmul(name, width / tp, h, bias=model.attention_bias)
+                     for name, width in (("q", q), ("k", kv), ("v", kv))]
+    attention.append(Matmul("o", h, q / tp, bias=model.attention_out_bias))
+
+    def mlp(share: float) -> list[Matmul]:
+        up = [Matmul("gate", f / tp, h, share, model.mlp_bias)] if model.gated_mlp else []
+        return up + [Matmul("up", f / tp, h, share, model.mlp_bias), Matmul("down", h, f / tp, share, model.mlp_bias)]
+
+    if not model.is_moe:
+        return tuple(attention + mlp(1.0))
+    # Balanced routing (costmodel.terms.compute.layer_compute): each of the rank's E/ep
+    # experts runs its MLP on tokens * k * ep / E tokens, one after another.
+    local = model.num_local_experts // ep
+    share = model.num_experts_per_tok * ep / model.num_local_experts
+    experts = [m for _ in range(local) for m in mlp(share)]
+    return tuple(attention + [Matmul("router", model.num_local_experts, h)] + experts)
+
+
+def op_level_split(model: ModelSpec, tp: int, ep: int = 1) -> tuple[tuple[Matmul, ...], tuple[Matmul, ...]]:
+    """(kept, repeated) matmuls under the op-level policy: of the bias-free matmuls (the
+    `aten.mm` calls the policy counts), the 1st, 3rd, 5th... are kept; the rest repeat."""
+    kept, repeated, count = [], [], 0
+    for matmul in layer_matmuls(model, tp, ep):
+        if matmul.bias:
+            repeated.append(matmul)
+            continue
+        count += 1
+        (kept if count % 2 == 1 else repeated).append(matmul)
+    return tuple(kept), tuple(repeated)
