@@ -13,7 +13,6 @@ and writes bench/results/executor_correlation.json.
 
 import json
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -97,13 +96,18 @@ def profile_this_machine(folder: Path) -> tuple[Path, Path]:
 
 
 def main() -> None:
-    with tempfile.TemporaryDirectory() as tmp:
-        profile_file, spec_file = profile_this_machine(Path(tmp))
-        built_in = make_problem("tiny-gpt", "cpu", BATCH, gpus=2, seq_len=SEQ, precision="fp32", overrides=MODEL)
-        fitted = make_problem("tiny-gpt", str(spec_file), BATCH, gpus=2, seq_len=SEQ, precision="fp32",
-                              overrides=MODEL)
-        layers = make_problem("tiny-gpt", str(spec_file), BATCH, gpus=2, seq_len=SEQ, precision="fp32",
-                              overrides=MODEL, profile=profile_file)
+    out = Path(__file__).parent / "results"
+    out.mkdir(exist_ok=True)
+    # The machine's profile and fitted spec are kept beside the results, so the
+    # predictions can be made again from them.
+    folder = out / "executor_correlation_machine"
+    folder.mkdir(exist_ok=True)
+    profile_file, spec_file = profile_this_machine(folder)
+    built_in = make_problem("tiny-gpt", "cpu", BATCH, gpus=2, seq_len=SEQ, precision="fp32", overrides=MODEL)
+    fitted = make_problem("tiny-gpt", str(spec_file), BATCH, gpus=2, seq_len=SEQ, precision="fp32",
+                          overrides=MODEL)
+    layers = make_problem("tiny-gpt", str(spec_file), BATCH, gpus=2, seq_len=SEQ, precision="fp32",
+                          overrides=MODEL, profile=profile_file)
     plans = strategies(built_in.model.num_hidden_layers)
     ways = {"built-in cpu spec": built_in, "fitted spec": fitted, "fitted spec + layer profile": layers}
     predicted = {name: [estimate(problem, s).step_time_s for s in plans] for name, problem in ways.items()}
@@ -120,8 +124,6 @@ def main() -> None:
         error = statistics.median(abs(p / m - 1) for p, m in zip(predicted[name], measured))
         print(f"{name:28s} Spearman {rho[name]:.3f}, median |error| {error:.1%}")
     print("target: Spearman >= 0.9 with the fitted spec")
-    out = Path(__file__).parent / "results"
-    out.mkdir(exist_ok=True)
     (out / "executor_correlation.json").write_text(json.dumps({"spearman": rho, "plans": rows}, indent=2) + "\n")
 
 

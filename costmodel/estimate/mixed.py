@@ -95,7 +95,7 @@ def stage_rank_costs(problem: Problem, strategy: Strategy,
     if pairs[0][1].tied_sync_s > 0 and groups[0].name != groups[-1].name:
         # The tied embedding's gradient all-reduce joins the first and last stage
         # across the groups (Megatron-LM; costmodel.estimate.uniform.unit_costs).
-        model, states = problem.model, memory.state_bytes(problem.training)
+        model, states = problem.model, memory.comm_state_bytes(problem.training)
         tied_sync_s = collective_time_s("all_reduce", model.vocab_size * model.hidden_size / strategy.tp
                                         * states.gradients, _CROSSING, leaving(cluster, groups[0]), problem.runtime)
     return [(p, replace(u, p2p_s=p2p_s, tied_sync_s=tied_sync_s)) for p, u in pairs]

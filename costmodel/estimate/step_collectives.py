@@ -43,7 +43,7 @@ def step_collectives(problem: Problem, strategy: Strategy, pp_rank: int) -> tupl
     groups of one rank are left out."""
     model, training, s = problem.model, problem.training, strategy
     units = unit_costs(problem, s)
-    states = memory.state_bytes(training)
+    states = memory.comm_state_bytes(training)
     b, m = s.micro_batch_size, s.num_microbatches
     message = compute.activation_bytes_per_value(training) * b * training.seq_len * model.hidden_size
     stages = s.rank_stages(pp_rank)

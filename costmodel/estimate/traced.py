@@ -79,7 +79,7 @@ class TracedUnits:
 
 def traced_units(problem: TracedProblem, strategy: Strategy) -> TracedUnits:
     cluster, b = problem.cluster, strategy.micro_batch_size
-    states, where, hide = memory.state_bytes(problem.training), groups(problem, strategy), cluster.comm_overlap
+    states, where, hide = memory.comm_state_bytes(problem.training), groups(problem, strategy), cluster.comm_overlap
     scale, per_sample = _scale(problem, b), b / problem.model.traced_batch
     forward, backward, zero3 = [], [], []
     for node in problem.model.nodes:
@@ -147,7 +147,7 @@ def stage_memory(problem: TracedProblem, units: TracedUnits, strategy: Strategy,
     # cost", §3).
     kept = _span(units.input_bytes, first, split) + _span(units.saved_bytes, split, end)
     activations = in_flight * kept + max(units.node_saved_bytes[first:split], default=0.0)
-    states = memory.state_bytes(training)
+    states = memory.comm_state_bytes(training)
     buffers = 0.0
     if zero == 3 and dp > 1:
         buffers += 2 * max(units.node_parameters[first:end], default=0.0) * states.weights
@@ -164,7 +164,7 @@ def dp_sync_s(problem: TracedProblem, units: TracedUnits, strategy: Strategy, st
     ZeRO 3 (it reduces per node during backward)."""
     if strategy.zero_stage == 3:
         return 0.0
-    states, group, cluster = memory.state_bytes(problem.training), groups(problem, strategy)["dp"], problem.cluster
+    states, group, cluster = memory.comm_state_bytes(problem.training), groups(problem, strategy)["dp"], problem.cluster
     params = stage_parameters(units, stage)
     if strategy.zero_stage == 0:
         return collective_time_s("all_reduce", params * states.gradients, group, cluster)

@@ -57,7 +57,7 @@ def unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
         return collective_time_s(kind, num_bytes, group, cluster, runtime)
 
     value = compute.activation_bytes_per_value(training)
-    states = memory.state_bytes(training)
+    states = memory.comm_state_bytes(training)
     message = value * b * training.seq_len * model.hidden_size
 
     layer = compute.layer_compute(model, cluster, training, b, tp, sp, ep, runtime)
@@ -418,7 +418,7 @@ def dp_sync_s(problem: Problem, units: UnitCosts, strategy: Strategy, pp_rank: i
     Tied embeddings over pp > 1 add an all-reduce of the embedding gradient between the
     first and last stage (Megatron-LM).
     """
-    cluster, states, runtime = problem.cluster, memory.state_bytes(problem.training), problem.runtime
+    cluster, states, runtime = problem.cluster, memory.comm_state_bytes(problem.training), problem.runtime
     where = groups(problem, strategy)
     dense, experts = rank_parameters(units, strategy, pp_rank)
     total = 0.0

@@ -63,6 +63,16 @@ def compute_copy_bytes(training: TrainingSpec) -> int:
     return 4
 
 
+def comm_state_bytes(training: TrainingSpec) -> StateBytes:
+    """Bytes per parameter the data-parallel collectives move: weights gathered in the
+    dtype FSDP2 gathers (`compute_copy_bytes`: bf16 under MixedPrecisionPolicy's
+    param_dtype, the fp32 weights themselves under autocast) and gradients reduced in
+    the dtype they are held in (fp32 in PyTorch's mixed precision: FSDP2's reduce_dtype
+    as torchtitan sets it, DDP over fp32 parameters; 16-bit in Megatron-LM's recipe).
+    The optimizer states never travel (0)."""
+    return StateBytes(compute_copy_bytes(training), held_state_bytes(training).gradients, 0)
+
+
 def sharded_state_bytes(parameters: float, training: TrainingSpec, zero_stage: int, shard: int) -> tuple[float, float, float]:
     """(weights, gradients, optimizer) bytes for `parameters` replicated over a data
     parallel group of `shard` ranks, as PyTorch holds them (`held_state_bytes`). ZeRO

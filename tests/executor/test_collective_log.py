@@ -28,10 +28,10 @@ PLANS = {
 }
 
 
-def issued(rank, world, model, strat):
+def issued(rank, world, model, strat, precision="fp32"):
     """(kind, group size, bytes) -> calls for one step after two warm-up steps (DDP
     settles its gradient buckets on the second)."""
-    trainer = Trainer(load_model(model), training(), strat, CONFIG, "cpu")
+    trainer = Trainer(load_model(model), training(precision=precision), strat, CONFIG, "cpu")
     warm, warm_again, measured = batches(trainer.spec, 3)
     trainer.step(*warm)
     trainer.step(*warm_again)
@@ -40,8 +40,8 @@ def issued(rank, world, model, strat):
     return {(c.kind, c.group_size, c.bytes): n for c, n in Counter(counter.issued).items()}, trainer.mesh.pp_rank
 
 
-def charged(model, strat, pp_rank):
-    problem = Problem(load_model(model), load_cluster("cpu", gpus=strat.num_gpus), training())
+def charged(model, strat, pp_rank, precision="fp32"):
+    problem = Problem(load_model(model), load_cluster("cpu", gpus=strat.num_gpus), training(precision=precision))
     sizes = group_sizes(strat)
     out = Counter()
     for c in step_collectives(problem, strat, pp_rank):
@@ -71,3 +71,13 @@ def test_collectives_match_cost_model(plan):
             charge = {k: n for k, n in charge.items() if k[0] != "all_to_all"}
         assert measured == charge, f"pipeline rank {pp_rank}"
     assert routed_measured == routed_charged
+
+
+@pytest.mark.parametrize("plan", ["dp2", "zero2", "zero3"])
+def test_bf16_data_parallel_collectives_move_fp32(plan):
+    # Under bf16 autocast the executor keeps fp32 weights and gradients: DDP all-reduces
+    # and FSDP2 gathers and reduce-scatters 4 bytes per parameter, as charged
+    # (costmodel.terms.memory.comm_state_bytes).
+    model, strat = PLANS[plan]
+    for measured, pp_rank in run_local(issued, strat.num_gpus, model, strat, "bf16"):
+        assert measured == charged(model, strat, pp_rank, "bf16")

@@ -97,24 +97,28 @@ def test_bandwidth_by_message_size_by_hand():
         "all_gather", 8e6, Placement(2, 2, 1), cpu, NEUTRAL)
 
 
-def test_zero3_overlap_term_by_hand():
+@pytest.mark.parametrize("mixed, gathered, reduced", [("autocast", 4, 4), ("param_dtype", 2, 4), ("megatron", 2, 2)])
+def test_zero3_overlap_term_by_hand(mixed, gathered, reduced):
     # llama2-7b, ZeRO-3 over 8 on one node, mbs 1: a layer's gather forward and gather +
     # reduce-scatter backward, less zero3_overlap of the layer's compute, never below 0.
+    # Bytes per parameter as PyTorch moves them: the executor gathers its fp32 weights
+    # (autocast casts per matmul), FSDP2's param_dtype gathers bf16; both reduce fp32
+    # gradients (reduce_dtype); Megatron-LM's recipe moves 16-bit copies.
     rt = replace(NEUTRAL, zero3_overlap=0.1)
     prob = llama_problem(rt)
+    prob = replace(prob, training=replace(prob.training, mixed_precision=mixed))
     s = Strategy(dp=8, tp=1, pp=1, micro_batch_size=1, num_microbatches=1, zero_stage=3,
                  stages=even_stages(32, 1))
     where = groups(prob, s)
     layer = layer_compute(prob.model, prob.cluster, prob.training, 1, 1, False, 1, rt)
     params = 4096 * (3 * 4096 + 4096) + 3 * 4096 * 11008 + 2 * 4096   # llama2-7b layer: attention, MLP, two norms
-    # bf16 weights gathered and bf16 gradients reduce-scattered (memory.state_bytes: 2 and 2)
-    gather = sharded_collective_s("all_gather", params * 2, where["dp"], prob.cluster, rt)
-    scatter = sharded_collective_s("reduce_scatter", params * 2, where["dp"], prob.cluster, rt)
+    gather = sharded_collective_s("all_gather", params * gathered, where["dp"], prob.cluster, rt)
+    scatter = sharded_collective_s("reduce_scatter", params * reduced, where["dp"], prob.cluster, rt)
     forward, backward = layer.forward_s, 2 * layer.forward_s
     by_hand = max(0.0, gather - 0.1 * forward) + max(0.0, gather + scatter - 0.1 * backward)
     assert unit_costs(prob, s).layer_work["none"].dp_comm_s == pytest.approx(by_hand, rel=1e-12)
     # full overlap hides more
-    assert unit_costs(llama_problem(NEUTRAL), s).layer_work["none"].dp_comm_s < by_hand
+    assert unit_costs(replace(prob, runtime=NEUTRAL), s).layer_work["none"].dp_comm_s < by_hand
 
 
 def test_async_tp_hides_part_of_the_forward_tp_collectives_by_hand():
