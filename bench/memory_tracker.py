@@ -49,11 +49,12 @@ import json
 import sys
 import tempfile
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
@@ -74,7 +75,7 @@ if str(ROOT) not in sys.path:
 
 from costmodel.estimate import estimate  # noqa: E402
 from costmodel.problem import Problem  # noqa: E402
-from costmodel.specs.loading import load_cluster, load_model, make_training  # noqa: E402
+from costmodel.specs.loading import load_cluster, load_model, load_runtime, make_training  # noqa: E402
 from costmodel.strategy import Strategy, even_stages  # noqa: E402
 from costmodel.terms import memory  # noqa: E402
 from costmodel.units import GIB  # noqa: E402
@@ -177,7 +178,10 @@ def problem_and_strategy(case: Case, seq_len: int, layers: int | None) -> tuple[
     strategy = Strategy(dp=dp, tp=tp, pp=1, micro_batch_size=case.micro_batch_size, num_microbatches=1,
                         zero_stage=3 if case.parallel == "zero3" else 0, recompute=case.recompute,
                         stages=even_stages(spec.num_hidden_layers, 1, recompute=case.recompute))
-    return Problem(spec, cluster, training), strategy
+    # Hugging Face models train on F.cross_entropy over upcast logits (their own loss);
+    # the executor's models on its chunked cross-entropy.
+    runtime = replace(load_runtime(), chunked_loss=not case.hf)
+    return Problem(spec, cluster, training, runtime=runtime), strategy
 
 
 def predicted(case: Case, seq_len: int, layers: int | None = None) -> dict[str, float]:
@@ -249,6 +253,7 @@ def _build(case: Case, seq_len: int, layers: int | None, mesh):
         model = _hf_module(case, layers)
         _shard_hf(model, case, mesh)
         return model, lambda x: model(x, use_cache=False).logits.float()   # transformers' loss upcasts
+
     spec = model_spec(case, layers)
     model = build_model(spec, seq_len)
     for layer in model.layers.values():
@@ -310,7 +315,11 @@ def tracked(case: Case, seq_len: int, layers: int | None = None) -> dict:
         with tracker:
             for step in range(2):
                 with loss_parallel() if case.parallel == "tp" else nullcontext(), autocast:
-                    loss = cross_entropy(forward(x), y)
+                    logits = forward(x)
+                    # F.cross_entropy as transformers' loss and the executor's own for its models
+                    loss = (F.cross_entropy(logits.flatten(0, 1), y.flatten()) if case.hf
+                            else cross_entropy(logits, y))
+                    del logits
                     loss.backward()
                 shard_gradients_as_parameters(model)
                 tracker.track_external(model)   # MemTracker: the new gradient tensors are gradients
@@ -424,7 +433,9 @@ def h200_check(path: Path = H200_RUNS) -> list[dict]:
         strategy = Strategy(dp=1, tp=1, pp=1, micro_batch_size=s["micro_batch_size"],
                             num_microbatches=s["num_microbatches"], zero_stage=0,
                             stages=even_stages(spec.num_hidden_layers, 1, recompute=s["recompute"]))
-        mem = estimate(Problem(spec, cluster, training), strategy).memory
+        # measured before the executor's chunked cross-entropy (main at 613d290)
+        runtime = replace(load_runtime(), chunked_loss=False)
+        mem = estimate(Problem(spec, cluster, training, runtime=runtime), strategy).memory
         allocated = mem.total_bytes - mem.runtime_reserve_bytes
         measured = run.get("measured_peak_memory_allocated_bytes")
         out.append({"request": run["request"], "estimate_bytes": allocated, "measured_bytes": measured,

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import torch
 import torch.distributed as dist
@@ -62,10 +62,11 @@ from torch.distributed.tensor.parallel import (
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from costmodel.specs import ModelSpec, TrainingSpec
+from costmodel.specs.loading import load_runtime
 from costmodel.strategy import Strategy
 from costmodel.trace import split_role
-from executor.models import op_level_context
 from executor.mesh import RankMesh, tied_ends_group
+from executor.models import op_level_context
 from executor.parallelize import BuiltinModel, UnsupportedPlan, wrap_ddp
 from executor.step import Accumulation, ModelParts, StageShapes, TiedEmbedding
 from executor.train import TrainConfig, Trainer
@@ -108,8 +109,11 @@ def auto_parallelize(model: nn.Module, plan: dict | str | None = None, *, cluste
             plan = plan_model(model, example, cluster=cluster, gpus=dist.get_world_size(), global_batch=global_batch,
                               precision=precision, rules=rules, fix=pins, top=1)
         else:
+            # A Hugging Face model trains on its own loss (or the user's): F.cross_entropy over
+            # upcast logits, not the built-in models' chunked one.
+            runtime = replace(load_runtime(), chunked_loss=False)
             plan = plan_spec(_decoder_spec(model), cluster, global_batch, seq, gpus=dist.get_world_size(),
-                             precision=precision, rules=rules, fix=pins, top=1)
+                             precision=precision, rules=rules, fix=pins, top=1, runtime=runtime)
     elif not isinstance(plan, dict):
         plan = read_plan(plan)
     strategy = strategy_of(plan)

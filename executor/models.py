@@ -308,10 +308,60 @@ class Transformer(nn.Module):
         return x
 
 
+# fp32 bytes of one chunk of the chunked cross-entropy's rows (a few such tensors live
+# at once): small beside the logits, large enough that each chunk is a long kernel.
+LOSS_CHUNK_BYTES = 256 << 20
+
+
+def loss_chunk_rows(vocab: int) -> int:
+    """Tokens per chunk of ChunkedCrossEntropy for a vocabulary of `vocab` (what
+    costmodel.terms.memory.loss_peak_bytes counts too)."""
+    return max(1, LOSS_CHUNK_BYTES // (4 * vocab))
+
+
+class ChunkedCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy whose fp32 work never spans the whole micro-batch: the rows are
+    upcast, log-sum-exp'd and differentiated a chunk of tokens at a time, the gradient
+    (softmax - one-hot) / N written into a buffer in the logits' dtype as it goes, which
+    backward scales in place. Plain F.cross_entropy holds three fp32 copies of the
+    logits at its peak (the upcast, log_softmax's output and their gradients: 12 bytes
+    per logit); this holds the logits and the gradient buffer in their own dtype and
+    one chunk in fp32 (costmodel.terms.memory.loss_peak_bytes). Same value and gradient
+    as F.cross_entropy (tests/executor/test_models.py)."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        flat, flat_targets = logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+        n, rows = flat.shape[0], loss_chunk_rows(logits.shape[-1])
+        work_dtype = torch.promote_types(logits.dtype, torch.float32)   # fp32, or fp64 to debug
+        gradient = torch.empty_like(flat)
+        total = torch.zeros((), dtype=work_dtype, device=logits.device)
+        for start in range(0, n, rows):
+            chunk = flat[start:start + rows].to(work_dtype, copy=True)
+            picked = flat_targets[start:start + rows].unsqueeze(1)
+            lse = torch.logsumexp(chunk, dim=-1, keepdim=True)
+            total += (lse - chunk.gather(1, picked)).sum()
+            probabilities = chunk.sub_(lse).exp_()
+            probabilities.scatter_add_(1, picked, torch.full_like(picked, -1, dtype=probabilities.dtype))
+            gradient[start:start + rows] = probabilities.div_(n)
+        ctx.save_for_backward(gradient)
+        ctx.logits_shape = logits.shape
+        return total / n
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        (gradient,) = ctx.saved_tensors
+        return gradient.mul_(grad_output.to(gradient.dtype)).view(ctx.logits_shape), None
+
+
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The mean next-token loss the built-in models train on; vocabulary-sharded logits
-    need the loss_parallel context."""
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    """The mean next-token loss the built-in models train on. Whole-vocabulary logits take
+    ChunkedCrossEntropy (no fp32 copy of the whole micro-batch's logits); vocabulary-
+    sharded logits (DTensor, tensor parallelism) take F.cross_entropy under the
+    loss_parallel context, which reduces over the shards."""
+    if isinstance(logits, DTensor):
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    return ChunkedCrossEntropy.apply(logits, targets)
 
 
 def build_model(spec: ModelSpec, seq_len: int | None = None, device: str | torch.device = "meta",

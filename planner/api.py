@@ -124,12 +124,16 @@ def plan_model(module, example_inputs: tuple, *, cluster: str, global_batch: Any
 
 def plan_spec(spec: ModelSpec, cluster: str, global_batch: Any, seq_len: Any = None, *, nodes: Any = None,
               gpus: Any = None, precision: str = "bf16", optimizer: str = "adamw", flash_attention: bool = True,
-              rules: str | None = None, fix: dict | str | None = None, top: int = 3) -> dict:
-    """The plan document of a model spec (what `plan` does once the spec is loaded)."""
+              rules: str | None = None, fix: dict | str | None = None, top: int = 3,
+              runtime: RuntimeSpec | None = None) -> dict:
+    """The plan document of a model spec (what `plan` does once the spec is loaded);
+    `runtime`: the engine's profile (None: the built-in default)."""
     pins = parse_fix(fix)
     cluster_spec = load_cluster(cluster, nodes=nodes, gpus=gpus)
+    runtime = runtime or load_runtime()
     problem = Problem(spec, cluster_spec, make_training(spec, cluster_spec, global_batch, seq_len, precision,
-                                                       optimizer, flash_attention))
+                                                       optimizer, flash_attention, runtime.mixed_precision),
+                      runtime=runtime)
     check_fix(problem, pins)
     rule_set = load_rules(rules).with_fix(pins)
     return plan_document(problem, rule_set.name, search(problem, rule_set, top=top))

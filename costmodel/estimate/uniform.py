@@ -145,6 +145,9 @@ def unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
         # gathered for it (FSDP2's pre-backward unshard; counted in the executor).
         "full": base + Work(recompute_s=fwd_compute, tp_comm_s=tp_forward, ep_comm_s=ep_one_way),  # launches too
     }
+    # The runtime's chunked cross-entropy runs on whole-vocabulary logits; vocabulary-
+    # parallel ones take the plain loss (executor.models.cross_entropy).
+    chunked_loss = runtime.chunked_loss and tp == 1
     activation = {mode: memory.layer_activation_bytes(model, training, b, tp, sp, mode, runtime.selective_recompute, ep)
                   for mode in RECOMPUTE_MODES}
 
@@ -216,8 +219,8 @@ def unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
         last_work=last_work,
         first_parameters=first_local,
         last_parameters=last_local,
-        logits_bytes=memory.logits_bytes(model, training, b, tp),
-        loss_peak_bytes=(memory.loss_peak_bytes(model, training, b, tp)
+        logits_bytes=memory.logits_bytes(model, training, b, tp, chunked_loss),
+        loss_peak_bytes=(memory.loss_peak_bytes(model, training, b, tp, chunked_loss)
                          + memory.final_norm_bytes(model, training, b, tp, sp)),
         p2p_s=p2p_s,
         p2p_bytes=p2p_bytes,

@@ -54,6 +54,10 @@ class RuntimeSpec:
     # (torchtitan's per-op SAC, which the executor runs too: every second matmul and the
     # elementwise ops are repeated, SDPA's output is kept).
     selective_recompute: str = "attention-core"
+    # The loss runs chunked over tokens (executor.models.ChunkedCrossEntropy: no fp32
+    # copy of the whole micro-batch's logits) where the logits are not vocabulary-
+    # parallel; false: F.cross_entropy over upcast logits (torchtitan, Hugging Face).
+    chunked_loss: bool = False
     # Seconds of one layer's forward + backward that no shape changes: eager PyTorch
     # dispatches and launches each of a layer's ~100 kernels from the host (a few
     # microseconds each), visible where the kernels are short (narrow TP shards, small
@@ -95,4 +99,4 @@ FRACTION_FIELDS = ("dp_overlap", "zero3_overlap", "tp_overlap", "async_tp_overla
 BAND_FIELDS = ("step_time_low_ratio", "step_time_high_ratio", "memory_high_ratio")
 NUMBER_FIELDS = ("collective_half_bytes", "gemm_efficiency_scale", "elementwise_traffic_factor",
                  "compiled_elementwise_traffic_factor", "loss_traffic_factor", "layer_launch_s", "step_overhead_s")
-FLAG_FIELDS = ("async_tp", "torch_compile")
+FLAG_FIELDS = ("async_tp", "torch_compile", "chunked_loss")

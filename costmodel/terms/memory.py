@@ -323,14 +323,23 @@ def in_flight_microbatches(schedule: str, pp: int, pp_rank: int, num_microbatche
     return float(min(m, pp - pp_rank))
 
 
-def logits_bytes(model: ModelSpec, training: TrainingSpec, micro_batch_size: int, tp: int) -> float:
-    """fp32 logits the vocab-parallel cross-entropy keeps for backward, per micro-batch
-    (Korthikanti et al. 2022 §4.3: 4sbv/t): what stays alive while later micro-batches
-    and layers run."""
-    return 4.0 * micro_batch_size * training.seq_len * model.vocab_size / tp
+# fp32 bytes of one chunk of the executor's chunked cross-entropy (executor.models.
+# LOSS_CHUNK_BYTES; tests/executor/test_models.py checks the two agree).
+LOSS_CHUNK_BYTES = 256 << 20
 
 
-def loss_peak_bytes(model: ModelSpec, training: TrainingSpec, micro_batch_size: int, tp: int) -> float:
+def logits_bytes(model: ModelSpec, training: TrainingSpec, micro_batch_size: int, tp: int,
+                 chunked: bool = False) -> float:
+    """What the loss keeps for backward, per micro-batch: what stays alive while later
+    micro-batches and layers run. fp32 logits for the vocab-parallel cross-entropy
+    (Korthikanti et al. 2022 §4.3: 4sbv/t); the chunked cross-entropy's gradient buffer
+    in the logits' dtype (executor.models.ChunkedCrossEntropy)."""
+    per_logit = activation_bytes_per_value(training) if chunked else 4.0
+    return per_logit * micro_batch_size * training.seq_len * model.vocab_size / tp
+
+
+def loss_peak_bytes(model: ModelSpec, training: TrainingSpec, micro_batch_size: int, tp: int,
+                    chunked: bool = False) -> float:
     """The head's and loss's own peak, per micro-batch, on top of every layer's saved
     activations: F.cross_entropy upcasts the logits to fp32 (under autocast and in
     Hugging Face's loss alike) and keeps log_softmax's fp32 output; its backward makes
@@ -341,10 +350,16 @@ def loss_peak_bytes(model: ModelSpec, training: TrainingSpec, micro_batch_size: 
     logits' activations and temporaries at the peak).
     Measured: the H200 run of executor_runs.json (Llama-3-8B, 4 layers, seq 8192, mbs 8)
     ran out of memory asking 31.31 GiB = 4 x 8 x 8192 x 128256 bytes in cross-entropy;
-    FSDPMemTracker, bench/memory_tracker.py (Temp + logits at the loss's peak)."""
+    FSDPMemTracker, bench/memory_tracker.py (Temp + logits at the loss's peak).
+    `chunked`: the executor's chunked cross-entropy, below."""
     if training.precision != "fp32" and training.mixed_precision == "megatron":
         # Megatron-LM's vocab-parallel cross-entropy works in place on its fp32 logits.
         return logits_bytes(model, training, micro_batch_size, tp)
+    if chunked:
+        # executor.models.ChunkedCrossEntropy: the logits and the gradient buffer in the
+        # logits' dtype, and one chunk's fp32 rows with logsumexp's two temporaries.
+        logits = micro_batch_size * training.seq_len * model.vocab_size / tp
+        return 2 * activation_bytes_per_value(training) * logits + 3 * min(LOSS_CHUNK_BYTES, 4.0 * logits)
     # Under autocast on CPU (FakeTensorMode) the bf16 logits stay alive to the end of
     # cross-entropy's backward (2 bytes per logit more); on the H200 they do not (the
     # runs of executor_runs.json are 4-7% over the estimate with them counted).

@@ -342,7 +342,8 @@ def _torchtitan_strategy(sections: dict, ac: Recompute, warnings: list[str], mod
         precision = None   # the config does not say; the caller's --precision decides
     seq = _tt_int(sections, t, "seq_len") if "seq_len" in sections[t] else None
     strategy = engine_strategy(dp, tp, pp, mbs, microbatches, vpp, ep, schedule, zero, sp, stages)
-    settings = []
+    # torchtitan's loss is F.cross_entropy over the upcast logits.
+    settings = [("chunked_loss", False)]
     if "enable" in sections.get("compile", {}):
         settings.append(("torch_compile", _tt_bool(sections["compile"]["enable"], "compile.enable")))
     if "enable_async_tensor_parallel" in sections[p]:

@@ -5,6 +5,7 @@ import dataclasses
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from costmodel_test_helpers import HF_DIR
@@ -97,3 +98,35 @@ def test_head_dim_apart_from_hidden_over_heads(name):
     with FlopCounterMode(display=False) as forward:
         model(tokens)
     assert forward.get_total_flops() == spec.num_hidden_layers * layer_forward_flops(spec, 16) + head_forward_flops(spec, 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_chunked_cross_entropy_equals_the_plain_loss(dtype, monkeypatch):
+    """ChunkedCrossEntropy over chunks of 16 tokens: the value and the gradient of
+    F.cross_entropy (over the logits upcast to fp32 for bf16, as autocast runs it), and
+    the logits untouched."""
+    import executor.models as models
+    monkeypatch.setattr(models, "LOSS_CHUNK_BYTES", 4 * 97 * 16)
+    torch.manual_seed(0)
+    logits = (torch.randn(3, 50, 97, dtype=torch.float64) * 3).to(dtype)
+    targets = torch.randint(0, 97, (3, 50))
+    mine, plain = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+    loss = models.cross_entropy(mine, targets)
+    loss.backward()
+    reference = F.cross_entropy(plain.flatten(0, 1).to(torch.promote_types(dtype, torch.float32)), targets.flatten())
+    reference.backward()
+    assert loss.dtype == reference.dtype
+    tolerance = 1e-14 if dtype == torch.float64 else 1e-6
+    assert loss.item() == pytest.approx(reference.item(), rel=tolerance)
+    if dtype == torch.bfloat16:
+        assert torch.equal(mine.grad, plain.grad)
+    else:
+        assert torch.allclose(mine.grad, plain.grad, rtol=0, atol=1e-16)
+
+    assert torch.equal(mine.detach(), logits)
+
+
+def test_the_cost_model_counts_the_loss_chunk_the_executor_uses():
+    import executor.models as models
+    from costmodel.terms import memory
+    assert memory.LOSS_CHUNK_BYTES == models.LOSS_CHUNK_BYTES

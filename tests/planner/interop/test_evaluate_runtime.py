@@ -38,7 +38,7 @@ def test_each_engine_has_its_runtime():
 def test_a_torchtitan_toml_states_compile_async_tp_and_per_op_sac():
     imported = read_torchtitan(TOML, load_model("llama2-7b"), 8, toml=True)
     assert dict(imported.runtime_settings) == {"torch_compile": True, "async_tp": True,
-                                               "selective_recompute": "op-level"}
+                                               "selective_recompute": "op-level", "chunked_loss": False}
 
 
 def test_evaluate_prices_a_torchtitan_toml_under_pytorch_native_with_its_settings(tmp_path):
@@ -46,7 +46,7 @@ def test_evaluate_prices_a_torchtitan_toml_under_pytorch_native_with_its_setting
     path.write_text(TOML)
     ev = evaluate_config("torchtitan", str(path), "llama2-7b", "dgx-a100-80gb", gpus=8, rules=load_rules(None))
     expected = replace(load_runtime("pytorch-native"), torch_compile=True, async_tp=True,
-                       selective_recompute="op-level")
+                       selective_recompute="op-level", chunked_loss=False)
     assert ev.problem.runtime == expected
     problem = make_problem("llama2-7b", "dgx-a100-80gb", 16, gpus=8, seq_len=4096, runtime=expected)
     assert ev.yours.step_time_s == pytest.approx(estimate(problem, ev.strategy).step_time_s, rel=1e-12)

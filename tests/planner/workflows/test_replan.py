@@ -125,5 +125,5 @@ def test_nothing_plans_exits_3_with_a_relaxation(tmp_path):
     write_plan(plan("llama2-7b", "dgx-a100-80gb", 64, gpus=8, seq_len=4096), path)
     result = CliRunner().invoke(main, ["replan", str(path), "--gpus", "1"])
     assert result.exit_code == 3, result.output
-    assert result.stderr.startswith("error: no feasible plan: global batch 64 on 1 GPUs: stage 0 needs 105.1 GiB")
+    assert result.stderr.startswith("error: no feasible plan: global batch 64 on 1 GPUs: stage 0 needs 104.9 GiB")
     assert "would fit if you use 2 GPUs" in result.stderr
