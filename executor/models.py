@@ -174,6 +174,27 @@ class MLP(nn.Module):
         return self.w2(gate)
 
 
+def _matmul_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a matmul of x runs in: autocast's where it is on (torch._grouped_mm is not
+    on autocast's lists, so the experts cast themselves, as their per-expert matmuls were
+    cast), else x's."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+def _grouped_mm_fits(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> bool:
+    """torch._grouped_mm takes fp32/bf16 rows whose widths are 16-byte multiples, on CPU and
+    on Hopper or later GPUs (bf16 there)."""
+    if not hasattr(torch, "_grouped_mm") or x.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    if any(d * x.element_size() % 16 for d in (w1.shape[-1], w1.shape[-2], w2.shape[-2])):
+        return False
+    if x.device.type == "cuda":
+        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
+    return x.device.type == "cpu"
+
+
 class MoE(nn.Module):
     """Top-k mixture of SwiGLU experts (Mixtral: softmax over the k chosen router logits,
     Jiang et al. 2024 §2.1), dropless. The experts' weights are stacked on dim 0 so expert
@@ -192,13 +213,26 @@ class MoE(nn.Module):
         self.dispatch = None           # executor.parallelize's all-to-all exchange under ep > 1
 
     def experts(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """Run the local experts on rows of x grouped by expert, `counts[e]` rows each."""
-        outs, start = [], 0
-        for e, n in enumerate(counts):
-            rows = x[start:start + n]
-            outs.append((F.silu(rows @ self.w1[e].t()) * (rows @ self.w3[e].t())) @ self.w2[e].t())
-            start += n
-        return torch.cat(outs) if outs else x[:0]
+        """Run the local experts on rows of x grouped by expert, `counts[e]` rows each, all
+        experts in one call per matrix: torch._grouped_mm where the build and the shapes
+        allow it, else one batched matmul over rows padded to the busiest expert."""
+        dtype = _matmul_dtype(x)
+        x = x.to(dtype)
+        w1, w3, w2 = (w.to(dtype) for w in (self.w1, self.w3, self.w2))
+        if _grouped_mm_fits(x, w1, w2):
+            offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
+
+            def grouped(rows: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+                return torch._grouped_mm(rows, w.transpose(-2, -1), offs=offsets)
+
+            return grouped(F.silu(grouped(x, w1)) * grouped(x, w3), w2)
+        # Padded: expert e's rows at [e, 0:counts[e]] of an [E, busiest, h] batch.
+        sizes = torch.tensor(counts, device=x.device)
+        expert = torch.repeat_interleave(torch.arange(len(counts), device=x.device), sizes)
+        slot = torch.arange(x.shape[0], device=x.device) - (sizes.cumsum(0) - sizes)[expert]
+        padded = x.new_zeros(len(counts), max(counts, default=0), x.shape[-1]).index_put((expert, slot), x)
+        hidden = F.silu(padded @ w1.transpose(-2, -1)) * (padded @ w3.transpose(-2, -1))
+        return (hidden @ w2.transpose(-2, -1))[expert, slot]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape

@@ -130,3 +130,37 @@ def test_the_cost_model_counts_the_loss_chunk_the_executor_uses():
     import executor.models as models
     from costmodel.terms import memory
     assert memory.LOSS_CHUNK_BYTES == models.LOSS_CHUNK_BYTES
+
+
+def per_expert_loop(moe, x, counts):
+    """The loop the experts' one-call paths replace: each expert's SwiGLU on its rows."""
+    outs, start = [], 0
+    for e, n in enumerate(counts):
+        rows = x[start:start + n]
+        outs.append((F.silu(rows @ moe.w1[e].t()) * (rows @ moe.w3[e].t())) @ moe.w2[e].t())
+        start += n
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("dtype, grouped", [(torch.float32, True), (torch.float64, False)])
+def test_experts_in_one_call_equal_the_per_expert_loop(dtype, grouped):
+    """fp32 takes torch._grouped_mm, fp64 the padded batched matmul; both give the loop's
+    output and gradients exactly, an expert without rows included."""
+    from executor.models import MoE, _grouped_mm_fits
+    torch.manual_seed(0)
+    moe = MoE(load_model("tiny-moe")).to(dtype)
+    for w in (moe.w1, moe.w3, moe.w2):
+        torch.nn.init.normal_(w, std=0.05)
+    counts = [5, 0, 7, 4]
+    x = torch.randn(16, 64, dtype=dtype, requires_grad=True)
+    upstream = torch.randn(16, 64, dtype=dtype)
+    assert _grouped_mm_fits(x, moe.w1, moe.w2) == grouped
+    moe.experts(x, counts).backward(upstream)
+    mine = [x.grad.clone()] + [w.grad.clone() for w in (moe.w1, moe.w3, moe.w2)]
+    x.grad = None
+    moe.zero_grad()
+    out = per_expert_loop(moe, x, counts)
+    out.backward(upstream)
+    assert torch.equal(moe.experts(x, counts), out)
+    for a, b in zip(mine, [x.grad] + [w.grad for w in (moe.w1, moe.w3, moe.w2)]):
+        assert torch.equal(a, b)
