@@ -135,6 +135,15 @@ def apply_recompute(model: Transformer, stage: Stage | None, strategy: Strategy)
         layer.set_recompute("full" if i < full else "selective" if i < full + selective else "none")
 
 
+def apply_compile(model: Transformer, backend: str) -> None:
+    """torch.compile each transformer block in place (nn.Module.compile: the parameter
+    names stay), after tensor parallelism and recompute and before FSDP, the order
+    torchtitan applies them in: the graphs fuse a block's norms, rotary embedding,
+    activation and residuals; the collectives between blocks stay eager."""
+    for layer in model.layers.values():
+        layer.compile(backend=backend)
+
+
 def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
     """Megatron-LM's split (Shoeybi et al. 2019 §3): Q/K/V and the first MLP matrices
     column-wise, the output projections row-wise, the embedding and LM head over the
@@ -293,10 +302,11 @@ class BuiltinModel:
     `dtype` drawn from `seed`."""
 
     def __init__(self, spec: ModelSpec, training: TrainingSpec, strategy: Strategy, mesh: RankMesh,
-                 dtype: torch.dtype, seed: int, device: torch.device):
+                 dtype: torch.dtype, seed: int, device: torch.device, compile_backend: str | None = None):
         check_supported(spec, strategy, training.seq_len)
         self.spec, self.training, self.strategy, self.mesh = spec, training, strategy, mesh
         self.dtype, self.seed, self.device = dtype, seed, device
+        self.compile_backend = compile_backend
         # A tied embedding whose two copies sit on the pipeline's ends sums over this group.
         ends_group = tied_ends_group(mesh) if spec.tie_word_embeddings and strategy.pp > 1 else None
         self.data_parallel = data_parallel_kind(strategy)
@@ -332,6 +342,8 @@ class BuiltinModel:
             apply_expert_parallel(model, self.mesh["ep"])
         if s.tp > 1:
             apply_tensor_parallel(model, self.mesh["tp"], s.sequence_parallel)
+        if self.compile_backend:
+            apply_compile(model, self.compile_backend)
         experts = {p for _, p in expert_parameters(model)}
         if self.data_parallel == "fsdp":
             apply_fsdp(model, self.mesh.dp_mesh, max(2, s.zero_stage), experts)

@@ -66,6 +66,7 @@ from planner.plan_file import (
     is_traced,
     read_plan,
     strategy_of,
+    runtime_of,
     training_of,
 )
 
@@ -188,6 +189,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--on-nonfinite", choices=("stop", "skip"), default="stop")
     parser.add_argument("--fp64", action="store_true", help="Weights, activations, gradients and optimizer "
                                                             "states in float64, no autocast.")
+    parser.add_argument("--compile", dest="compile_blocks", action=argparse.BooleanOptionalAction, default=None,
+                        help="torch.compile each block with inductor [default: the plan's runtime torch_compile]")
     parser.add_argument("--deterministic", action="store_true",
                         help="torch.use_deterministic_algorithms(True): the same run twice gives the same bits.")
     return parser.parse_args(argv)
@@ -393,9 +396,11 @@ def train(job: RunJob, args: argparse.Namespace, source, device: torch.device, r
     if device.type == "cpu" and training.precision != "fp32":
         # CPU runs in fp32: few CPUs have fast bf16 matmuls.
         training = TrainingSpec(**{**job.plan["training"], "precision": "fp32"})
+    compiled = runtime_of(job.plan).torch_compile if args.compile_blocks is None else args.compile_blocks
     config = TrainConfig(lr=args.lr, warmup_steps=args.warmup_steps, total_steps=args.steps,
                          grad_clip=args.grad_clip, seed=args.seed,
-                         dtype=torch.float64 if args.fp64 else torch.float32)
+                         dtype=torch.float64 if args.fp64 else torch.float32,
+                         compile_backend="inductor" if compiled else None)
     # The trainer autocasts to the plan's bf16 / fp16 itself, and not at all in float64
     # (executor.step.autocast_dtype).
     trainer = Trainer(job.model, training, job.strategy, config, device)

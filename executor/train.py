@@ -48,6 +48,10 @@ class TrainConfig:
     seed: int = 0
     dtype: torch.dtype = torch.float32
     autocast: bool = True
+    # torch.compile each transformer block with this backend (regional compilation, as
+    # torchtitan does: "inductor" for speed, "aot_eager" to check the graphs quickly);
+    # None runs eager.
+    compile_backend: str | None = None
 
 
 def lr_factor(config: TrainConfig, step: int) -> float:
@@ -110,7 +114,8 @@ class Trainer:
         self.device = torch.device(device)
         self.mesh = build_mesh(strategy, self.device.type)
         if build_model is None:
-            self.model = BuiltinModel(spec, training, strategy, self.mesh, config.dtype, config.seed, self.device)
+            self.model = BuiltinModel(spec, training, strategy, self.mesh, config.dtype, config.seed, self.device,
+                                      config.compile_backend)
         else:
             self.model = build_model(self.mesh, self.device)
         if optimizer is None:
@@ -146,10 +151,12 @@ class Trainer:
 
     def numerics(self) -> dict:
         """What the run computed in, for its summary: the weights' dtype, the autocast
-        dtype ("none" without), and whether algorithms were forced deterministic."""
+        dtype ("none" without), whether algorithms were forced deterministic, and the
+        blocks' torch.compile backend ("none": eager)."""
         return {"dtype": str(self.config.dtype).removeprefix("torch."),
                 "autocast": self.training.precision if self.autocast_dtype else "none",
-                "deterministic": torch.are_deterministic_algorithms_enabled()}
+                "deterministic": torch.are_deterministic_algorithms_enabled(),
+                "compile": self.config.compile_backend or "none"}
 
     # -- weights --------------------------------------------------------------------
 

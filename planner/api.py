@@ -35,14 +35,16 @@ from planner.search import check_fix, search
 def make_problem(model: str, cluster: str, global_batch: Any, *, nodes: Any = None, gpus: Any = None,
                  seq_len: Any = None, precision: str = "bf16", optimizer: str = "adamw",
                  flash_attention: bool = True, overrides: dict | None = None, fix: dict | None = None,
-                 profile: str | Path | None = None, runtime: str | Path | RuntimeSpec | None = None) -> Problem:
+                 profile: str | Path | None = None, runtime: str | Path | RuntimeSpec | None = None,
+                 compile: bool | None = None) -> Problem:
     """Load and validate the specs; raises SpecError naming the bad field. `hf:PATH`
     reads a Hugging Face config.json (or its folder) and checks it against the model
     transformers builds from it on the meta device. `profile` is a `shardwise profile
     --model` JSON whose measured layer times the cost model uses (costmodel.measured); one
     of another model, sequence length, precision or attention kernel is refused. `runtime`:
     the engine's runtime profile, a built-in name (configs/runtimes/) or a file; None:
-    pytorch-native."""
+    pytorch-native. `compile`: torch.compile the blocks (the runtime's torch_compile),
+    None: as the runtime profile says."""
     if str(model).startswith("hf:"):
         source = str(model)[3:]
         model_spec = load_model(source, overrides)
@@ -51,6 +53,8 @@ def make_problem(model: str, cluster: str, global_batch: Any, *, nodes: Any = No
         model_spec = load_model(model, overrides)
     cluster_spec = load_cluster(cluster, nodes=nodes, gpus=gpus)
     runtime = runtime if isinstance(runtime, RuntimeSpec) else load_runtime(runtime)
+    if compile is not None:
+        runtime = replace(runtime, torch_compile=compile)
     # The engine decides how a 16-bit run holds its weights, and so what memory counts.
     training = make_training(model_spec, cluster_spec, global_batch, seq_len, precision, optimizer, flash_attention,
                              runtime.mixed_precision)
@@ -80,14 +84,15 @@ def make_rules(rules: str | Path | None = None, fix: dict | None = None, *, obje
 def plan(model: str, cluster: str, global_batch: Any, *, nodes: Any = None, gpus: Any = None,
          seq_len: Any = None, precision: str = "bf16", optimizer: str = "adamw", flash_attention: bool = True,
          rules: str | None = None, fix: dict | str | None = None, overrides: dict | None = None,
-         top: int = 3, profile: str | Path | None = None, runtime: str | Path | None = None) -> dict:
+         top: int = 3, profile: str | Path | None = None, runtime: str | Path | None = None,
+         compile: bool | None = None) -> dict:
     """Search and return the plan document; raises SpecError or search.Infeasible.
-    `profile`: measured layer times to plan with; `runtime`: the engine's runtime
-    profile (see make_problem)."""
+    `profile`: measured layer times to plan with; `runtime`, `compile`: the engine's
+    runtime profile and whether the blocks are compiled (see make_problem)."""
     pins = parse_fix(fix)
     problem = make_problem(model, cluster, global_batch, nodes=nodes, gpus=gpus, seq_len=seq_len,
                            precision=precision, optimizer=optimizer, flash_attention=flash_attention,
-                           overrides=overrides, fix=pins, profile=profile, runtime=runtime)
+                           overrides=overrides, fix=pins, profile=profile, runtime=runtime, compile=compile)
     rule_set = load_rules(rules).with_fix(pins)
     return plan_document(problem, rule_set.name, search(problem, rule_set, top=top))
 

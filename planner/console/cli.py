@@ -49,6 +49,9 @@ def training_options(command):
                      help="The engine that runs the plan: a runtime profile (configs/runtimes/: pytorch-native, "
                           "megatron, deepspeed-zero) or a YAML path. It sets collective overlap, bandwidth by "
                           "message size, kernel efficiency and fixed costs."),
+        click.option("--compile/--no-compile", "compile_blocks", default=None,
+                     help="Price (and have `shardwise run` use) torch.compile on each transformer block "
+                          "[default: the runtime profile's torch_compile; pytorch-native: eager]."),
     ]):
         command = option(command)
     return command
@@ -99,14 +102,14 @@ def main() -> None:
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
 @click.option("-o", "--output", default=None, help="Write the plan file here.")
 def plan(model_name, cluster_name, nodes, gpus, global_batch, seq, precision, optimizer, attention, runtime_name,
-         rules_name, fix, overrides, profile_file, top, objective, max_cost, power_cap, energy_budget, pareto,
+         compile_blocks, rules_name, fix, overrides, profile_file, top, objective, max_cost, power_cap, energy_budget, pareto,
          memory_margin, fmt, output) -> None:
     """Find the best strategy that fits (fastest, or by --objective), and write it as a plan file."""
     try:
         problem = make_problem(model_name, cluster_name, global_batch, nodes=nodes, gpus=gpus, seq_len=seq,
                                precision=precision, optimizer=optimizer, flash_attention=attention == "flash",
                                overrides=parse_overrides(overrides), fix=parse_fix(fix), profile=profile_file,
-                               runtime=runtime_name)
+                               runtime=runtime_name, compile=compile_blocks)
         rules = make_rules(rules_name, parse_fix(fix), objective=objective,
                            budgets={"max_cost_per_step_usd": max_cost, "power_cap_w": power_cap,
                                     "energy_budget_j": energy_budget}, memory_margin=memory_margin)
@@ -192,8 +195,8 @@ def _print_cost_energy(doc: dict) -> None:
                    "--tokens, the days to train, as one PNG here.")
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
 @click.option("-o", "--output", default=None, help="Write the rows as JSON here.")
-def sweep(model_name, cluster_name, sizes, global_batch, seq, precision, optimizer, attention, runtime_name, overrides,
-          rules_name, fix, objective, tokens, plot_file, fmt, output) -> None:
+def sweep(model_name, cluster_name, sizes, global_batch, seq, precision, optimizer, attention, runtime_name,
+          compile_blocks, overrides, rules_name, fix, objective, tokens, plot_file, fmt, output) -> None:
     """Capacity planning: plan the same job at each cluster size, as `plan --gpus N`
     would, and compare the sizes: throughput, scaling efficiency (tokens/s per GPU
     against the smallest size that plans) and, with --tokens, the time, cost and
@@ -224,7 +227,7 @@ def sweep(model_name, cluster_name, sizes, global_batch, seq, precision, optimiz
             rows = sweep_rows(model_name, cluster_name, gpus, global_batch, seq_len=seq, precision=precision,
                               optimizer=optimizer, flash_attention=attention == "flash",
                               overrides=parse_overrides(overrides), rules=rules_name, fix=fix, objective=objective,
-                              tokens=tokens, progress=tick, runtime=runtime_name)
+                              tokens=tokens, progress=tick, runtime=runtime_name, compile=compile_blocks)
     except SpecError as err:
         _fail(EXIT_BAD_INPUT, str(err))
     planned = [r for r in rows if r.status == OK]
@@ -553,9 +556,12 @@ def evaluate(source, model_name, cluster_name, nodes, gpus, global_batch, seq, p
 @click.option("--deterministic", is_flag=True,
               help="torch.use_deterministic_algorithms(True): kernels without a deterministic form fail "
                    "instead of varying from run to run.")
+@click.option("--compile/--no-compile", "compile_blocks", default=None,
+              help="torch.compile each transformer block with inductor [default: as the plan was priced, its "
+                   "runtime's torch_compile (`plan --compile`)].")
 def run(plan_file, steps, model_name, data, seed, lr, metrics_out, nproc_per_node, nnodes, node_rank,
         rdzv_endpoint, rdzv_id, checkpoint_dir, checkpoint_every, keep_last, resume, max_restarts, on_nonfinite,
-        timeout_s, fp64, deterministic) -> None:
+        timeout_s, fp64, deterministic, compile_blocks) -> None:
     """Train with a plan: torchrun starts one process per GPU (or CPU rank, gloo),
     each builds its share of the model (DTensor TP, pipeline stages, DDP/FSDP) and
     trains; rank 0 prints progress and the measured figures beside the estimate.
@@ -598,6 +604,8 @@ def run(plan_file, steps, model_name, data, seed, lr, metrics_out, nproc_per_nod
         if metrics_out:
             worker += ["--metrics-out", metrics_out]
         worker += ["--fp64"] * fp64 + ["--deterministic"] * deterministic
+        if compile_blocks is not None:
+            worker += ["--compile" if compile_blocks else "--no-compile"]
     except SpecError as err:
         _fail(EXIT_BAD_INPUT, str(err))
     sys.exit(run_torchrun(launch, worker))

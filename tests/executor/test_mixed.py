@@ -192,7 +192,8 @@ def run_plan_file(path, tmp_path):
     done = subprocess.run(cmd, capture_output=True, text=True, env={"OMP_NUM_THREADS": "1", **os.environ}, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert lines[-1]["summary"]["numerics"] == {"dtype": "float64", "autocast": "none", "deterministic": True}
+    assert lines[-1]["summary"]["numerics"] == {"dtype": "float64", "autocast": "none", "deterministic": True,
+                                                   "compile": "none"}
     return done, lines
 
 

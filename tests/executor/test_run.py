@@ -97,8 +97,28 @@ def test_run_trains_like_one_process(plan_file, tmp_path):
     assert summary["steps"] == STEPS and summary["estimated_step_time_s"] > 0
     # The workers inherit this process's setting (.ci/settings.py turns it on in every process).
     assert summary["numerics"] == {"dtype": "float32", "autocast": "none",
-                                   "deterministic": torch.are_deterministic_algorithms_enabled()}
+                                   "deterministic": torch.are_deterministic_algorithms_enabled(), "compile": "none"}
     assert "Run against the plan" in done.stdout
+
+
+def test_a_compiled_plan_runs_compiled_and_trains_as_eager(tmp_path):
+    """`plan --compile` prices compiled blocks and records it in the plan's runtime;
+    `shardwise run` then compiles each block with inductor, and the losses are eager's
+    within float32's bound for another summation order."""
+    doc = plan("tiny-gpt", "cpu", GLOBAL_BATCH, gpus=2, seq_len=SEQ_LEN, precision="fp32", fix={"dp": 2, "tp": 1},
+               compile=True)
+    assert doc["runtime"]["torch_compile"] is True
+    write_plan(doc, tmp_path / "compiled.json")
+    metrics = tmp_path / "metrics.jsonl"
+    cmd = [sys.executable, "-m", "planner.console.cli", "run", str(tmp_path / "compiled.json"), "--steps", "3",
+           "--lr", str(CONFIG.lr), "--metrics-out", str(metrics)]
+    done = subprocess.run(cmd, capture_output=True, text=True, env={"OMP_NUM_THREADS": "1", **os.environ},
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert lines[-1]["summary"]["numerics"]["compile"] == "inductor"
+    ref_losses, _ = reference_run("tiny-gpt", steps=3)
+    assert [s["loss"] for s in lines[:-1]] == pytest.approx(ref_losses, rel=loss_rtol(CONFIG.dtype, steps=3))
 
 
 def test_plans_the_executor_cannot_build_are_refused(plan_file, tmp_path):
