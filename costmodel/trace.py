@@ -84,12 +84,26 @@ def _cpu_flash_backward(grad_out_shape, query_shape, key_shape, value_shape, *ar
     return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
 
 
+def _grouped_mm(a_shape, b_shape, *args, **kwargs) -> int:
+    """torch._grouped_mm (MoE experts in one call; executor.models.MoE.experts): each
+    row (or column) of the grouped 2-D operand meets one group's matrix, so the FLOPs are
+    those of one matmul over all rows; two 3-D operands are a batched matmul."""
+    if len(a_shape) == 2 and len(b_shape) == 3:      # [M, K] x [G, K, N] -> [M, N]
+        return 2 * a_shape[0] * a_shape[1] * b_shape[2]
+    if len(a_shape) == 3 and len(b_shape) == 2:      # [G, M, K] x [K, N] -> [M, N]
+        return 2 * a_shape[1] * a_shape[2] * b_shape[1]
+    if len(a_shape) == 2:                             # [M, K] x [K, N] -> [G, M, N], K grouped
+        return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+    return 2 * a_shape[0] * a_shape[1] * a_shape[2] * b_shape[2]
+
+
 # FlopCounterMode counts the CUDA fused attention kernels; the fake CPU device the trace
 # runs on takes the CPU flash kernel, counted by the same formulas (the full s x s
-# product, as the analytic graph counts it).
+# product, as the analytic graph counts it). It has no formula for torch._grouped_mm.
 EXTRA_FLOP_FORMULAS = {
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_forward,
     torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_backward,
+    **({torch.ops.aten._grouped_mm: _grouped_mm} if hasattr(torch.ops.aten, "_grouped_mm") else {}),
 }
 
 
