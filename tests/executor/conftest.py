@@ -1,10 +1,20 @@
-"""Fixtures the executor's torchrun tests share."""
+"""Fixtures the executor's torchrun tests share, and the compiled tests' inductor cache."""
+
+import os
+import tempfile
 
 import pytest
 from executor_test_helpers import GLOBAL_BATCH, SEQ_LEN
 
 from planner.api import plan
 from planner.plan_file import write_plan
+
+# Inductor's on-disk cache does not key its CPU kernels on ATEN_CPU_CAPABILITY: kernels
+# compiled under one kernel set and loaded under another gave NaN losses (measured:
+# test_compiled_blocks_train_as_eager under avx2 after a default run). One cache per
+# kernel set, inherited by the ranks and the `shardwise run` processes the tests start.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
+    tempfile.gettempdir(), f"torchinductor_shardwise_{os.environ.get('ATEN_CPU_CAPABILITY') or 'default'}"))
 
 
 @pytest.fixture(scope="module")
