@@ -29,6 +29,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from costmodel.specs import ModelSpec
 from costmodel.strategy import RECOMPUTE_MODES
+from costmodel.terms import memory
 
 INIT_STD = 0.02   # GPT-2 / Megatron-LM default initialisation
 ROPE_THETA = 10000.0
@@ -342,9 +343,9 @@ class Transformer(nn.Module):
         return x
 
 
-# fp32 bytes of one chunk of the chunked cross-entropy's rows (a few such tensors live
-# at once): small beside the logits, large enough that each chunk is a long kernel.
-LOSS_CHUNK_BYTES = 256 << 20
+# fp32 bytes of one chunk of the chunked cross-entropy's rows, defined beside the memory
+# term that counts it.
+LOSS_CHUNK_BYTES = memory.LOSS_CHUNK_BYTES
 
 
 def loss_chunk_rows(vocab: int) -> int:

@@ -65,8 +65,8 @@ from planner.plan_file import (
     fingerprint,
     is_traced,
     read_plan,
-    strategy_of,
     runtime_of,
+    strategy_of,
     training_of,
 )
 

@@ -44,7 +44,6 @@ class UnitCosts:
     p2p_s: float                           # one activation (or gradient) send between stages
     p2p_bytes: float
     tied_sync_s: float = 0.0               # all-reduce of the tied embedding's gradient, first and last stage
-    selective_rebuilds_layer: bool = False  # selective recompute remakes the layer's activations (op-level)
 
 
 def unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
@@ -225,7 +224,6 @@ def unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
         p2p_s=p2p_s,
         p2p_bytes=p2p_bytes,
         tied_sync_s=tied_sync_s,
-        selective_rebuilds_layer=runtime.selective_recompute == "op-level",
     )
 
 
@@ -350,8 +348,8 @@ def rank_memory(problem: Problem, units: UnitCosts, strategy: Strategy, pp_rank:
             head_in_backward = False
     if head_in_backward:
         activations += in_flight * units.logits_bytes
-    if any(s.full_recompute_layers or (s.selective_recompute_layers and units.selective_rebuilds_layer)
-           for s in stages):
+    rebuilds_selective = problem.runtime.selective_rebuilds_layer
+    if any(s.full_recompute_layers or (s.selective_recompute_layers and rebuilds_selective) for s in stages):
         # A recomputed layer's activations are made whole again for its backward.
         activations += units.layer_working_bytes
     buffers = temporaries = loss_buffers = 0.0

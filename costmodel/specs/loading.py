@@ -464,8 +464,8 @@ def mixed_cluster_from_dict(data: dict, name: str) -> MixedClusterSpec:
 def runtime_from_dict(data: dict, name: str, field: str = "--runtime") -> RuntimeSpec:
     """Validate a runtime profile mapping (configs/runtimes/*.yaml, or a plan's
     `runtime`) into a RuntimeSpec; SpecError names `field`.the_key."""
-    allowed = {"name", "version", "description", "fitted_on", "mixed_precision", "selective_recompute", *FRACTION_FIELDS, *NUMBER_FIELDS,
-               *FLAG_FIELDS, *BAND_FIELDS}
+    allowed = {"name", "version", "description", "fitted_on", "mixed_precision", "selective_recompute",
+               *FRACTION_FIELDS, *NUMBER_FIELDS, *FLAG_FIELDS, *BAND_FIELDS}
     if "selective_recompute_gemm_fraction" in data and "selective_recompute" not in data:
         # Plans written before the policy had a name: 0 was the attention core, 0.5 torchtitan's op-level SAC.
         data = {**data, "selective_recompute": "op-level" if data["selective_recompute_gemm_fraction"] else

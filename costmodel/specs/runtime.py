@@ -80,6 +80,12 @@ class RuntimeSpec:
     fitted_on: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
 
     @property
+    def selective_rebuilds_layer(self) -> bool:
+        """Whether a selectively recomputed layer is made whole again in its backward
+        (op-level: every op but the kept ones is rerun), as a fully recomputed one is."""
+        return self.selective_recompute == "op-level"
+
+    @property
     def elementwise_factor(self) -> float:
         return self.compiled_elementwise_traffic_factor if self.torch_compile else self.elementwise_traffic_factor
 

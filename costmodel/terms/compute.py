@@ -163,8 +163,9 @@ def op_level_gemm_fraction(model: ModelSpec, cluster: ClusterSpec, training: Tra
                    for m in matmuls)
 
     kept, repeated = op_level_split(model, tp, ep)
-    total = seconds(kept) + seconds(repeated)
-    return seconds(repeated) / total if total > 0 else 0.0
+    repeated_s = seconds(repeated)
+    total = seconds(kept) + repeated_s
+    return repeated_s / total if total > 0 else 0.0
 
 
 def head_compute_s(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,

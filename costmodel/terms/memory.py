@@ -323,8 +323,9 @@ def in_flight_microbatches(schedule: str, pp: int, pp_rank: int, num_microbatche
     return float(min(m, pp - pp_rank))
 
 
-# fp32 bytes of one chunk of the executor's chunked cross-entropy (executor.models.
-# LOSS_CHUNK_BYTES; tests/executor/test_models.py checks the two agree).
+# fp32 bytes of one chunk of the executor's chunked cross-entropy's rows (a few such
+# tensors live at once; executor.models.ChunkedCrossEntropy): small beside the logits,
+# large enough that each chunk is a long kernel.
 LOSS_CHUNK_BYTES = 256 << 20
 
 

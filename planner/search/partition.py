@@ -146,9 +146,10 @@ def rank_model(problem: Problem, units: UnitCosts, strategy: Strategy, pp_rank: 
     indicator = [o - b - f for o, b, f in zip(one_full, base, per_full)]
     per_sel = [b - a for a, b in zip(one_sel, two_sel)]
     sel_indicator = [o - b - s for o, b, s in zip(one_sel, base, per_sel)]
-    # Both indicators stand for the one rebuilt layer's activations: one z, at the
-    # smaller of the two, keeps the program's memory a relaxation.
-    rebuilds = sel_indicator[1] > 0.5 * indicator[1] > 0
+    # Where selective recompute rebuilds the layer too, both indicators stand for the one
+    # rebuilt layer's activations: one z, at the smaller of the two, keeps the program's
+    # memory a relaxation.
+    rebuilds = problem.runtime.selective_rebuilds_layer
     if rebuilds:
         indicator = [min(a, b) for a, b in zip(indicator, sel_indicator)]
     affines = [Affine(base[i] - (v + 2) * per_layer[i], per_layer[i], per_full[i], per_sel[i], indicator[i])
