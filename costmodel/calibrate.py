@@ -1,5 +1,6 @@
 """From measurements to the cost model's parameters: a GEMM efficiency curve, the
-memory bandwidth of elementwise passes, and alpha-beta figures per collective, fitted to
+memory bandwidth of elementwise passes, alpha-beta figures per collective and, on CPU
+ranks, the host time of PyTorch's parallel wrappers (HostOverheads), fitted to
 a profile (what `shardwise profile` measures), and written as a cluster spec a user can
 keep (`--cluster that.yaml`). Pure arithmetic on the profile's numbers.
 
@@ -90,6 +91,35 @@ def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return my - slope * mx, slope
 
 
+def fit_host_overheads(measured: dict) -> dict:
+    """HostOverheads (costmodel.specs.hardware) from the profile's "host_overheads"
+    (executor.measure.measure_host_overheads: calling-thread seconds of one reference block's
+    forward + backward, bare and wrapped). DTensor TP's time per layer is the TP layer's
+    over its plain shard's, less its four bare all-reduces (Megatron's two forward, two
+    backward), fitted as a line in the activation bytes over the micro-batch sizes; sequence
+    parallelism's is the mean excess of the SP layer over that, less its four all-gathers
+    and four reduce-scatters' excess over the all-reduces. FSDP2's per byte of the unit:
+    resharding after forward adds one all-gather (backward's), so its excess over keeping
+    the unit gathered is one gather's host time; keeping it gathered over the plain layer,
+    less one gather's and the bare reduce-scatter's and all-gather's, is one reduce-scatter's.
+    Noise can only make a difference small, never negative: each is at least 0."""
+    rows = measured["tp"]
+    tp = [r["tp_s"] - r["tp_shard_s"] - 4 * r["all_reduce_s"] for r in rows]
+    fixed, per_byte = _line([r["activation_bytes"] for r in rows], tp)
+    if per_byte < 0:
+        fixed, per_byte = sum(tp) / len(tp), 0.0
+    sp = [r["tp_sp_s"] - r["tp_s"] - 4 * (r["all_gather_s"] + r["reduce_scatter_s"] - r["all_reduce_s"])
+          for r in rows]
+    unit = measured["layer_bytes"]
+    gather = max(0.0, measured["fsdp_reshard_s"] - measured["fsdp_keep_s"])
+    reduce = (measured["fsdp_keep_s"] - measured["plain_s"] - gather - measured["unit_all_gather_s"]
+              - measured["unit_reduce_scatter_s"])
+    return {"tp_layer_s": float(f"{max(0.0, fixed):.4g}"), "tp_layer_s_per_byte": float(f"{per_byte:.4g}"),
+            "sp_layer_s": float(f"{max(0.0, sum(sp) / len(sp)):.4g}"),
+            "fsdp_gather_s_per_byte": float(f"{gather / unit:.4g}"),
+            "fsdp_reduce_s_per_byte": float(f"{max(0.0, reduce) / unit:.4g}")}
+
+
 def fit_collective(kind: str, points: list[dict], ranks: int) -> tuple[float, float]:
     """(bandwidth_bytes_per_s, latency_s) of a ring collective over `ranks` ranks from
     points {"bytes", "seconds"}, bytes in costmodel.terms.comm's convention (the full buffer;
@@ -124,6 +154,8 @@ def cluster_spec(profile: dict, name: str) -> dict:
         "gemm_efficiency_max": round(curve["gemm_efficiency_max"], 4),
         "gemm_half_dim": round(curve["gemm_half_dim"], 2),
     }
+    if profile.get("host_overheads"):
+        device["host_overheads"] = fit_host_overheads(profile["host_overheads"])
     fits = {kind: fit_collective(kind, pts, ranks) for kind, pts in sorted(profile["collectives"].items()) if pts}
     base_bw, base_lat = fits.get("all_reduce", next(iter(fits.values()), (1e9, 0.0)))
     link = {"bandwidth_bytes_per_s": float(f"{base_bw:.4g}"), "latency_s": float(f"{base_lat:.4g}")}

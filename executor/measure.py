@@ -3,7 +3,8 @@ model's layers ask for, the bandwidth of elementwise passes, collectives (all-re
 all-gather, reduce-scatter, all-to-all, send/recv) over message sizes across `nproc`
 local processes, and, given a model, the forward and backward seconds of its layer
 kinds (transformer layer, embedding, LM head with the loss) as the TP shard one rank
-runs, over micro-batch sizes and TP widths. The result is a versioned JSON profile
+runs, over micro-batch sizes and TP widths, and on CPU ranks the host time DTensor TP and
+FSDP2 add to a layer (measure_host_overheads). The result is a versioned JSON profile
 keyed by device, operation, shape and dtype; costmodel.calibrate fits it into a cluster
 spec and costmodel.measured reads the layer times for `shardwise plan --profile`.
 """
@@ -160,6 +161,94 @@ def _collectives(rank: int, world: int, sizes: list[int], reps: int, device_type
             times.append((time.perf_counter() - start) / 2)
         out["p2p"].append({"bytes": size, "seconds": statistics.median(times[1:])})
     return out
+
+
+# --- host overheads of the parallel wrappers (CPU ranks) ----------------------------
+
+# The reference block the wrappers are timed on: a 512-wide GPT layer at seq 128, two
+# micro-batch sizes (for TP's growth with activation bytes). Host costs are per op and
+# per byte, so they carry to other widths (costmodel.specs.hardware.HostOverheads).
+HOST_BLOCK = {"model_type": "gpt", "hidden_size": 512, "num_hidden_layers": 1, "num_attention_heads": 8,
+              "num_key_value_heads": 8, "intermediate_size": 2048, "vocab_size": 512,
+              "max_position_embeddings": 128, "tie_word_embeddings": False}
+HOST_MICRO_BATCH_SIZES = (1, 2, 4)
+HOST_REPS = 9
+
+
+def _thread_s(fn, reps: int) -> float:
+    """Median CPU seconds of the calling thread over `reps` calls after one warm-up, the
+    ranks in step: gloo's collectives run on threads of their own, so waiting for them
+    is not counted, and their calling-thread work is measured bare and subtracted."""
+    times = []
+    for _ in range(reps + 1):
+        dist.barrier()
+        start = time.thread_time()
+        fn()
+        times.append(time.thread_time() - start)
+    return statistics.median(times[1:])
+
+
+def _forward_backward(layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def run() -> None:
+        out = layer(x, cos, sin)
+        out.backward(torch.ones_like(out))
+    return run
+
+
+def _host_overheads(rank: int, world: int, reps: int) -> dict:
+    """One rank's thread seconds of the reference block's forward + backward: its plain
+    layer, its TP shard, under DTensor TP over all ranks (with and without sequence
+    parallelism), under FSDP2 with and without resharding after forward, and of the bare
+    collectives each issues."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from costmodel.specs.loading import model_from_dict
+    from executor.models import build_model, materialize
+    from executor.parallelize import apply_tensor_parallel
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    torch.set_num_threads(1)
+    spec = model_from_dict(HOST_BLOCK, "host-overhead-block")
+    seq, h = spec.max_position_embeddings, spec.hidden_size
+    cos, sin = rope_tables(seq, spec.head_dim)
+    mesh = init_device_mesh("cpu", (world,))
+    generator = torch.Generator().manual_seed(0)
+    rows = []
+    for b in HOST_MICRO_BATCH_SIZES:
+        x = torch.randn(b, seq, h, generator=generator).requires_grad_()
+        row = {"micro_batch_size": b, "activation_bytes": x.numel() * 4,
+               "tp_shard_s": _thread_s(_forward_backward(shard_block(spec, world), x, cos, sin), reps)}
+        for sp in (False, True):
+            model = materialize(build_model(spec, seq), "cpu")
+            apply_tensor_parallel(model, mesh, sp)
+            local = x.detach().chunk(world, dim=1)[rank].requires_grad_() if sp else x
+            row["tp_sp_s" if sp else "tp_s"] = _thread_s(_forward_backward(model.layers["0"], local, cos, sin), reps)
+        message, shard = torch.ones(x.numel()), torch.ones(x.numel() // world)
+        row["all_reduce_s"] = _thread_s(lambda: dist.all_reduce(message), reps)
+        row["all_gather_s"] = _thread_s(lambda: dist.all_gather_into_tensor(message, shard), reps)
+        row["reduce_scatter_s"] = _thread_s(lambda: dist.reduce_scatter_tensor(shard, message), reps)
+        rows.append(row)
+    x = torch.randn(HOST_MICRO_BATCH_SIZES[0], seq, h, generator=generator).requires_grad_()
+    plain = shard_block(spec, 1)
+    parameters = sum(p.numel() for p in plain.parameters())
+    out = {"block": HOST_BLOCK, "ranks": world, "tp": rows, "layer_bytes": parameters * 4,
+           "plain_s": _thread_s(_forward_backward(plain, x, cos, sin), reps)}
+    for reshard in (False, True):
+        model = materialize(build_model(spec, seq), "cpu")
+        fully_shard(model.layers["0"], mesh=mesh, reshard_after_forward=reshard)
+        key = "fsdp_reshard_s" if reshard else "fsdp_keep_s"
+        out[key] = _thread_s(_forward_backward(model.layers["0"], x, cos, sin), reps)
+    full, shard = torch.ones(parameters - parameters % world), torch.ones(parameters // world)
+    out["unit_all_gather_s"] = _thread_s(lambda: dist.all_gather_into_tensor(full, shard), reps)
+    out["unit_reduce_scatter_s"] = _thread_s(lambda: dist.reduce_scatter_tensor(shard, full), reps)
+    return out
+
+
+def measure_host_overheads(nproc: int, reps: int = HOST_REPS) -> dict:
+    """What DTensor TP and FSDP2 add on the host, measured on `nproc` CPU ranks (rank 0's
+    figures; costmodel.calibrate turns them into HostOverheads)."""
+    return run_local(_host_overheads, nproc, reps)[0]
 
 
 # --- layer kinds --------------------------------------------------------------------
@@ -363,6 +452,11 @@ def profile(device_type: str = "cpu", nproc: int = 2, precision: str = "fp32", q
     progress(f"collectives over {len(sizes)} sizes on {nproc} processes")
     backend = "nccl" if device_type == "cuda" else "gloo"
     collectives = run_local(_collectives, nproc, sizes, reps, device_type, backend=backend)[0] if nproc > 1 else {}
+    host_overheads = None
+    if device_type == "cpu" and nproc > 1:
+        # On a GPU the host runs ahead of the kernels: nothing to add (HostOverheads).
+        progress(f"host overheads of DTensor TP and FSDP2 on {nproc} processes")
+        host_overheads = measure_host_overheads(nproc, 3 if quick else HOST_REPS)
     layers = []
     if model is not None:
         mbs = list(micro_batch_sizes or (QUICK_MICRO_BATCH_SIZES if quick else DEFAULT_MICRO_BATCH_SIZES))
@@ -376,7 +470,7 @@ def profile(device_type: str = "cpu", nproc: int = 2, precision: str = "fp32", q
     return {"schema_version": PROFILE_SCHEMA_VERSION, "device": device_type, "device_name": name,
             "precision": precision, "ranks": nproc, "memory_bytes": memory,
             "gemm": gemm, "elementwise": elementwise, "collectives": collectives, "layers": layers,
-            "roofline": roofline}
+            "roofline": roofline, **({"host_overheads": host_overheads} if host_overheads else {})}
 
 
 def _merge(points: list[dict], more: list[dict], key) -> list[dict]:
@@ -402,4 +496,6 @@ def extend(old: dict, new: dict) -> dict:
         merged["collectives"][kind] = [points[k] for k in sorted(points)]
     layers = {layer_key(p): p for p in old.get("layers", [])} | {layer_key(p): p for p in new.get("layers", [])}
     merged["layers"] = [layers[k] for k in sorted(layers)]
+    if "host_overheads" in old and "host_overheads" not in new:
+        merged["host_overheads"] = old["host_overheads"]
     return merged

@@ -94,7 +94,7 @@ def candidate_dict(candidate: Candidate, cluster: ClusterSpec | None = None, run
 
 # Optional cluster fields a plan carries only when set, so plans of clusters without
 # them keep their bytes.
-_OPTIONAL_GPU_FIELDS = ("busy_power_w", "idle_power_w")
+_OPTIONAL_GPU_FIELDS = ("busy_power_w", "idle_power_w", "host_overheads")
 _OPTIONAL_CLUSTER_FIELDS = ("gpu_hour_price_usd",)
 
 

@@ -14,7 +14,7 @@ from costmodel.measured import profiled_layer
 from costmodel.problem import Problem
 from costmodel.strategy import RECOMPUTE_MODES, Stage, Strategy
 from costmodel.terms import compute, memory
-from costmodel.terms.comm import collective_time_s, groups, sharded_collective_s
+from costmodel.terms.comm import collective_time_s, fsdp_copies_s, groups, sharded_collective_s
 from costmodel.terms.counts import (
     embedding_parameters,
     head_parameters,
@@ -83,11 +83,15 @@ def unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
     def async_exposed(comm_s: float) -> float:
         return max(comm_s * (1.0 - async_hide), comm_s - async_hide * layer.gemm_s)
 
-    tp_forward = async_exposed(tp_one_way)
+    # DTensor's host time where the host is the device (HostOverheads, measured by the
+    # profile on CPU ranks): a third in forward, as the launches below.
+    host = cluster.gpu.host_overheads
+    tp_host = host.tp_layer_time_s(message, sp) if host is not None and tp > 1 else 0.0
+    tp_forward = async_exposed(tp_one_way) + tp_host / 3
     # Backward TP collectives overlap the weight-gradient GEMMs (Megatron-LM's
     # asynchronous tensor-parallel all-reduce / all-gather, Korthikanti et al. §4.2.2),
     # as far as the runtime's `tp_overlap` says.
-    tp_backward = max(0.0, tp_one_way - runtime.tp_overlap * hide * layer.gemm_s)
+    tp_backward = max(0.0, tp_one_way - runtime.tp_overlap * hide * layer.gemm_s) + 2 * tp_host / 3
     if sp:
         # Sequence parallelism stores the sharded input of each linear block and
         # gathers it again in backward before the weight-gradient GEMM can start
@@ -430,6 +434,12 @@ def dp_sync_s(problem: Problem, units: UnitCosts, strategy: Strategy, pp_rank: i
             else:
                 total += (collective_time_s("reduce_scatter", params * states.gradients, group, cluster, runtime)
                           + collective_time_s("all_gather", params * states.weights, group, cluster, runtime))
+                if cluster.gpu.host_overheads is not None and group.size > 1 and (
+                        strategy.zero_stage == 2 or strategy.tp > 1):
+                    # Host overheads are measured on the executor's CPU ranks, whose
+                    # ZeRO-2 (and ZeRO-1 over TP weights) is FSDP2: its copies, once a step.
+                    total += (fsdp_copies_s("reduce_scatter", params * states.gradients, group.size, cluster)
+                              + fsdp_copies_s("all_gather", params * states.weights, group.size, cluster))
     if pp_rank in (0, strategy.pp - 1):
         total += units.tied_sync_s
     return total

@@ -8,6 +8,33 @@ from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
+class HostOverheads:
+    """Host seconds PyTorch's parallel wrappers add to a step beyond the compute and the
+    collectives priced elsewhere, where nothing hides them: on CPU ranks the host is the
+    device. Measured by `shardwise profile` on CPU (executor.measure.measure_host_overheads:
+    the calling thread's CPU time of a wrapped layer over its plain shard's, less the
+    bare collectives'). On a GPU the host runs ahead of the kernels, so GPU specs carry
+    none; the runtime's `layer_launch_s` prices the launch floor there."""
+
+    # DTensor TP (executor.parallelize.apply_tensor_parallel): one layer's forward and
+    # backward per micro-batch, a fixed part and its growth with the layer's b*s*h
+    # activation bytes (the redistributions' copies).
+    tp_layer_s: float = 0.0
+    tp_layer_s_per_byte: float = 0.0
+    sp_layer_s: float = 0.0               # what sequence parallelism adds to a layer
+    # FSDP2 (fully_shard): per byte of the unsharded unit, each all-gather's copy-in and
+    # copy-out (split_with_sizes_copy into fresh buffers) and each reduce-scatter's
+    # torch._chunk_cat of the gradients.
+    fsdp_gather_s_per_byte: float = 0.0
+    fsdp_reduce_s_per_byte: float = 0.0
+
+    def tp_layer_time_s(self, activation_bytes: float, sequence_parallel: bool) -> float:
+        """DTensor's host time for one layer's forward + backward at this activation."""
+        return (self.tp_layer_s + self.tp_layer_s_per_byte * activation_bytes
+                + (self.sp_layer_s if sequence_parallel else 0.0))
+
+
+@dataclass(frozen=True)
 class GPUSpec:
     name: str
     peak_flops_per_s: dict[str, float]
@@ -21,6 +48,7 @@ class GPUSpec:
     # None where the hardware file cites no figure. Busy is the vendor TDP.
     busy_power_w: float | None = None
     idle_power_w: float | None = None
+    host_overheads: HostOverheads | None = None   # measured on CPU ranks; None on GPUs
 
     def peak_for(self, precision: str) -> float:
         return self.peak_flops_per_s[precision]

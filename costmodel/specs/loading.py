@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from costmodel.specs.hardware import ClusterSpec, GPUSpec, LinkSpec, MixedClusterSpec
+from costmodel.specs.hardware import ClusterSpec, GPUSpec, HostOverheads, LinkSpec, MixedClusterSpec
 from costmodel.specs.model import (
     FAMILIES,
     MLP_KINDS,
@@ -321,7 +321,8 @@ def load_model(source: str | Path, overrides: dict[str, str] | None = None) -> M
 
 def gpu_from_dict(data: dict, field: str = "gpu") -> GPUSpec:
     _check_keys(data, {"name", "peak_flops_per_s", "memory_bytes", "hbm_bandwidth_bytes_per_s",
-                       "gemm_efficiency_max", "gemm_half_dim", "busy_power_w", "idle_power_w"}, field)
+                       "gemm_efficiency_max", "gemm_half_dim", "busy_power_w", "idle_power_w", "host_overheads"},
+                field)
     peaks = data.get("peak_flops_per_s")
     if not isinstance(peaks, dict) or not peaks:
         raise SpecError(f"{field}.peak_flops_per_s", "expected a mapping of precision to FLOP/s")
@@ -342,7 +343,18 @@ def gpu_from_dict(data: dict, field: str = "gpu") -> GPUSpec:
                        if "gemm_half_dim" in data else None),
         busy_power_w=busy,
         idle_power_w=idle,
+        host_overheads=(host_overheads_from_dict(data["host_overheads"], f"{field}.host_overheads")
+                        if data.get("host_overheads") is not None else None),
     )
+
+
+def host_overheads_from_dict(data, field: str) -> HostOverheads:
+    """The host seconds of PyTorch's parallel wrappers (HostOverheads): non-negative numbers."""
+    if not isinstance(data, dict):
+        raise SpecError(field, "expected a mapping of overhead name to seconds")
+    names = [f.name for f in fields(HostOverheads)]
+    _check_keys(data, set(names), field)
+    return HostOverheads(**{k: as_float(data[k], f"{field}.{k}", exclusive=False) for k in names if k in data})
 
 
 def _optional_number(data: dict, key: str, field: str, exclusive: bool = True) -> float | None:

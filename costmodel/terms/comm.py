@@ -109,8 +109,21 @@ def sharded_collective_s(kind: str, total_bytes: float, group: Placement, cluste
     flat buffers the collectives use in place, so they are charged none."""
     if group.size <= 1 or total_bytes <= 0:
         return 0.0
-    copies = compute.memory_bound_time_s(2 * total_bytes * (1 + 1 / group.size), cluster)
-    return collective_time_s(kind, total_bytes, group, cluster, runtime) + copies
+    return (collective_time_s(kind, total_bytes, group, cluster, runtime)
+            + fsdp_copies_s(kind, total_bytes, group.size, cluster))
+
+
+def fsdp_copies_s(kind: str, total_bytes: float, group_size: int, cluster) -> float:
+    """FSDP2's copies around one all-gather or reduce-scatter of `total_bytes` (the
+    unsharded unit): a read and a write of the full buffer and of the shard, memory-bound;
+    where the device measured its host overheads (CPU ranks, HostOverheads), the measured
+    seconds per byte instead, which also hold the hooks' time and fresh buffers' page
+    faults (CPU tensors get no caching allocator)."""
+    host = cluster.gpu.host_overheads
+    if host is not None:
+        per_byte = host.fsdp_gather_s_per_byte if kind == "all_gather" else host.fsdp_reduce_s_per_byte
+        return per_byte * total_bytes
+    return compute.memory_bound_time_s(2 * total_bytes * (1 + 1 / group_size), cluster)
 
 
 

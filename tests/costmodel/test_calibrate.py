@@ -12,6 +12,7 @@ from costmodel.calibrate import (
     fit_bandwidth,
     fit_collective,
     fit_gemm_curve,
+    fit_host_overheads,
     roofline_notes,
 )
 from costmodel.specs.loading import load_cluster
@@ -89,3 +90,52 @@ def test_a_profile_whose_rates_had_not_settled_says_so():
     assert roofline_notes(profile) == ["the GEMM rate was still rising at 512^3: the fitted peak is a floor of "
                                        "the device's"]
     assert "predates the roofline sweep" in roofline_notes({"gemm": [], "elementwise": []})[0]
+
+
+def host_measurements() -> dict:
+    """A profile's "host_overheads" (executor.measure.measure_host_overheads) built from
+    known overheads: DTensor TP 5 ms + 2 ns per activation byte a layer, SP 1 ms more,
+    FSDP2 0.5 ns per unit byte a gather and 0.25 a reduce-scatter."""
+    unit = 12_000_000
+    rows = []
+    for b in (1, 2, 4):
+        act = b * 262_144
+        shard = 0.010 * b
+        ar, ag, rs = 1e-4, 2e-4, 3e-4
+        tp = shard + 0.005 + 2e-9 * act + 4 * ar
+        rows.append({"micro_batch_size": b, "activation_bytes": act, "tp_shard_s": shard, "tp_s": tp,
+                     "tp_sp_s": tp + 0.001 + 4 * (ag + rs - ar), "all_reduce_s": ar, "all_gather_s": ag,
+                     "reduce_scatter_s": rs})
+    plain, unit_ag, unit_rs = 0.020, 1e-4, 3e-3
+    keep = plain + 0.5e-9 * unit + 0.25e-9 * unit + unit_ag + unit_rs
+    return {"tp": rows, "layer_bytes": unit, "plain_s": plain, "fsdp_keep_s": keep,
+            "fsdp_reshard_s": keep + 0.5e-9 * unit, "unit_all_gather_s": unit_ag, "unit_reduce_scatter_s": unit_rs}
+
+
+def test_host_overheads_are_the_wrapped_layers_excess():
+    fit = fit_host_overheads(host_measurements())
+    assert fit == pytest.approx({"tp_layer_s": 0.005, "tp_layer_s_per_byte": 2e-9, "sp_layer_s": 0.001,
+                                 "fsdp_gather_s_per_byte": 0.5e-9, "fsdp_reduce_s_per_byte": 0.25e-9}, rel=1e-3)
+
+
+def test_noise_never_makes_a_host_overhead_negative():
+    measured = host_measurements()
+    measured["fsdp_keep_s"] = measured["plain_s"]                     # keeping as fast as plain
+    measured["fsdp_reshard_s"] = measured["fsdp_keep_s"] - 0.002      # and resharding faster still
+    for row in measured["tp"]:
+        row["tp_sp_s"] = row["tp_s"] - 0.001
+    fit = fit_host_overheads(measured)
+    assert fit["fsdp_gather_s_per_byte"] == 0.0 and fit["fsdp_reduce_s_per_byte"] == 0.0
+    assert fit["sp_layer_s"] == 0.0
+
+
+def test_a_cpu_profile_fits_host_overheads_into_the_spec(tmp_path):
+    profile = {"device": "cpu", "device_name": "CPU", "precision": "fp32", "ranks": 2, "memory_bytes": 8 << 30,
+               "gemm": gemm_points(), "elementwise": [{"bytes": 1 << 26, "seconds": (1 << 26) / 1.6e10}],
+               "collectives": {"all_reduce": [{"bytes": 1 << 20, "seconds": 1e-3}, {"bytes": 1 << 24, "seconds": 1e-2}]},
+               "host_overheads": host_measurements()}
+    path = tmp_path / "fitted.yaml"
+    path.write_text(yaml.safe_dump(cluster_spec(profile, "fitted")))
+    host = load_cluster(str(path)).gpu.host_overheads
+    assert host.tp_layer_s == pytest.approx(0.005, rel=1e-3)
+    assert host.tp_layer_time_s(1e6, sequence_parallel=True) == pytest.approx(0.005 + 2e-9 * 1e6 + 0.001, rel=1e-3)

@@ -26,6 +26,11 @@ def test_quick_profile_fits_a_loadable_cluster(tmp_path):
     assert "all_to_all" in cluster.intra_node.collectives
     assert 1e9 < cluster.gpu.peak_for("fp32") < 1e13   # a CPU core, within reason
     assert "&id" not in spec.read_text()               # plain YAML, no anchors
+    # Two CPU ranks: DTensor's and FSDP2's host time is measured and fitted.
+    host = profile["host_overheads"]
+    assert [r["micro_batch_size"] for r in host["tp"]] == [1, 2, 4]
+    assert all(r["tp_s"] > r["tp_shard_s"] for r in host["tp"])   # DTensor dispatch is never free
+    assert cluster.gpu.host_overheads is not None and cluster.gpu.host_overheads.tp_layer_s > 0
 
 
 def test_extend_replaces_same_shapes_and_keeps_the_rest():

@@ -31,6 +31,7 @@ from costmodel.estimate.uniform import (
     optimizer_step_s,
     p2p_sends,
     rank_memory,
+    rank_parameters,
     recompute_flops,
     unit_costs,
 )
@@ -42,6 +43,8 @@ from costmodel.specs.loading import (
     make_training,
 )
 from costmodel.strategy import Strategy, even_stages
+from costmodel.specs import HostOverheads
+from costmodel.terms import compute
 from costmodel.terms.comm import groups
 from costmodel.terms.compute import OPTIMIZER_BYTES_PER_PARAMETER, layer_compute
 from costmodel.terms.counts import (
@@ -570,7 +573,8 @@ def test_pipeline_across_nodes_uses_the_inter_node_link():
 
 def test_cpu_ranks_hide_no_communication_and_zero3_pays_fsdp_copies():
     # configs/clusters/cpu.yaml: comm_overlap 0; all-gather 1.1e9 B/s + 180 us,
-    # reduce-scatter 6.5e8 B/s + 280 us (2 ranks); hardware: copies at 0.8 x 2.2e10 B/s.
+    # reduce-scatter 6.5e8 B/s + 280 us (2 ranks); hardware: FSDP2's measured host time,
+    # 2.6e-10 s per unit byte a gather and 6.1e-10 a reduce-scatter.
     spec = load_model("tiny-llama")
     cpu = load_cluster("cpu", gpus=2)
     prob = Problem(spec, cpu, make_training(spec, cpu, 8, 16, precision="fp32"))
@@ -578,11 +582,52 @@ def test_cpu_ranks_hide_no_communication_and_zero3_pays_fsdp_copies():
                      stages=even_stages(4, 1))
     u = unit_costs(prob, zero3)
     full = layer_parameters(spec)[0] * 4
-    copies = 2 * full * 1.5 / (0.8 * 2.2e10)
-    gather = full / 2 / 1.1e9 + 1.8e-4 + copies
-    scatter = full / 2 / 6.5e8 + 2.8e-4 + copies
+    gather = full / 2 / 1.1e9 + 1.8e-4 + 2.6e-10 * full
+    scatter = full / 2 / 6.5e8 + 2.8e-4 + 6.1e-10 * full
     assert u.layer_work["none"].dp_comm_s == pytest.approx(2 * gather + scatter, rel=1e-9)
     assert u.layer_backward_s == 0.0   # no window for DDP's all-reduce to hide in
     ddp = dataclasses.replace(zero3, zero_stage=0)
     e = estimate(prob, ddp)
     assert e.time.dp_comm_s == pytest.approx(dp_sync_s(prob, unit_costs(prob, ddp), ddp, 0), rel=1e-12)
+
+
+HOST = HostOverheads(tp_layer_s=5e-3, tp_layer_s_per_byte=2e-9, sp_layer_s=1e-3,
+                     fsdp_gather_s_per_byte=0.5e-9, fsdp_reduce_s_per_byte=0.25e-9)
+
+
+def with_host(prob: Problem, host: HostOverheads | None = HOST) -> Problem:
+    """The problem on the same cluster with these host overheads (None: a GPU's)."""
+    gpu = dataclasses.replace(prob.cluster.gpu, host_overheads=host)
+    return dataclasses.replace(prob, cluster=dataclasses.replace(prob.cluster, gpu=gpu))
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_dtensor_host_time_per_layer(sp):
+    prob = with_host(problem("tiny-gpt", cluster="cpu", global_batch=8, precision="fp32", gpus=2), None)
+    s = strategy(prob, tp=2, micro_batch_size=8, sequence_parallel=sp)
+    plain, host = unit_costs(prob, s), unit_costs(with_host(prob), s)
+    message = 4 * 8 * prob.training.seq_len * prob.model.hidden_size   # b*s*h fp32 values
+    layer = 5e-3 + 2e-9 * message + (1e-3 if sp else 0.0)
+    assert host.layer_work["none"].tp_comm_s - plain.layer_work["none"].tp_comm_s == pytest.approx(layer, rel=1e-9)
+    # Full recompute repeats the forward's third.
+    assert (host.layer_work["full"].tp_comm_s - plain.layer_work["full"].tp_comm_s
+            == pytest.approx(layer * 4 / 3, rel=1e-9))
+    # Nothing without tensor parallelism.
+    dp = strategy(prob, dp=2, micro_batch_size=4)
+    assert unit_costs(with_host(prob), dp).layer_work == unit_costs(prob, dp).layer_work
+
+
+def test_fsdp_host_time_replaces_the_modelled_copies():
+    prob = with_host(problem("tiny-gpt", cluster="cpu", global_batch=8, precision="fp32", gpus=2), None)
+    layer_bytes = 4 * layer_parameters(prob.model)[0]
+    z3 = strategy(prob, dp=2, micro_batch_size=4, zero_stage=3)
+    plain, host = unit_costs(prob, z3), unit_costs(with_host(prob), z3)
+    modelled_copy = compute.memory_bound_time_s(2 * layer_bytes * 1.5, prob.cluster)
+    # Per layer: a gather forward, a gather and a reduce-scatter backward.
+    assert (host.layer_work["none"].dp_comm_s - plain.layer_work["none"].dp_comm_s
+            == pytest.approx(3 * (-modelled_copy) + 2 * 0.5e-9 * layer_bytes + 0.25e-9 * layer_bytes, rel=1e-9))
+    # ZeRO-2 is FSDP2 in the executor: the copies once a step, with the end-of-step sync.
+    z2 = strategy(prob, dp=2, micro_batch_size=4, zero_stage=2)
+    params = sum(rank_parameters(unit_costs(prob, z2), z2, 0))
+    assert (dp_sync_s(with_host(prob), unit_costs(with_host(prob), z2), z2, 0) - dp_sync_s(prob, unit_costs(prob, z2), z2, 0)
+            == pytest.approx(0.75e-9 * 4 * params, rel=1e-9))

@@ -408,6 +408,12 @@ def test_bad_cluster_file_names_the_field(tmp_path, old, new, field):
     ("{name: G, peak_flops_per_s: {bf16: 1.0}, memory_bytes: 1}", "cluster.gpu.hbm_bandwidth_bytes_per_s"),
     ("{name: G, peak_flops_per_s: {bf16: 1.0}, memory_bytes: 1, hbm_bandwidth_bytes_per_s: 1.0, tdp: 400}",
      "cluster.gpu.tdp"),
+    ("{name: G, peak_flops_per_s: {bf16: 1.0}, memory_bytes: 1, hbm_bandwidth_bytes_per_s: 1.0, "
+     "host_overheads: {tp_layer_s: -1}}", "cluster.gpu.host_overheads.tp_layer_s"),
+    ("{name: G, peak_flops_per_s: {bf16: 1.0}, memory_bytes: 1, hbm_bandwidth_bytes_per_s: 1.0, "
+     "host_overheads: {tp_s: 1}}", "cluster.gpu.host_overheads.tp_s"),
+    ("{name: G, peak_flops_per_s: {bf16: 1.0}, memory_bytes: 1, hbm_bandwidth_bytes_per_s: 1.0, host_overheads: 3}",
+     "cluster.gpu.host_overheads"),
 ])
 def test_bad_gpu_names_the_field(tmp_path, gpu_yaml, field):
     text = CLUSTER_YAML.replace("gpu: a100-80gb", f"gpu: {gpu_yaml}")
