@@ -14,7 +14,12 @@ from costmodel.measured import profiled_layer
 from costmodel.problem import Problem
 from costmodel.strategy import RECOMPUTE_MODES, Stage, Strategy
 from costmodel.terms import compute, memory
-from costmodel.terms.comm import collective_time_s, fsdp_copies_s, groups, sharded_collective_s
+from costmodel.terms.comm import (
+    collective_time_s,
+    fsdp_copies_s,
+    groups,
+    sharded_collective_s,
+)
 from costmodel.terms.counts import (
     embedding_parameters,
     head_parameters,

@@ -17,7 +17,13 @@ from typing import Any
 
 import yaml
 
-from costmodel.specs.hardware import ClusterSpec, GPUSpec, HostOverheads, LinkSpec, MixedClusterSpec
+from costmodel.specs.hardware import (
+    ClusterSpec,
+    GPUSpec,
+    HostOverheads,
+    LinkSpec,
+    MixedClusterSpec,
+)
 from costmodel.specs.model import (
     FAMILIES,
     MLP_KINDS,

@@ -36,6 +36,7 @@ from costmodel.estimate.uniform import (
     unit_costs,
 )
 from costmodel.problem import Problem
+from costmodel.specs import HostOverheads
 from costmodel.specs.loading import (
     load_cluster,
     load_model,
@@ -43,7 +44,6 @@ from costmodel.specs.loading import (
     make_training,
 )
 from costmodel.strategy import Strategy, even_stages
-from costmodel.specs import HostOverheads
 from costmodel.terms import compute
 from costmodel.terms.comm import groups
 from costmodel.terms.compute import OPTIMIZER_BYTES_PER_PARAMETER, layer_compute
