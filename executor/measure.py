@@ -165,7 +165,7 @@ def _collectives(rank: int, world: int, sizes: list[int], reps: int, device_type
 
 # --- host overheads of the parallel wrappers (CPU ranks) ----------------------------
 
-# The reference block the wrappers are timed on: a 512-wide GPT layer at seq 128, two
+# The reference block the wrappers are timed on: a 512-wide GPT layer at seq 128, three
 # micro-batch sizes (for TP's growth with activation bytes). Host costs are per op and
 # per byte, so they carry to other widths (costmodel.specs.hardware.HostOverheads).
 HOST_BLOCK = {"model_type": "gpt", "hidden_size": 512, "num_hidden_layers": 1, "num_attention_heads": 8,

@@ -442,7 +442,9 @@ def dp_sync_s(problem: Problem, units: UnitCosts, strategy: Strategy, pp_rank: i
                 if cluster.gpu.host_overheads is not None and group.size > 1 and (
                         strategy.zero_stage == 2 or strategy.tp > 1):
                     # Host overheads are measured on the executor's CPU ranks, whose
-                    # ZeRO-2 (and ZeRO-1 over TP weights) is FSDP2: its copies, once a step.
+                    # ZeRO-2 (and ZeRO-1 over TP weights) is FSDP2: its copies, once a step
+                    # (the rule of executor.parallelize.data_parallel_kind, which this
+                    # layer cannot import).
                     total += (fsdp_copies_s("reduce_scatter", params * states.gradients, group.size, cluster)
                               + fsdp_copies_s("all_gather", params * states.weights, group.size, cluster))
     if pp_rank in (0, strategy.pp - 1):
