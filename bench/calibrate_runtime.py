@@ -152,7 +152,10 @@ def torchtitan_rows() -> tuple[list[Row], list[str]]:
                     # policy): a documented engine setting of these runs, not a fitted figure.
                     ("selective_recompute", "op-level"),
                     # torchtitan's loss: F.cross_entropy over the upcast logits.
-                    ("chunked_loss", False))
+                    ("chunked_loss", False),
+                    # torchtitan 9dec370's apply_fsdp: the embedding, norm and head in the
+                    # root unit, the last layer not resharded after forward.
+                    ("fsdp_kept_gathered", "root"))
         step = s["global_batch_size"] * s["seq_len"] / (run["measured"]["tokens_per_s_per_gpu"] * gpus)
         rows.append(Row(run["id"], "torchtitan", "pytorch-native", Problem(model, cluster, training, runtime=load_runtime()),
                         strategy, settings, step, run["measured"].get("peak_memory_gib"), reserved=True))

@@ -289,6 +289,43 @@ def rank_parameters(units: UnitCosts, strategy: Strategy, pp_rank: int) -> tuple
     return dense, experts
 
 
+@dataclass(frozen=True)
+class FsdpUnits:
+    """How FSDP2 (ZeRO-3 over more than one rank) holds one rank's units, in parameters:
+    the largest unit that is gathered and freed around each use, the parameters kept
+    gathered through the whole backward (a root unit) with the gradient they hold
+    through it, and the parameters gathered at the loss."""
+
+    largest_cycled: float
+    held: float
+    held_gradient: float
+    at_loss: float
+
+
+def fsdp_units(problem: Problem, units: UnitCosts, strategy: Strategy) -> FsdpUnits:
+    """The units of `FsdpUnits` under the runtime's FSDP2 wrapping (RuntimeSpec.fsdp_kept_gathered)."""
+    layer = units.layer_dense_parameters + units.layer_expert_parameters
+    first, last = units.first_parameters, units.last_parameters
+    kept = problem.runtime.fsdp_kept_gathered if strategy.pp == 1 else "none"
+    if kept == "root":
+        # The root unit (embedding, final norm, head) is gathered from the first forward
+        # to the end of backward, the head's gradient with it (FSDP2 reduces a unit's
+        # gradients in its post-backward, after the embedding's backward here); the last
+        # layer, kept too, is gathered at the loss.
+        head_weight = first if problem.model.tie_word_embeddings else last
+        return FsdpUnits(layer, first + last, head_weight, first + last + layer)
+    if problem.model.tie_word_embeddings and strategy.tp == strategy.pp == 1:
+        # A tied embedding and head (kept tied when tp = pp = 1) form the root unit
+        # (executor.parallelize.apply_fsdp), gathered with its gradient from the head's
+        # backward to the embedding's (FSDPMemTracker, bench/memory_tracker.py bf16
+        # cases: one copy of the embedding at the peak).
+        return FsdpUnits(max(layer, last), first, first, first)
+    # The head's unit is resharded after its forward and gathered again after the loss's
+    # backward (FSDPMemTracker, bench/memory_tracker.py bf16 cases: comm buffers 0 at the
+    # peak, untied), unless kept: then it is gathered at the loss.
+    return FsdpUnits(max(layer, first, last), 0.0, 0.0, last if kept == "head" else 0.0)
+
+
 def fsdp_stream_pool_bytes(problem: Problem, units: UnitCosts, strategy: Strategy, pp_rank: int) -> float:
     """What the CUDA caching allocator reserves for FSDP2's own streams beyond the allocated
     peak of `rank_memory`: the caching allocator keeps one pool of blocks per stream, and
@@ -297,17 +334,18 @@ def fsdp_stream_pool_bytes(problem: Problem, units: UnitCosts, strategy: Strateg
     stream (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py, foreach_reduce and
     foreach_all_gather). So the compute stream cannot reuse them, and
     torch.cuda.max_memory_reserved (what torchtitan logs as `memory`) counts every
-    gradient and two gathered units on top of the compute stream's peak. Not needed to
-    run (the allocator frees whole cached segments before it runs out); for comparing
-    with reserved figures. 0 without ZeRO-3 over more than one rank."""
+    gradient and two gathered units (a unit in use and the one prefetched; a held root
+    unit and a layer) on top of the compute stream's peak. Not needed to run (the
+    allocator frees whole cached segments before it runs out); for comparing with
+    reserved figures. 0 without ZeRO-3 over more than one rank."""
     if strategy.zero_stage != 3 or strategy.dp == 1:
         return 0.0
     dense, experts = rank_parameters(units, strategy, pp_rank)
     gradients = (memory.sharded_state_bytes(dense, problem.training, 3, strategy.dp)[1]
                  + memory.sharded_state_bytes(experts, problem.training, 3, strategy.dp // strategy.ep)[1])
-    largest = max(units.layer_dense_parameters + units.layer_expert_parameters, units.last_parameters,
-                  units.first_parameters)
-    return gradients + 2 * largest * memory.compute_copy_bytes(problem.training)
+    fsdp = fsdp_units(problem, units, strategy)
+    gathered = max(2 * fsdp.largest_cycled, fsdp.held + fsdp.largest_cycled)
+    return gradients + gathered * memory.compute_copy_bytes(problem.training)
 
 
 def rank_memory(problem: Problem, units: UnitCosts, strategy: Strategy, pp_rank: int) -> MemoryBreakdown:
@@ -372,24 +410,12 @@ def rank_memory(problem: Problem, units: UnitCosts, strategy: Strategy, pp_rank:
         # reduce-scatter. Gathered in the compute dtype under MixedPrecisionPolicy
         # (param_dtype), in fp32 under autocast; reduced in fp32 (reduce_dtype).
         # Measured: 3 x 772 MiB of buffers for llama2-7b zero3 dp8 in fp32
-        # (bench/memory_tracker.py). A unit is a layer, or the embedding or head when larger.
-        # A tied embedding and head (kept tied when tp = pp = 1) form the root unit
-        # (executor.parallelize.apply_fsdp), gathered with its gradient from the head's
-        # backward to the embedding's: held beside the layers' units.
-        root_held = model.tie_word_embeddings and strategy.pp == 1 and strategy.tp == 1
-        largest = max(units.layer_dense_parameters + units.layer_expert_parameters,
-                      units.last_parameters, 0.0 if root_held else units.first_parameters)
-        buffers += largest * (2 * copy + reduce_bytes)
-        temporaries += largest * copy
-        # At the loss no unit is gathered: the head's unit was resharded after its
-        # forward and is gathered again after the loss's backward; a tied root unit
-        # stays gathered (FSDPMemTracker, bench/memory_tracker.py bf16 cases: comm
-        # buffers 0 at the peak untied, one copy of the embedding tied).
-        loss_buffers = 0.0
-        if root_held:
-            buffers += units.first_parameters * copy
-            temporaries += units.first_parameters * copy
-            loss_buffers += units.first_parameters * copy
+        # (bench/memory_tracker.py). A unit is a layer, or the embedding or head when larger;
+        # a unit the engine keeps gathered is held beside them (fsdp_units).
+        fsdp = fsdp_units(problem, units, strategy)
+        buffers += fsdp.largest_cycled * (2 * copy + reduce_bytes) + fsdp.held * copy
+        temporaries += (fsdp.largest_cycled + fsdp.held_gradient) * copy
+        loss_buffers = fsdp.at_loss * copy
     elif dp > 1:
         buffers += 2 * memory.DDP_BUCKET_BYTES
         loss_buffers = buffers

@@ -36,6 +36,7 @@ from costmodel.specs.runtime import (
     DEFAULT_RUNTIME,
     FLAG_FIELDS,
     FRACTION_FIELDS,
+    FSDP_KEPT_GATHERED,
     NUMBER_FIELDS,
     SELECTIVE_POLICIES,
     RuntimeSpec,
@@ -483,6 +484,7 @@ def runtime_from_dict(data: dict, name: str, field: str = "--runtime") -> Runtim
     """Validate a runtime profile mapping (configs/runtimes/*.yaml, or a plan's
     `runtime`) into a RuntimeSpec; SpecError names `field`.the_key."""
     allowed = {"name", "version", "description", "fitted_on", "mixed_precision", "selective_recompute",
+               "fsdp_kept_gathered",
                *FRACTION_FIELDS, *NUMBER_FIELDS, *FLAG_FIELDS, *BAND_FIELDS}
     if "selective_recompute_gemm_fraction" in data and "selective_recompute" not in data:
         # Plans written before the policy had a name: 0 was the attention core, 0.5 torchtitan's op-level SAC.
@@ -501,7 +503,8 @@ def runtime_from_dict(data: dict, name: str, field: str = "--runtime") -> Runtim
         if key in data:
             values[key] = as_float(data[key], f"{field}.{key}",
                                    exclusive=key not in ("collective_half_bytes", "layer_launch_s", "step_overhead_s"))
-    for key, known in (("mixed_precision", MIXED_PRECISION), ("selective_recompute", SELECTIVE_POLICIES)):
+    for key, known in (("mixed_precision", MIXED_PRECISION), ("selective_recompute", SELECTIVE_POLICIES),
+                       ("fsdp_kept_gathered", FSDP_KEPT_GATHERED)):
         if key in data:
             if data[key] not in known:
                 raise SpecError(f"{field}.{key}", f"unknown {data[key]!r} (known: {', '.join(known)})")
@@ -519,7 +522,7 @@ def runtime_from_dict(data: dict, name: str, field: str = "--runtime") -> Runtim
     if not isinstance(fitted, dict) or not all(isinstance(v, str) for v in fitted.values()):
         raise SpecError(f"{field}.fitted_on", "expected a mapping of coefficient to the measurements it was fitted on")
     unknown = sorted(set(fitted) - set(FRACTION_FIELDS) - set(NUMBER_FIELDS) - set(FLAG_FIELDS) - set(BAND_FIELDS)
-                     - {"selective_recompute"})
+                     - {"selective_recompute", "fsdp_kept_gathered"})
     if unknown:
         raise SpecError(f"{field}.fitted_on.{unknown[0]}", "not a coefficient of the runtime")
     values["fitted_on"] = {str(k): v for k, v in sorted(fitted.items())}

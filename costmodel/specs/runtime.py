@@ -58,6 +58,15 @@ class RuntimeSpec:
     # copy of the whole micro-batch's logits) where the logits are not vocabulary-
     # parallel; false: F.cross_entropy over upcast logits (torchtitan, Hugging Face).
     chunked_loss: bool = False
+    # Which FSDP2 units (ZeRO-3, pp = 1) the engine keeps gathered from their forward to
+    # their backward instead of resharding after forward (costmodel.estimate.uniform
+    # fsdp_units): "none" (the executor: executor.parallelize.apply_fsdp reshards every
+    # unit); "head" (torchtitan 0.2: the final norm and LM head unit and the last layer,
+    # reshard_after_forward False, as FSDP2 would prefetch them at once for backward);
+    # "root" (torchtitan of 2024: the embedding, final norm and head stay in the root
+    # unit, which FSDP2 never reshards after forward (torch _fsdp_state._lazy_init),
+    # gathered until the end of backward, and the last layer is kept).
+    fsdp_kept_gathered: str = "none"
     # Seconds of one layer's forward + backward that no shape changes: eager PyTorch
     # dispatches and launches each of a layer's ~100 kernels from the host (a few
     # microseconds each), visible where the kernels are short (narrow TP shards, small
@@ -100,6 +109,8 @@ class RuntimeSpec:
 # Fields a runtime file gives as numbers in [0, 1] (fractions), other numbers, flags.
 # Selective recompute policies an engine runs (costmodel.terms.recompute).
 SELECTIVE_POLICIES = ("attention-core", "op-level")
+# What an engine's FSDP2 wrapping keeps gathered after forward (RuntimeSpec.fsdp_kept_gathered).
+FSDP_KEPT_GATHERED = ("none", "head", "root")
 FRACTION_FIELDS = ("dp_overlap", "zero3_overlap", "tp_overlap", "async_tp_overlap", "pp_overlap")
 # The band's ratios: the low one at most 1, the high ones at least 1.
 BAND_FIELDS = ("step_time_low_ratio", "step_time_high_ratio", "memory_high_ratio")

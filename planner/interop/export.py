@@ -10,32 +10,37 @@ so nothing is dropped silently.
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
-from costmodel.specs import ModelSpec, RuntimeSpec, TrainingSpec
+from costmodel.estimate import estimate
+from costmodel.problem import Problem
+from costmodel.specs import (
+    ClusterSpec,
+    MixedClusterSpec,
+    ModelSpec,
+    RuntimeSpec,
+    TrainingSpec,
+)
 from costmodel.specs.loading import SpecError
 from costmodel.strategy import Strategy
+from costmodel.units import GIB
 from planner.interop import importers
 from planner.interop.common import Exported, strategy_changes
 from planner.interop.deepspeed import export_deepspeed
 from planner.interop.megatron import export_megatron
 from planner.interop.torchtitan import export_torchtitan, export_torchtitan_toml
-from planner.plan_file import is_traced, model_of, runtime_of, strategy_of, training_of
+from planner.plan_file import (
+    cluster_of,
+    is_traced,
+    model_of,
+    runtime_of,
+    strategy_of,
+    training_of,
+)
 
 TARGETS = ("torchtitan", "torchtitan-toml", "megatron", "deepspeed")
 # The selective recompute each engine runs (costmodel.terms.recompute); DeepSpeed has none.
 ENGINE_SELECTIVE = {"torchtitan": "op-level", "torchtitan-toml": "op-level", "megatron": "attention-core"}
-
-
-# ---------------------------------------------------------------------------
-# torchtitan
-
-
-# ---------------------------------------------------------------------------
-# Megatron-LM
-
-
-# ---------------------------------------------------------------------------
-# DeepSpeed
 
 
 _EXPORTERS = {"torchtitan": export_torchtitan, "torchtitan-toml": export_torchtitan_toml,
@@ -43,10 +48,11 @@ _EXPORTERS = {"torchtitan": export_torchtitan, "torchtitan-toml": export_torchti
 
 
 def export_strategy(target: str, strategy: Strategy, model: ModelSpec, training: TrainingSpec,
-                    runtime: RuntimeSpec | None = None) -> Exported:
+                    runtime: RuntimeSpec | None = None, cluster: ClusterSpec | None = None) -> Exported:
     """The target's configuration for `strategy`, with what it cannot express as warnings;
     the text is read back and any strategy it describes other than the plan's is one more.
-    `runtime`: the profile the plan was priced under (its selective recompute policy)."""
+    `runtime`: the profile the plan was priced under (its selective recompute policy);
+    with `cluster` too, the peak memory the engine's own settings give is checked."""
     if target not in _EXPORTERS:
         raise SpecError("--to", f"unknown target {target!r} (known: {', '.join(TARGETS)})")
     exported = _EXPORTERS[target](strategy, model, training)
@@ -56,6 +62,9 @@ def export_strategy(target: str, strategy: Strategy, model: ModelSpec, training:
         back = importers.read_text(target, exported.text, model, strategy.num_gpus)
     except SpecError as err:
         return Exported(exported.text, exported.warnings + (f"{target} refuses this configuration: {err}",))
+    if runtime is not None and cluster is not None:
+        exported = Exported(exported.text, exported.warnings + _memory_warnings(
+            target, Problem(model, cluster, training, runtime=runtime), strategy, back.runtime_settings))
     changes = strategy_changes(strategy, back.strategy)
     if changes:
         return Exported(exported.text, exported.warnings + (f"{target} will run this configuration with "
@@ -73,6 +82,31 @@ def _selective_warnings(target: str, strategy: Strategy, runtime: RuntimeSpec | 
     return (f"{target}'s selective recompute is {engine}, the plan priced it as {runtime.selective_recompute} "
             f"(runtime {runtime.name}): its memory and time differ; plan with --runtime "
             f"{'pytorch-native' if engine == 'op-level' else 'megatron'} to price what {target} runs",)
+
+
+def _memory_warnings(target: str, problem: Problem, strategy: Strategy, settings) -> tuple[str, ...]:
+    """The plan's peak memory re-priced under the settings the engine runs it with (its
+    importer's runtime settings for the exported text: torchtitan's F.cross_entropy over
+    the upcast logits, its FSDP2 wrapping), where that is higher than the plan's."""
+    engine = replace(problem.runtime, **dict(settings))
+    if engine == problem.runtime:
+        return ()
+    planned = estimate(problem, strategy).peak_memory_bytes
+    theirs = estimate(replace(problem, runtime=engine), strategy).peak_memory_bytes
+    if theirs <= planned * 1.01:
+        return ()
+    differs = ", ".join(f"{k} {_setting(getattr(engine, k))}" for k, _ in settings
+                        if getattr(engine, k) != getattr(problem.runtime, k))
+    device = problem.cluster.gpu.memory_bytes
+    verdict = (f"more than the device's {device / GIB:.1f} GiB: it runs out of memory there; plan with a runtime "
+               f"profile that says {differs} (--runtime FILE)") if theirs > device else \
+        f"the device has {device / GIB:.1f} GiB"
+    return (f"{target} runs this plan with {differs} (the plan's runtime {problem.runtime.name} does not): peak "
+            f"memory {theirs / GIB:.1f} GiB per rank against the plan's {planned / GIB:.1f} GiB; {verdict}",)
+
+
+def _setting(value) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def _group_warnings(target: str, strategy: Strategy) -> tuple[str, ...]:
@@ -100,4 +134,6 @@ def export_plan(doc: dict, target: str) -> Exported:
     """Export a plan document (read with planner.plan_file.read_plan)."""
     if is_traced(doc):
         raise SpecError("plan.model", "a traced module's plan has no transformer layers an engine could place")
-    return export_strategy(target, strategy_of(doc), model_of(doc), training_of(doc), runtime_of(doc))
+    cluster = cluster_of(doc)
+    return export_strategy(target, strategy_of(doc), model_of(doc), training_of(doc), runtime_of(doc),
+                           None if isinstance(cluster, MixedClusterSpec) else cluster)

@@ -342,8 +342,11 @@ def _torchtitan_strategy(sections: dict, ac: Recompute, warnings: list[str], mod
         precision = None   # the config does not say; the caller's --precision decides
     seq = _tt_int(sections, t, "seq_len") if "seq_len" in sections[t] else None
     strategy = engine_strategy(dp, tp, pp, mbs, microbatches, vpp, ep, schedule, zero, sp, stages)
-    # torchtitan's loss is F.cross_entropy over the upcast logits.
-    settings = [("chunked_loss", False)]
+    # torchtitan's loss is F.cross_entropy over the upcast logits; under "default" it keeps
+    # its [norm, output] unit gathered from forward to backward (0.3.0 distributed/fsdp.py:
+    # resharded only under "always").
+    settings = [("chunked_loss", False),
+                ("fsdp_kept_gathered", "head" if zero == 3 and reshard == "default" else "none")]
     if "enable" in sections.get("compile", {}):
         settings.append(("torch_compile", _tt_bool(sections["compile"]["enable"], "compile.enable")))
     if "enable_async_tensor_parallel" in sections[p]:

@@ -27,7 +27,10 @@ from costmodel_test_helpers import (
 from costmodel.estimate import estimate
 from costmodel.estimate.breakdown import Work
 from costmodel.estimate.uniform import (
+    FsdpUnits,
     dp_sync_s,
+    fsdp_stream_pool_bytes,
+    fsdp_units,
     optimizer_step_s,
     p2p_sends,
     rank_memory,
@@ -631,3 +634,38 @@ def test_fsdp_host_time_replaces_the_modelled_copies():
     params = sum(rank_parameters(unit_costs(prob, z2), z2, 0))
     assert (dp_sync_s(with_host(prob), unit_costs(with_host(prob), z2), z2, 0) - dp_sync_s(prob, unit_costs(prob, z2), z2, 0)
             == pytest.approx(0.75e-9 * 4 * params, rel=1e-9))
+
+
+@pytest.mark.parametrize("kept", ["none", "head", "root"])
+def test_fsdp_units_kept_gathered_after_forward(kept):
+    # torchtitan keeps its head unit ("head", 0.3 under fsdp_reshard_after_forward
+    # "default") or its root unit with the last layer ("root", 2024) gathered after
+    # forward: at the loss, which is this plan's peak (F.cross_entropy over upcast
+    # logits), their 16-bit copies are held beside the activations.
+    runtime = dataclasses.replace(load_runtime(), chunked_loss=False, fsdp_kept_gathered=kept)
+    prob = problem("llama3-8b", cluster="dgx-h100", global_batch=16, seq_len=8192, gpus=8,
+                   mixed_precision="param_dtype", runtime=runtime)
+    s = strategy(prob, dp=8, micro_batch_size=2, zero_stage=3, recompute="selective")
+    u = unit_costs(prob, s)
+    layer, first, last = u.layer_dense_parameters, u.first_parameters, u.last_parameters
+    fsdp = fsdp_units(prob, u, s)
+    expected = {"none": FsdpUnits(max(layer, first, last), 0.0, 0.0, 0.0),
+                "head": FsdpUnits(max(layer, first, last), 0.0, 0.0, last),
+                "root": FsdpUnits(layer, first + last, last, first + last + layer)}[kept]
+    assert fsdp == expected
+    peak = rank_memory(prob, u, s, 0)
+    assert peak.comm_buffer_bytes == 2 * expected.at_loss          # bf16 copies (param_dtype)
+    assert peak.activations_bytes > 32 * u.layer_activation_bytes["selective"]   # the loss's peak
+    # The reserved pools of FSDP2's streams: the fp32 sharded gradients, and the bf16
+    # all-gather outputs of two cycled units or of the root unit and a layer.
+    assert fsdp_stream_pool_bytes(prob, u, s, 0) == pytest.approx(
+        total_parameters(prob.model) * 4 / 8 + 2 * max(2 * fsdp.largest_cycled, fsdp.held + fsdp.largest_cycled))
+
+
+def test_fsdp_units_of_a_pipeline_rank_are_cycled():
+    runtime = dataclasses.replace(load_runtime(), fsdp_kept_gathered="root")
+    prob = problem("llama3-8b", cluster="dgx-h100", global_batch=16, seq_len=8192, gpus=16,
+                   mixed_precision="param_dtype", runtime=runtime)
+    s = strategy(prob, dp=8, pp=2, micro_batch_size=1, num_microbatches=2, zero_stage=3)
+    u = unit_costs(prob, s)
+    assert fsdp_units(prob, u, s).held == fsdp_units(prob, u, s).at_loss == 0.0

@@ -404,3 +404,20 @@ def test_torchtitan_overrides_take_the_global_batch_they_leave_out():
     assert out.exit_code == 0, out.output
     mine = json.loads(out.stdout)["yours"]["strategy"]
     assert (mine["dp"], mine["zero_stage"], mine["micro_batch_size"], mine["num_microbatches"]) == (8, 3, 2, 4)
+
+
+def test_a_torchtitan_export_states_the_memory_of_torchtitan_s_loss():
+    # The plan is priced with the executor's chunked loss; torchtitan computes
+    # F.cross_entropy over the upcast logits: the export re-prices the peak so.
+    doc = plan("llama3-8b", "dgx-h100", 16, gpus=8, seq_len=8192, fix="dp=8,tp=1,pp=1,mbs=2,zero=3,recompute=selective",
+               top=1)
+    problem, strategy = make_problem("llama3-8b", "dgx-h100", 16, gpus=8, seq_len=8192), strategy_of(doc)
+    theirs = estimate(replace(problem, runtime=replace(problem.runtime, chunked_loss=False)), strategy)
+    planned = estimate(problem, strategy)
+    assert theirs.peak_memory_bytes > planned.peak_memory_bytes
+    warning = (f"torchtitan runs this plan with chunked_loss false (the plan's runtime pytorch-native does not): "
+               f"peak memory {theirs.peak_memory_bytes / GIB:.1f} GiB per rank against the plan's "
+               f"{planned.peak_memory_bytes / GIB:.1f} GiB; the device has 80.0 GiB")
+    assert warning in export_plan(doc, "torchtitan").warnings
+    # DeepSpeed's configuration says nothing of the loss: no such line.
+    assert not any("peak memory" in w for w in export_plan(doc, "deepspeed").warnings)
