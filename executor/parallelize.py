@@ -10,7 +10,7 @@ mesh comes from executor.mesh; executor.auto's Hugging Face split shares `wrap_d
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -33,7 +33,8 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from costmodel.specs import ModelSpec, TrainingSpec
+from costmodel.specs import ModelSpec, RuntimeSpec, TrainingSpec
+from costmodel.specs.runtime import DDP_BUCKET_MB
 from costmodel.strategy import Stage, Strategy
 from executor.mesh import RankMesh, tied_ends_group
 from executor.models import (
@@ -45,6 +46,24 @@ from executor.models import (
     materialize,
 )
 from executor.step import Accumulation, ModelParts, StageShapes, TiedEmbedding
+
+
+@dataclass(frozen=True)
+class Overlap:
+    """The runtime settings of a plan that this executor applies (the plan's runtime
+    profile, costmodel.specs.RuntimeSpec, says which are on; the cost model prices the
+    same fields): FSDP2 units gathered ahead and the units kept gathered after forward,
+    DDP's bucket size, and async TP (inductor's micro-pipelined TP over symmetric memory:
+    CUDA with compiled blocks only, synchronous elsewhere, and the run says so)."""
+
+    fsdp_prefetch: int = 1
+    fsdp_kept_gathered: str = "none"
+    ddp_bucket_mb: float = DDP_BUCKET_MB
+    async_tp: bool = False
+
+    @classmethod
+    def of(cls, runtime: RuntimeSpec) -> Overlap:
+        return cls(runtime.fsdp_prefetch, runtime.fsdp_kept_gathered, runtime.ddp_bucket_mb, runtime.async_tp)
 
 
 class UnsupportedPlan(ValueError):
@@ -135,13 +154,30 @@ def apply_recompute(model: Transformer, stage: Stage | None, strategy: Strategy)
         layer.set_recompute("full" if i < full else "selective" if i < full + selective else "none")
 
 
-def apply_compile(model: Transformer, backend: str) -> None:
+def apply_compile(model: Transformer, backend: str, micro_pipeline_tp: bool = False) -> None:
     """torch.compile each transformer block in place (nn.Module.compile: the parameter
     names stay), after tensor parallelism and recompute and before FSDP, the order
     torchtitan applies them in: the graphs fuse a block's norms, rotary embedding,
-    activation and residuals; the collectives between blocks stay eager."""
+    activation and residuals; the collectives between blocks stay eager.
+    `micro_pipeline_tp`: inductor splits each TP all-gather / reduce-scatter and its
+    matmul into overlapped pieces (async TP; its config given per compile, not set
+    globally)."""
+    options = {"_micro_pipeline_tp": True} if micro_pipeline_tp else None
     for layer in model.layers.values():
-        layer.compile(backend=backend)
+        layer.compile(backend=backend, options=options)
+
+
+def async_tp_supported(device: torch.device, compile_backend: str | None) -> bool:
+    """Async TP runs where inductor compiles the blocks over CUDA symmetric memory
+    (torch.distributed._symmetric_memory; torchtitan requires compile for it too)."""
+    return device.type == "cuda" and compile_backend == "inductor"
+
+
+def enable_async_tp(tp_mesh: DeviceMesh) -> None:
+    """Symmetric memory for the TP group, which the micro-pipelined collectives use."""
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    enable_symm_mem_for_group(tp_mesh.get_group().group_name)
 
 
 def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
@@ -262,24 +298,40 @@ def apply_replicate(model: Transformer, dp_mesh: DeviceMesh, ignored: set[nn.Par
     replicate(model, mesh=dp_mesh, ignored_params=ignored or None)
 
 
-def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, zero_stage: int, ignored: set[nn.Parameter]) -> None:
+def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, zero_stage: int, ignored: set[nn.Parameter],
+               overlap: Overlap = Overlap()) -> None:
     """ZeRO-3 (Rajbhandari et al. 2020 §5.3) as FSDP2: each layer, the embedding and the
     head are units gathered before use and freed after, forward and backward. ZeRO-2
     keeps each unit gathered from forward to backward (`reshard_after_forward=False`),
-    so a step gathers the weights once and reduce-scatters the gradients once."""
+    so a step gathers the weights once and reduce-scatters the gradients once.
+    `overlap`: how many units ahead each gathers (forward and backward prefetch), and
+    which it keeps gathered after forward as torchtitan does ("head": the final norm and
+    head unit; "root": the embedding, norm and head in the root unit, which FSDP2 never
+    reshards after forward, and the last layer)."""
     reshard = zero_stage == 3
-    for layer in model.layers.values():
-        fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard, ignored_params=ignored or None)
+    kept = overlap.fsdp_kept_gathered
+    layers = list(model.layers.values())
+    for i, layer in enumerate(layers):
+        keep = kept == "root" and i == len(layers) - 1
+        fully_shard(layer, mesh=dp_mesh, reshard_after_forward=reshard and not keep, ignored_params=ignored or None)
+    units: list[nn.Module] = list(layers)
     # The embedding (with the learned positions) and the head (with the final norm) are
     # units of their own, as the cost model counts them; a tied embedding and head share
-    # one parameter, so the root unit holds both.
-    if not model.tied:
+    # one parameter, so the root unit holds both (and "root" keeps them all there).
+    if not model.tied and kept != "root":
         first = [m for m in (model.tok_embeddings, model.pos_embeddings) if m is not None]
         last = [m for m in (model.norm, model.output) if m is not None]
-        for unit in (first, last):
-            if unit:
-                fully_shard(unit, mesh=dp_mesh, reshard_after_forward=reshard)
+        if first:
+            fully_shard(first, mesh=dp_mesh, reshard_after_forward=reshard)
+            units.insert(0, first[0])
+        if last:
+            fully_shard(last, mesh=dp_mesh, reshard_after_forward=reshard and kept != "head")
+            units.append(last[0])
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, ignored_params=ignored or None)
+    ahead = overlap.fsdp_prefetch
+    for i, unit in enumerate(units):
+        unit.set_modules_to_forward_prefetch(units[i + 1:i + 1 + ahead])
+        unit.set_modules_to_backward_prefetch(units[max(0, i - ahead):i][::-1])
 
 
 # DDP's switch for not broadcasting buffers each forward: `forward_sync_buffers` in
@@ -288,13 +340,14 @@ NO_BUFFER_SYNC = ({"forward_sync_buffers": False} if "forward_sync_buffers" in i
                   else {"broadcast_buffers": False})
 
 
-def wrap_ddp(model: nn.Module, dp_mesh: DeviceMesh, ignored: list[str]) -> DDP:
+def wrap_ddp(model: nn.Module, dp_mesh: DeviceMesh, ignored: list[str], bucket_mb: float = DDP_BUCKET_MB) -> DDP:
     """ZeRO-0 over plain weights: DistributedDataParallel over the dp group, leaving out
-    the parameters named in `ignored` (expert weights, reduced over edp by the step).
-    Buffers (the RoPE tables, a Hugging Face model's position ids) are computed
-    identically on every rank: no per-step broadcast."""
+    the parameters named in `ignored` (expert weights, reduced over edp by the step),
+    all-reducing gradients in buckets of `bucket_mb` MiB during backward. Buffers (the
+    RoPE tables, a Hugging Face model's position ids) are computed identically on every
+    rank: no per-step broadcast."""
     DDP._set_params_and_buffers_to_ignore_for_model(model, ignored)
-    return DDP(model, process_group=dp_mesh.get_group(), **NO_BUFFER_SYNC)
+    return DDP(model, process_group=dp_mesh.get_group(), bucket_cap_mb=bucket_mb, **NO_BUFFER_SYNC)
 
 
 class BuiltinModel:
@@ -302,11 +355,17 @@ class BuiltinModel:
     `dtype` drawn from `seed`."""
 
     def __init__(self, spec: ModelSpec, training: TrainingSpec, strategy: Strategy, mesh: RankMesh,
-                 dtype: torch.dtype, seed: int, device: torch.device, compile_backend: str | None = None):
+                 dtype: torch.dtype, seed: int, device: torch.device, compile_backend: str | None = None,
+                 overlap: Overlap = Overlap()):
         check_supported(spec, strategy, training.seq_len)
         self.spec, self.training, self.strategy, self.mesh = spec, training, strategy, mesh
         self.dtype, self.seed, self.device = dtype, seed, device
         self.compile_backend = compile_backend
+        # What a pipeline stage keeps is not priced (costmodel.estimate.uniform.fsdp_units):
+        # its units are all resharded; async TP needs CUDA and compiled blocks.
+        self.overlap = replace(overlap, fsdp_kept_gathered=overlap.fsdp_kept_gathered if strategy.pp == 1 else "none",
+                               async_tp=overlap.async_tp and strategy.tp > 1
+                               and async_tp_supported(device, compile_backend))
         # A tied embedding whose two copies sit on the pipeline's ends sums over this group.
         ends_group = tied_ends_group(mesh) if spec.tie_word_embeddings and strategy.pp > 1 else None
         self.data_parallel = data_parallel_kind(strategy)
@@ -342,16 +401,19 @@ class BuiltinModel:
             apply_expert_parallel(model, self.mesh["ep"])
         if s.tp > 1:
             apply_tensor_parallel(model, self.mesh["tp"], s.sequence_parallel)
+            if self.overlap.async_tp:
+                enable_async_tp(self.mesh["tp"])
         if self.compile_backend:
-            apply_compile(model, self.compile_backend)
+            apply_compile(model, self.compile_backend, micro_pipeline_tp=self.overlap.async_tp)
         experts = {p for _, p in expert_parameters(model)}
         if self.data_parallel == "fsdp":
-            apply_fsdp(model, self.mesh.dp_mesh, max(2, s.zero_stage), experts)
+            apply_fsdp(model, self.mesh.dp_mesh, max(2, s.zero_stage), experts, self.overlap)
         elif self.data_parallel == "replicate":
             apply_replicate(model, self.mesh.dp_mesh, experts)
         materialize(model, self.device, self.seed)
         if self.data_parallel == "ddp":
-            return wrap_ddp(model, self.mesh.dp_mesh, [n for n, _ in expert_parameters(model)])
+            return wrap_ddp(model, self.mesh.dp_mesh, [n for n, _ in expert_parameters(model)],
+                            self.overlap.ddp_bucket_mb)
         return model
 
     def _stage_shapes(self) -> StageShapes:

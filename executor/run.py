@@ -59,7 +59,7 @@ from costmodel.strategy import Strategy
 from costmodel.units import GIB
 from executor import checkpoint
 from executor.data import make_source
-from executor.parallelize import UnsupportedPlan, check_supported
+from executor.parallelize import Overlap, UnsupportedPlan, check_supported
 from executor.train import TrainConfig, Trainer
 from planner.plan_file import (
     fingerprint,
@@ -396,14 +396,18 @@ def train(job: RunJob, args: argparse.Namespace, source, device: torch.device, r
     if device.type == "cpu" and training.precision != "fp32":
         # CPU runs in fp32: few CPUs have fast bf16 matmuls.
         training = TrainingSpec(**{**job.plan["training"], "precision": "fp32"})
-    compiled = runtime_of(job.plan).torch_compile if args.compile_blocks is None else args.compile_blocks
+    runtime = runtime_of(job.plan)
+    compiled = runtime.torch_compile if args.compile_blocks is None else args.compile_blocks
     config = TrainConfig(lr=args.lr, warmup_steps=args.warmup_steps, total_steps=args.steps,
                          grad_clip=args.grad_clip, seed=args.seed,
                          dtype=torch.float64 if args.fp64 else torch.float32,
-                         compile_backend="inductor" if compiled else None)
+                         compile_backend="inductor" if compiled else None, overlap=Overlap.of(runtime))
     # The trainer autocasts to the plan's bf16 / fp16 itself, and not at all in float64
     # (executor.step.autocast_dtype).
     trainer = Trainer(job.model, training, job.strategy, config, device)
+    if rank == 0 and config.overlap.async_tp and job.strategy.tp > 1 and not trainer.model.overlap.async_tp:
+        print("note: the plan's runtime has async TP, which needs CUDA and compiled blocks (--compile): this "
+              "run's TP collectives are synchronous", flush=True)
     # Each rank says where it runs, as it resolved it from the plan: the summary shows
     # that rank r ran in the group the plan declares.
     ranks = [None] * dist.get_world_size()

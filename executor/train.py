@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Protocol
 
 import torch
@@ -23,7 +23,12 @@ from torch.distributed.tensor import DTensor
 from costmodel.specs import ModelSpec, TrainingSpec
 from costmodel.strategy import Strategy
 from executor.mesh import RankMesh, build_mesh
-from executor.parallelize import BuiltinModel, UnsupportedPlan, data_parallel_kind
+from executor.parallelize import (
+    BuiltinModel,
+    Overlap,
+    UnsupportedPlan,
+    data_parallel_kind,
+)
 from executor.step import ModelParts, TrainStep, autocast_dtype
 
 
@@ -52,6 +57,8 @@ class TrainConfig:
     # torchtitan does: "inductor" for speed, "aot_eager" to check the graphs quickly);
     # None runs eager.
     compile_backend: str | None = None
+    # The plan's overlap settings (FSDP2 prefetch and kept units, DDP buckets, async TP).
+    overlap: Overlap = Overlap()
 
 
 def lr_factor(config: TrainConfig, step: int) -> float:
@@ -115,7 +122,7 @@ class Trainer:
         self.mesh = build_mesh(strategy, self.device.type)
         if build_model is None:
             self.model = BuiltinModel(spec, training, strategy, self.mesh, config.dtype, config.seed, self.device,
-                                      config.compile_backend)
+                                      config.compile_backend, config.overlap)
         else:
             self.model = build_model(self.mesh, self.device)
         if optimizer is None:
@@ -151,12 +158,15 @@ class Trainer:
 
     def numerics(self) -> dict:
         """What the run computed in, for its summary: the weights' dtype, the autocast
-        dtype ("none" without), whether algorithms were forced deterministic, and the
-        blocks' torch.compile backend ("none": eager)."""
+        dtype ("none" without), whether algorithms were forced deterministic, the
+        blocks' torch.compile backend ("none": eager), and, for a built-in model, the
+        overlap settings it ran with (async TP off where it cannot run)."""
+        built_in = isinstance(self.model, BuiltinModel)
         return {"dtype": str(self.config.dtype).removeprefix("torch."),
                 "autocast": self.training.precision if self.autocast_dtype else "none",
                 "deterministic": torch.are_deterministic_algorithms_enabled(),
-                "compile": self.config.compile_backend or "none"}
+                "compile": self.config.compile_backend or "none",
+                **({"overlap": asdict(self.model.overlap)} if built_in else {})}
 
     # -- weights --------------------------------------------------------------------
 

@@ -24,6 +24,8 @@ from costmodel.specs.loading import (
     load_runtime,
     make_training,
     model_from_dict,
+    parse_overrides,
+    with_runtime_settings,
 )
 from costmodel.terms.counts import total_parameters
 from costmodel.trace import trace_module
@@ -36,7 +38,7 @@ def make_problem(model: str, cluster: str, global_batch: Any, *, nodes: Any = No
                  seq_len: Any = None, precision: str = "bf16", optimizer: str = "adamw",
                  flash_attention: bool = True, overrides: dict | None = None, fix: dict | None = None,
                  profile: str | Path | None = None, runtime: str | Path | RuntimeSpec | None = None,
-                 compile: bool | None = None) -> Problem:
+                 compile: bool | None = None, runtime_settings: str | dict | None = None) -> Problem:
     """Load and validate the specs; raises SpecError naming the bad field. `hf:PATH`
     reads a Hugging Face config.json (or its folder) and checks it against the model
     transformers builds from it on the meta device. `profile` is a `shardwise profile
@@ -44,7 +46,9 @@ def make_problem(model: str, cluster: str, global_batch: Any, *, nodes: Any = No
     of another model, sequence length, precision or attention kernel is refused. `runtime`:
     the engine's runtime profile, a built-in name (configs/runtimes/) or a file; None:
     pytorch-native. `compile`: torch.compile the blocks (the runtime's torch_compile),
-    None: as the runtime profile says."""
+    None: as the runtime profile says. `runtime_settings`: engine settings over the
+    profile's ("fsdp_prefetch=2,ddp_bucket_mb=100" or a mapping; SETTING_FIELDS of
+    costmodel.specs.runtime)."""
     if str(model).startswith("hf:"):
         source = str(model)[3:]
         model_spec = load_model(source, overrides)
@@ -55,6 +59,10 @@ def make_problem(model: str, cluster: str, global_batch: Any, *, nodes: Any = No
     runtime = runtime if isinstance(runtime, RuntimeSpec) else load_runtime(runtime)
     if compile is not None:
         runtime = replace(runtime, torch_compile=compile)
+    if runtime_settings:
+        settings = (parse_overrides(runtime_settings, "--runtime-set") if isinstance(runtime_settings, str)
+                    else dict(runtime_settings))
+        runtime = with_runtime_settings(runtime, settings)
     # The engine decides how a 16-bit run holds its weights, and so what memory counts.
     training = make_training(model_spec, cluster_spec, global_batch, seq_len, precision, optimizer, flash_attention,
                              runtime.mixed_precision)
@@ -85,14 +93,16 @@ def plan(model: str, cluster: str, global_batch: Any, *, nodes: Any = None, gpus
          seq_len: Any = None, precision: str = "bf16", optimizer: str = "adamw", flash_attention: bool = True,
          rules: str | None = None, fix: dict | str | None = None, overrides: dict | None = None,
          top: int = 3, profile: str | Path | None = None, runtime: str | Path | None = None,
-         compile: bool | None = None) -> dict:
+         compile: bool | None = None, runtime_settings: str | dict | None = None) -> dict:
     """Search and return the plan document; raises SpecError or search.Infeasible.
-    `profile`: measured layer times to plan with; `runtime`, `compile`: the engine's
-    runtime profile and whether the blocks are compiled (see make_problem)."""
+    `profile`: measured layer times to plan with; `runtime`, `compile`,
+    `runtime_settings`: the engine's runtime profile, whether the blocks are compiled and
+    its other settings (see make_problem)."""
     pins = parse_fix(fix)
     problem = make_problem(model, cluster, global_batch, nodes=nodes, gpus=gpus, seq_len=seq_len,
                            precision=precision, optimizer=optimizer, flash_attention=flash_attention,
-                           overrides=overrides, fix=pins, profile=profile, runtime=runtime, compile=compile)
+                           overrides=overrides, fix=pins, profile=profile, runtime=runtime, compile=compile,
+                           runtime_settings=runtime_settings)
     rule_set = load_rules(rules).with_fix(pins)
     return plan_document(problem, rule_set.name, search(problem, rule_set, top=top))
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from costmodel.estimate.breakdown import Estimate, MemoryBreakdown, Work, step_estimate
 from costmodel.problem import TracedProblem
+from costmodel.specs.runtime import DDP_BUCKET_MB
 from costmodel.strategy import Stage, Strategy
 from costmodel.terms import compute, memory
 from costmodel.terms.comm import collective_time_s, groups, sharded_collective_s
@@ -152,7 +153,8 @@ def stage_memory(problem: TracedProblem, units: TracedUnits, strategy: Strategy,
     if zero == 3 and dp > 1:
         buffers += 2 * max(units.node_parameters[first:end], default=0.0) * states.weights
     elif dp > 1:
-        buffers += 2 * memory.DDP_BUCKET_BYTES
+        # DDP at its default bucket size (a traced problem has no runtime profile).
+        buffers += 2 * DDP_BUCKET_MB * (1 << 20)
     if strategy.pp > 1:
         buffers += 2 * max((units.cut_bytes[c] for c in _boundaries(units, stage)), default=0.0)
     return MemoryBreakdown(weights, gradients, optimizer, activations, buffers, float(memory.RUNTIME_RESERVE_BYTES))

@@ -344,7 +344,7 @@ def fsdp_stream_pool_bytes(problem: Problem, units: UnitCosts, strategy: Strateg
     gradients = (memory.sharded_state_bytes(dense, problem.training, 3, strategy.dp)[1]
                  + memory.sharded_state_bytes(experts, problem.training, 3, strategy.dp // strategy.ep)[1])
     fsdp = fsdp_units(problem, units, strategy)
-    gathered = max(2 * fsdp.largest_cycled, fsdp.held + fsdp.largest_cycled)
+    gathered = max(problem.runtime.fsdp_gathered_units * fsdp.largest_cycled, fsdp.held + fsdp.largest_cycled)
     return gradients + gathered * memory.compute_copy_bytes(problem.training)
 
 
@@ -403,8 +403,9 @@ def rank_memory(problem: Problem, units: UnitCosts, strategy: Strategy, pp_rank:
     copy, reduce_bytes = memory.compute_copy_bytes(training), memory.held_state_bytes(training).gradients
     if zero == 3 and dp > 1:
         # FSDP2 (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py): the unsharded
-        # weights of the unit in use, the all-gather output kept for it (forward,
-        # all_gather_state) or of the unit prefetched (backward), and the reduce-scatter
+        # weights of the unit in use, the all-gather outputs kept for it (forward,
+        # all_gather_state) or of the units prefetched (RuntimeSpec.fsdp_gathered_units),
+        # and the reduce-scatter
         # input of the previous unit, kept until the next reduce-scatter
         # (reduce_scatter_state); the unit's unsharded gradients live until that
         # reduce-scatter. Gathered in the compute dtype under MixedPrecisionPolicy
@@ -413,11 +414,12 @@ def rank_memory(problem: Problem, units: UnitCosts, strategy: Strategy, pp_rank:
         # (bench/memory_tracker.py). A unit is a layer, or the embedding or head when larger;
         # a unit the engine keeps gathered is held beside them (fsdp_units).
         fsdp = fsdp_units(problem, units, strategy)
-        buffers += fsdp.largest_cycled * (2 * copy + reduce_bytes) + fsdp.held * copy
+        gathered = problem.runtime.fsdp_gathered_units
+        buffers += fsdp.largest_cycled * (gathered * copy + reduce_bytes) + fsdp.held * copy
         temporaries += (fsdp.largest_cycled + fsdp.held_gradient) * copy
         loss_buffers = fsdp.at_loss * copy
     elif dp > 1:
-        buffers += 2 * memory.DDP_BUCKET_BYTES
+        buffers += 2 * problem.runtime.ddp_bucket_bytes
         loss_buffers = buffers
     if strategy.pp > 1:
         buffers += 2 * units.p2p_bytes

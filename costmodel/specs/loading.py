@@ -9,7 +9,7 @@ naming the field, which the CLI prints as one line with exit code 2.
 from __future__ import annotations
 
 import json
-from dataclasses import fields, replace
+from dataclasses import asdict, fields, replace
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
@@ -37,8 +37,10 @@ from costmodel.specs.runtime import (
     FLAG_FIELDS,
     FRACTION_FIELDS,
     FSDP_KEPT_GATHERED,
+    INT_FIELDS,
     NUMBER_FIELDS,
     SELECTIVE_POLICIES,
+    SETTING_FIELDS,
     RuntimeSpec,
 )
 from costmodel.specs.training import (
@@ -484,7 +486,7 @@ def runtime_from_dict(data: dict, name: str, field: str = "--runtime") -> Runtim
     """Validate a runtime profile mapping (configs/runtimes/*.yaml, or a plan's
     `runtime`) into a RuntimeSpec; SpecError names `field`.the_key."""
     allowed = {"name", "version", "description", "fitted_on", "mixed_precision", "selective_recompute",
-               "fsdp_kept_gathered",
+               "fsdp_kept_gathered", *INT_FIELDS,
                *FRACTION_FIELDS, *NUMBER_FIELDS, *FLAG_FIELDS, *BAND_FIELDS}
     if "selective_recompute_gemm_fraction" in data and "selective_recompute" not in data:
         # Plans written before the policy had a name: 0 was the attention core, 0.5 torchtitan's op-level SAC.
@@ -503,6 +505,9 @@ def runtime_from_dict(data: dict, name: str, field: str = "--runtime") -> Runtim
         if key in data:
             values[key] = as_float(data[key], f"{field}.{key}",
                                    exclusive=key not in ("collective_half_bytes", "layer_launch_s", "step_overhead_s"))
+    for key in INT_FIELDS:
+        if key in data:
+            values[key] = as_int(data[key], f"{field}.{key}", minimum=1)
     for key, known in (("mixed_precision", MIXED_PRECISION), ("selective_recompute", SELECTIVE_POLICIES),
                        ("fsdp_kept_gathered", FSDP_KEPT_GATHERED)):
         if key in data:
@@ -522,11 +527,23 @@ def runtime_from_dict(data: dict, name: str, field: str = "--runtime") -> Runtim
     if not isinstance(fitted, dict) or not all(isinstance(v, str) for v in fitted.values()):
         raise SpecError(f"{field}.fitted_on", "expected a mapping of coefficient to the measurements it was fitted on")
     unknown = sorted(set(fitted) - set(FRACTION_FIELDS) - set(NUMBER_FIELDS) - set(FLAG_FIELDS) - set(BAND_FIELDS)
+                     - set(INT_FIELDS)
                      - {"selective_recompute", "fsdp_kept_gathered"})
     if unknown:
         raise SpecError(f"{field}.fitted_on.{unknown[0]}", "not a coefficient of the runtime")
     values["fitted_on"] = {str(k): v for k, v in sorted(fitted.items())}
     return RuntimeSpec(**values)
+
+
+def with_runtime_settings(runtime: RuntimeSpec, settings: dict[str, Any], field: str = "--runtime-set") -> RuntimeSpec:
+    """`runtime` with some of its engine settings (SETTING_FIELDS) changed, validated as
+    a runtime file's; SpecError names `field`.the_key."""
+    for key in settings:
+        if key not in SETTING_FIELDS:
+            raise SpecError(f"{field}.{key}", f"not a setting (settings: {', '.join(SETTING_FIELDS)}); fitted "
+                                              "coefficients come with a runtime file (--runtime FILE)")
+    data = {**asdict(runtime), **settings}
+    return runtime_from_dict(data, runtime.name, field)
 
 
 @lru_cache(maxsize=32)

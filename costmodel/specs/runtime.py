@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 DEFAULT_RUNTIME = "pytorch-native"
+# PyTorch DistributedDataParallel's bucket_cap_mb default (MiB).
+DDP_BUCKET_MB = 25.0
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,14 @@ class RuntimeSpec:
     # unit, which FSDP2 never reshards after forward (torch _fsdp_state._lazy_init),
     # gathered until the end of backward, and the last layer is kept).
     fsdp_kept_gathered: str = "none"
+    # FSDP2 units gathered ahead of the one in use, forward and backward, at least 1
+    # (FSDPModule.set_modules_to_forward_prefetch / set_modules_to_backward_prefetch;
+    # FSDP2 by itself prefetches one unit in backward, and an empty list keeps that).
+    # Each unit ahead holds its all-gather output (costmodel.estimate.uniform rank_memory);
+    # the time the gathers hide is zero3_overlap's, fitted at 1.
+    fsdp_prefetch: int = 1
+    # DDP's gradient bucket (DistributedDataParallel bucket_cap_mb, MiB): two in flight.
+    ddp_bucket_mb: float = DDP_BUCKET_MB
     # Seconds of one layer's forward + backward that no shape changes: eager PyTorch
     # dispatches and launches each of a layer's ~100 kernels from the host (a few
     # microseconds each), visible where the kernels are short (narrow TP shards, small
@@ -87,6 +97,17 @@ class RuntimeSpec:
     memory_high_ratio: float = 1.0
     # coefficient -> the measurements it was fitted on (or the source it was read from).
     fitted_on: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def ddp_bucket_bytes(self) -> float:
+        return self.ddp_bucket_mb * (1 << 20)
+
+    @property
+    def fsdp_gathered_units(self) -> int:
+        """FSDP2 units whose weights are gathered at once: the one in use and those
+        prefetched (measured at 1 ahead: 3 x 772 MiB with the reduce-scatter input,
+        llama2-7b zero3 dp8 fp32, bench/memory_tracker.py)."""
+        return 1 + self.fsdp_prefetch
 
     @property
     def selective_rebuilds_layer(self) -> bool:
@@ -115,5 +136,12 @@ FRACTION_FIELDS = ("dp_overlap", "zero3_overlap", "tp_overlap", "async_tp_overla
 # The band's ratios: the low one at most 1, the high ones at least 1.
 BAND_FIELDS = ("step_time_low_ratio", "step_time_high_ratio", "memory_high_ratio")
 NUMBER_FIELDS = ("collective_half_bytes", "gemm_efficiency_scale", "elementwise_traffic_factor",
-                 "compiled_elementwise_traffic_factor", "loss_traffic_factor", "layer_launch_s", "step_overhead_s")
+                 "compiled_elementwise_traffic_factor", "loss_traffic_factor", "layer_launch_s", "step_overhead_s",
+                 "ddp_bucket_mb")
+# Whole-number fields.
+INT_FIELDS = ("fsdp_prefetch",)
+# What an engine is told to do, as opposed to the coefficients fitted to its measurements:
+# `plan --runtime-set` changes these (a runtime file changes anything).
+SETTING_FIELDS = ("torch_compile", "async_tp", "chunked_loss", "selective_recompute", "fsdp_kept_gathered",
+                  "fsdp_prefetch", "ddp_bucket_mb")
 FLAG_FIELDS = ("async_tp", "torch_compile", "chunked_loss")

@@ -8,16 +8,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from costmodel.specs import ModelSpec, TrainingSpec
-from costmodel.terms.recompute import op_level_split
 from costmodel.terms.compute import activation_bytes_per_value
+from costmodel.terms.recompute import op_level_split
 from costmodel.units import GIB
 
 # CUDA context, cuBLAS/NCCL workspaces and allocator fragmentation: ~1 GiB is what
 # PyTorch jobs on A100/H100 report as reserved-but-not-allocated plus context at start
 # (torch.cuda.memory_reserved vs nvidia-smi); kept free on every device.
 RUNTIME_RESERVE_BYTES = GIB
-# PyTorch DDP gradient bucket (bucket_cap_mb default 25 MiB), two in flight.
-DDP_BUCKET_BYTES = 25 << 20
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,12 @@ def training_options(command):
         click.option("--compile/--no-compile", "compile_blocks", default=None,
                      help="Price (and have `shardwise run` use) torch.compile on each transformer block "
                           "[default: the runtime profile's torch_compile; pytorch-native: eager]."),
+        click.option("--runtime-set", "runtime_settings", default=None, metavar="KEY=VALUE,...",
+                     help="Engine settings over the runtime profile's, priced and recorded in the plan for "
+                          "`shardwise run`: fsdp_prefetch (FSDP2 units gathered ahead, >= 1), "
+                          "fsdp_kept_gathered (none | head | root), ddp_bucket_mb, async_tp (CUDA with "
+                          "--compile), chunked_loss, selective_recompute (op-level | attention-core), "
+                          "torch_compile. E.g. fsdp_prefetch=2,ddp_bucket_mb=100."),
     ]):
         command = option(command)
     return command
@@ -102,14 +108,14 @@ def main() -> None:
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
 @click.option("-o", "--output", default=None, help="Write the plan file here.")
 def plan(model_name, cluster_name, nodes, gpus, global_batch, seq, precision, optimizer, attention, runtime_name,
-         compile_blocks, rules_name, fix, overrides, profile_file, top, objective, max_cost, power_cap, energy_budget, pareto,
+         compile_blocks, runtime_settings, rules_name, fix, overrides, profile_file, top, objective, max_cost, power_cap, energy_budget, pareto,
          memory_margin, fmt, output) -> None:
     """Find the best strategy that fits (fastest, or by --objective), and write it as a plan file."""
     try:
         problem = make_problem(model_name, cluster_name, global_batch, nodes=nodes, gpus=gpus, seq_len=seq,
                                precision=precision, optimizer=optimizer, flash_attention=attention == "flash",
                                overrides=parse_overrides(overrides), fix=parse_fix(fix), profile=profile_file,
-                               runtime=runtime_name, compile=compile_blocks)
+                               runtime=runtime_name, compile=compile_blocks, runtime_settings=runtime_settings)
         rules = make_rules(rules_name, parse_fix(fix), objective=objective,
                            budgets={"max_cost_per_step_usd": max_cost, "power_cap_w": power_cap,
                                     "energy_budget_j": energy_budget}, memory_margin=memory_margin)
@@ -196,7 +202,7 @@ def _print_cost_energy(doc: dict) -> None:
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
 @click.option("-o", "--output", default=None, help="Write the rows as JSON here.")
 def sweep(model_name, cluster_name, sizes, global_batch, seq, precision, optimizer, attention, runtime_name,
-          compile_blocks, overrides, rules_name, fix, objective, tokens, plot_file, fmt, output) -> None:
+          compile_blocks, runtime_settings, overrides, rules_name, fix, objective, tokens, plot_file, fmt, output) -> None:
     """Capacity planning: plan the same job at each cluster size, as `plan --gpus N`
     would, and compare the sizes: throughput, scaling efficiency (tokens/s per GPU
     against the smallest size that plans) and, with --tokens, the time, cost and
@@ -227,7 +233,8 @@ def sweep(model_name, cluster_name, sizes, global_batch, seq, precision, optimiz
             rows = sweep_rows(model_name, cluster_name, gpus, global_batch, seq_len=seq, precision=precision,
                               optimizer=optimizer, flash_attention=attention == "flash",
                               overrides=parse_overrides(overrides), rules=rules_name, fix=fix, objective=objective,
-                              tokens=tokens, progress=tick, runtime=runtime_name, compile=compile_blocks)
+                              tokens=tokens, progress=tick, runtime=runtime_name, compile=compile_blocks,
+                              runtime_settings=runtime_settings)
     except SpecError as err:
         _fail(EXIT_BAD_INPUT, str(err))
     planned = [r for r in rows if r.status == OK]

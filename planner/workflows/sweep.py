@@ -96,7 +96,7 @@ def sweep(model: str, cluster: str, sizes: tuple[int, ...] | str, global_batch: 
           overrides: dict | None = None, rules: str | None = None, fix: dict | str | None = None,
           objective: str | None = None, tokens: Any = None, top: int = 3,
           progress: Callable[[int, int], None] | None = None, runtime: str | None = None,
-          compile: bool | None = None) -> tuple[SweepRow, ...]:
+          compile: bool | None = None, runtime_settings: str | dict | None = None) -> tuple[SweepRow, ...]:
     """Plan the job at every size (a tuple, or text for parse_sizes) as `plan --gpus N`
     would, and return a row per size, smallest first. `tokens`: the training budget
     in tokens, for the train_* figures. `progress(done, total)` is told after each size.
@@ -110,7 +110,7 @@ def sweep(model: str, cluster: str, sizes: tuple[int, ...] | str, global_batch: 
         try:
             problem = make_problem(model, cluster, global_batch, gpus=gpus, seq_len=seq_len, precision=precision,
                                    optimizer=optimizer, flash_attention=flash_attention, overrides=overrides,
-                                   fix=pins, runtime=runtime, compile=compile)
+                                   fix=pins, runtime=runtime, compile=compile, runtime_settings=runtime_settings)
             planned.append((gpus, problem, search(problem, rule_set, top=top)))
         except SpecError as err:
             if not _size_bound(err):

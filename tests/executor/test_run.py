@@ -97,7 +97,9 @@ def test_run_trains_like_one_process(plan_file, tmp_path):
     assert summary["steps"] == STEPS and summary["estimated_step_time_s"] > 0
     # The workers inherit this process's setting (.ci/settings.py turns it on in every process).
     assert summary["numerics"] == {"dtype": "float32", "autocast": "none",
-                                   "deterministic": torch.are_deterministic_algorithms_enabled(), "compile": "none"}
+                                   "deterministic": torch.are_deterministic_algorithms_enabled(), "compile": "none",
+                                   "overlap": {"fsdp_prefetch": 1, "fsdp_kept_gathered": "none", "ddp_bucket_mb": 25.0,
+                                               "async_tp": False}}
     assert "Run against the plan" in done.stdout
 
 

@@ -81,3 +81,66 @@ def test_compiled_blocks_train_as_eager(layout):
     compiled = run_local(compiled_losses, strat.num_gpus, strat, "inductor")
     for a, b in zip(eager, compiled):
         assert b == pytest.approx(a, rel=loss_rtol(torch.float32, steps=3))
+
+
+def overlap_run(rank, world, strat, overlap):
+    """Train tiny-llama under `overlap` in float64; the losses, full weights, and what
+    the data-parallel wrapping holds: each FSDP2 unit's (forward prefetch, backward
+    prefetch, resharded after forward) in forward order, or DDP's bucket size."""
+    from dataclasses import replace
+
+    from executor_test_helpers import PARITY
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    trainer = Trainer(load_model("tiny-llama"), training(), strat, replace(PARITY, overlap=overlap), "cpu")
+    losses = [trainer.step(x, y) for x, y in batches(trainer.spec)]
+    module = trainer.model.modules[0]
+    if isinstance(module, DistributedDataParallel):
+        wrapping = module.bucket_bytes_cap
+    else:
+        wrapping = []
+        for sub in module.modules():
+            state = sub._get_fsdp_state() if isinstance(sub, FSDPModule) and sub is not module else None
+            if state is not None and state._fsdp_param_group and sub is state._modules[0]:
+                group = state._fsdp_param_group
+                wrapping.append((len(state._states_to_forward_prefetch), len(state._states_to_backward_prefetch),
+                                 group.post_forward_mesh_info is not None))
+    return losses, trainer.full_state_dict(), wrapping, trainer.numerics()["overlap"]
+
+
+@pytest.mark.parametrize("kept", ["none", "head", "root"])
+def test_fsdp_prefetch_and_kept_units_train_as_one_process(kept):
+    """The plan's FSDP2 settings: two units gathered ahead each way, and the units kept
+    gathered after forward as torchtitan keeps them; ZeRO-3 over 2 ranks still trains as
+    one process (float64), and the units are wrapped as asked."""
+    from executor_test_helpers import assert_matches_reference, cached_reference
+
+    from executor.parallelize import Overlap
+    overlap = Overlap(fsdp_prefetch=2, fsdp_kept_gathered=kept)
+    results = run_local(overlap_run, 2, strategy(dp=2, zero=3), overlap)
+    assert_matches_reference([(losses, params) for losses, params, _, _ in results], *cached_reference("tiny-llama"))
+    layers = load_model("tiny-llama").num_hidden_layers
+    # (units ahead forward, units ahead backward, resharded after forward) of each unit
+    # in forward order: [embedding], layers, [norm + head].
+    units = layers + (0 if kept == "root" else 2)
+    expected = [(min(2, units - 1 - i), min(2, i), True) for i in range(units)]
+    if kept == "head":
+        expected[-1] = (0, 2, False)
+    if kept == "root":
+        expected[-1] = (0, 2, False)    # the last layer; the root unit holds the rest
+    _, _, wrapping, ran = results[0]
+    assert wrapping == expected
+    assert ran == {"fsdp_prefetch": 2, "fsdp_kept_gathered": kept, "ddp_bucket_mb": 25.0, "async_tp": False}
+
+
+def test_the_ddp_bucket_size_is_the_plans_and_async_tp_waits_for_cuda():
+    from executor_test_helpers import assert_matches_reference, cached_reference
+
+    from executor.parallelize import Overlap
+    results = run_local(overlap_run, 2, strategy(dp=2), Overlap(ddp_bucket_mb=0.5, async_tp=True))
+    assert_matches_reference([(losses, params) for losses, params, _, _ in results], *cached_reference("tiny-llama"))
+    _, _, bucket_bytes, ran = results[0]
+    assert bucket_bytes == 512 * 1024
+    # Async TP runs over CUDA symmetric memory with compiled blocks: off here, and said.
+    assert ran["async_tp"] is False

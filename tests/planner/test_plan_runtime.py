@@ -4,7 +4,9 @@ written before runtime profiles."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
+import pytest
 from click.testing import CliRunner
 
 from costmodel.specs.loading import load_runtime
@@ -59,3 +61,37 @@ def test_runtime_changes_the_estimate_and_is_written(tmp_path):
     assert megatron.exit_code == 0
     assert json.loads(path.read_text())["runtime"]["name"] == "megatron"
     assert json.loads(megatron.stdout)["estimate"]["step_time_s"] < native["estimate"]["step_time_s"]
+
+
+def test_runtime_set_prices_and_records_the_engine_settings(tmp_path):
+    # Two FSDP2 units gathered ahead instead of one: one more 16-bit-or-fp32 copy of the
+    # largest unit in the estimate's buffers, and the plan says so for `shardwise run`.
+    path = tmp_path / "plan.json"
+    base = ["plan", "--model", "llama2-7b", "--cluster", "dgx-a100-80gb", "--gpus", "8", "--global-batch", "16",
+            "--seq", "4096", "--fix", "dp=8,tp=1,pp=1,mbs=1,zero=3,recompute=full", "--format", "json"]
+    one = json.loads(CliRunner().invoke(main, base).stdout)
+    two = CliRunner().invoke(main, base + ["--runtime-set", "fsdp_prefetch=2,ddp_bucket_mb=50", "-o", str(path)])
+    assert two.exit_code == 0
+    written = json.loads(path.read_text())["runtime"]
+    assert (written["fsdp_prefetch"], written["ddp_bucket_mb"]) == (2, 50.0)
+    problem = problem_of(read_plan(path))
+    assert problem.runtime == replace(load_runtime(), fsdp_prefetch=2, ddp_bucket_mb=50.0)
+    # llama2-7b's largest unit is a layer (202.4M parameters), gathered in fp32 under autocast.
+    layer = 4 * 4096 * 4096 + 3 * 4096 * 11008 + 2 * 4096
+    extra = (json.loads(two.stdout)["estimate"]["memory"]["comm_buffer_bytes"]
+             - one["estimate"]["memory"]["comm_buffer_bytes"])
+    assert extra == pytest.approx(4 * layer, rel=1e-5)   # the plan file keeps 6 digits
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("fsdp_prefetch=0", "error: --runtime-set.fsdp_prefetch: must be at least 1, got 0"),
+    ("fsdp_kept_gathered=all", "error: --runtime-set.fsdp_kept_gathered: unknown 'all' (known: none, head, root)"),
+    ("gemm_efficiency_scale=2", "error: --runtime-set.gemm_efficiency_scale: not a setting"),
+    ("prefetch", "error: --runtime-set: expected key=value, got 'prefetch'"),
+])
+def test_a_bad_runtime_setting_exits_2_naming_it(setting, message):
+    out = CliRunner().invoke(main, ["plan", "--model", "tiny-llama", "--cluster", "dgx-a100-80gb", "--gpus", "8",
+                                    "--global-batch", "8", "--runtime-set", setting])
+    assert out.exit_code == 2
+    lines = out.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(message)

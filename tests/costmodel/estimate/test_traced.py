@@ -16,7 +16,7 @@ from costmodel.problem import NodeCost, TracedModel, TracedProblem
 from costmodel.specs import TrainingSpec
 from costmodel.specs.loading import load_cluster
 from costmodel.strategy import Stage, Strategy
-from costmodel.terms import compute, memory
+from costmodel.terms import compute
 from costmodel.terms.comm import collective_time_s, groups
 from costmodel.terms.compute import OPTIMIZER_BYTES_PER_PARAMETER
 from costmodel.trace import trace_module
@@ -79,7 +79,7 @@ def test_stage_memory_by_hand():
     # while it recomputes.
     assert mem.activations_bytes == 2 * (2000 + 6000) + 8000
     # Two DDP buckets and the larger of the sends at its boundary (after b: 8000).
-    assert mem.comm_buffer_bytes == 2 * memory.DDP_BUCKET_BYTES + 2 * 8000
+    assert mem.comm_buffer_bytes == 2 * 25 * 2**20 + 2 * 8000
 
 
 def test_step_time_adds_the_pipeline_the_exposed_sync_and_the_optimizer():

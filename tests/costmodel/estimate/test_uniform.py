@@ -669,3 +669,20 @@ def test_fsdp_units_of_a_pipeline_rank_are_cycled():
     s = strategy(prob, dp=8, pp=2, micro_batch_size=1, num_microbatches=2, zero_stage=3)
     u = unit_costs(prob, s)
     assert fsdp_units(prob, u, s).held == fsdp_units(prob, u, s).at_loss == 0.0
+
+
+def test_fsdp_prefetch_and_ddp_buckets_are_the_runtimes():
+    # Each FSDP2 unit gathered ahead holds its all-gather output (16-bit under
+    # param_dtype); DDP holds two buckets of the runtime's size.
+    base = load_runtime()
+    prob = problem("llama2-7b", global_batch=64, seq_len=4096, gpus=8, mixed_precision="param_dtype", runtime=base)
+    deeper = dataclasses.replace(prob, runtime=dataclasses.replace(base, fsdp_prefetch=3))
+    s = strategy(prob, dp=8, micro_batch_size=1, zero_stage=3, recompute="full")
+    u = unit_costs(prob, s)
+    largest = fsdp_units(prob, u, s).largest_cycled
+    assert (rank_memory(deeper, u, s, 0).comm_buffer_bytes - rank_memory(prob, u, s, 0).comm_buffer_bytes
+            == pytest.approx(2 * 2 * largest, rel=1e-12))
+    ddp = strategy(prob, dp=8, micro_batch_size=1, recompute="full")
+    wide = dataclasses.replace(prob, runtime=dataclasses.replace(base, ddp_bucket_mb=100))
+    assert rank_memory(prob, unit_costs(prob, ddp), ddp, 0).comm_buffer_bytes == 2 * 25 * MIB
+    assert rank_memory(wide, unit_costs(wide, ddp), ddp, 0).comm_buffer_bytes == 2 * 100 * MIB

@@ -61,6 +61,9 @@ def test_the_default_runtime_is_pytorch_native_and_every_builtin_names_its_fits(
     ({"version": 1, "step_time_high_ratio": 0.9}, "--runtime.step_time_high_ratio"),
     ({"version": 1, "memory_high_ratio": 0.95}, "--runtime.memory_high_ratio"),
     ({"version": 1, "fsdp_kept_gathered": "everything"}, "--runtime.fsdp_kept_gathered"),
+    ({"version": 1, "fsdp_prefetch": 0}, "--runtime.fsdp_prefetch"),
+    ({"version": 1, "fsdp_prefetch": 1.5}, "--runtime.fsdp_prefetch"),
+    ({"version": 1, "ddp_bucket_mb": 0}, "--runtime.ddp_bucket_mb"),
 ])
 def test_a_bad_runtime_field_is_named(data, field):
     with pytest.raises(SpecError) as err:

@@ -232,7 +232,6 @@ def test_logits_bytes_are_4sbv_over_t(dgx):
 
 def test_constants():
     assert memory.RUNTIME_RESERVE_BYTES == 1024**3
-    assert memory.DDP_BUCKET_BYTES == 25 * 1024**2
 
 
 # ------------------------------------------------------------------ PyTorch's 16-bit training
