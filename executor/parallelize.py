@@ -329,6 +329,8 @@ def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, zero_stage: int, ignored
             units.append(last[0])
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard, ignored_params=ignored or None)
     ahead = overlap.fsdp_prefetch
+    if ahead == 1:
+        return   # FSDP2's own: one unit ahead in backward (measured: bench/memory_tracker.py)
     for i, unit in enumerate(units):
         unit.set_modules_to_forward_prefetch(units[i + 1:i + 1 + ahead])
         unit.set_modules_to_backward_prefetch(units[max(0, i - ahead):i][::-1])
