@@ -37,6 +37,7 @@ from costmodel.strategy import Stage, Strategy
 from costmodel.terms import compute, memory
 from costmodel.terms.comm import collective_time_s, groups, sharded_collective_s
 from costmodel.terms.pipeline import pipeline_time_s
+from costmodel.units import MIB
 
 
 def _scale(problem: TracedProblem, samples: int) -> float:
@@ -154,7 +155,7 @@ def stage_memory(problem: TracedProblem, units: TracedUnits, strategy: Strategy,
         buffers += 2 * max(units.node_parameters[first:end], default=0.0) * states.weights
     elif dp > 1:
         # DDP at its default bucket size (a traced problem has no runtime profile).
-        buffers += 2 * DDP_BUCKET_MB * (1 << 20)
+        buffers += 2 * DDP_BUCKET_MB * MIB
     if strategy.pp > 1:
         buffers += 2 * max((units.cut_bytes[c] for c in _boundaries(units, stage)), default=0.0)
     return MemoryBreakdown(weights, gradients, optimizer, activations, buffers, float(memory.RUNTIME_RESERVE_BYTES))

@@ -405,9 +405,8 @@ def rank_memory(problem: Problem, units: UnitCosts, strategy: Strategy, pp_rank:
         # FSDP2 (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py): the unsharded
         # weights of the unit in use, the all-gather outputs kept for it (forward,
         # all_gather_state) or of the units prefetched (RuntimeSpec.fsdp_gathered_units),
-        # and the reduce-scatter
-        # input of the previous unit, kept until the next reduce-scatter
-        # (reduce_scatter_state); the unit's unsharded gradients live until that
+        # and the reduce-scatter input of the previous unit, kept until the next
+        # reduce-scatter (reduce_scatter_state); the unit's unsharded gradients live until that
         # reduce-scatter. Gathered in the compute dtype under MixedPrecisionPolicy
         # (param_dtype), in fp32 under autocast; reduced in fp32 (reduce_dtype).
         # Measured: 3 x 772 MiB of buffers for llama2-7b zero3 dp8 in fp32

@@ -4,13 +4,7 @@ Hugging Face configs; `costmodel.specs.hf` checks a config against the model
 transformers builds from it.
 """
 
-from costmodel.specs.hardware import (
-           ClusterSpec,
-           GPUSpec,
-           HostOverheads,
-           LinkSpec,
-           MixedClusterSpec,
-)
+from costmodel.specs.hardware import ClusterSpec, GPUSpec, HostOverheads, LinkSpec, MixedClusterSpec
 from costmodel.specs.model import FAMILIES, ModelSpec
 from costmodel.specs.runtime import DEFAULT_RUNTIME, RuntimeSpec
 from costmodel.specs.training import OPTIMIZERS, PRECISIONS, TrainingSpec

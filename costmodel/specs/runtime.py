@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from costmodel.units import MIB
+
 DEFAULT_RUNTIME = "pytorch-native"
 # PyTorch DistributedDataParallel's bucket_cap_mb default (MiB).
 DDP_BUCKET_MB = 25.0
@@ -63,8 +65,8 @@ class RuntimeSpec:
     # Which FSDP2 units (ZeRO-3, pp = 1) the engine keeps gathered from their forward to
     # their backward instead of resharding after forward (costmodel.estimate.uniform
     # fsdp_units): "none" (the executor: executor.parallelize.apply_fsdp reshards every
-    # unit); "head" (torchtitan 0.2: the final norm and LM head unit and the last layer,
-    # reshard_after_forward False, as FSDP2 would prefetch them at once for backward);
+    # unit); "head" (torchtitan 0.3 under fsdp_reshard_after_forward "default": the final
+    # norm and LM head unit, not resharded as FSDP2 would gather it at once for backward);
     # "root" (torchtitan of 2024: the embedding, final norm and head stay in the root
     # unit, which FSDP2 never reshards after forward (torch _fsdp_state._lazy_init),
     # gathered until the end of backward, and the last layer is kept).
@@ -100,7 +102,7 @@ class RuntimeSpec:
 
     @property
     def ddp_bucket_bytes(self) -> float:
-        return self.ddp_bucket_mb * (1 << 20)
+        return self.ddp_bucket_mb * MIB
 
     @property
     def fsdp_gathered_units(self) -> int:

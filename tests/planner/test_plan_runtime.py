@@ -52,10 +52,15 @@ def test_runtime_bogus_exits_2_naming_the_option():
     assert len(lines) == 1 and lines[0].startswith("error: --runtime: unknown runtime 'bogus'")
 
 
+def _zero3_plan_args(mbs: int) -> list[str]:
+    """`shardwise plan` of llama2-7b pinned to ZeRO-3 over 8 with full recompute, as JSON."""
+    return ["plan", "--model", "llama2-7b", "--cluster", "dgx-a100-80gb", "--gpus", "8", "--global-batch", "16",
+            "--seq", "4096", "--fix", f"dp=8,tp=1,pp=1,mbs={mbs},zero=3,recompute=full", "--format", "json"]
+
+
 def test_runtime_changes_the_estimate_and_is_written(tmp_path):
     path = tmp_path / "plan.json"
-    base = ["plan", "--model", "llama2-7b", "--cluster", "dgx-a100-80gb", "--gpus", "8", "--global-batch", "16",
-            "--seq", "4096", "--fix", "dp=8,tp=1,pp=1,mbs=2,zero=3,recompute=full", "--format", "json"]
+    base = _zero3_plan_args(mbs=2)
     native = json.loads(CliRunner().invoke(main, base).stdout)
     megatron = CliRunner().invoke(main, base + ["--runtime", "megatron", "-o", str(path)])
     assert megatron.exit_code == 0
@@ -67,8 +72,7 @@ def test_runtime_set_prices_and_records_the_engine_settings(tmp_path):
     # Two FSDP2 units gathered ahead instead of one: one more 16-bit-or-fp32 copy of the
     # largest unit in the estimate's buffers, and the plan says so for `shardwise run`.
     path = tmp_path / "plan.json"
-    base = ["plan", "--model", "llama2-7b", "--cluster", "dgx-a100-80gb", "--gpus", "8", "--global-batch", "16",
-            "--seq", "4096", "--fix", "dp=8,tp=1,pp=1,mbs=1,zero=3,recompute=full", "--format", "json"]
+    base = _zero3_plan_args(mbs=1)
     one = json.loads(CliRunner().invoke(main, base).stdout)
     two = CliRunner().invoke(main, base + ["--runtime-set", "fsdp_prefetch=2,ddp_bucket_mb=50", "-o", str(path)])
     assert two.exit_code == 0
