@@ -193,7 +193,9 @@ def run_plan_file(path, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     lines = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert lines[-1]["summary"]["numerics"] == {"dtype": "float64", "autocast": "none", "deterministic": True,
-                                                   "compile": "none"}
+                                                   "compile": "none",
+                                                   "overlap": {"fsdp_prefetch": 1, "fsdp_kept_gathered": "none",
+                                                               "ddp_bucket_mb": 25.0, "async_tp": False}}
     return done, lines
 
 
