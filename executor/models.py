@@ -25,7 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 from costmodel.specs import ModelSpec
 from costmodel.strategy import RECOMPUTE_MODES
@@ -198,7 +202,10 @@ def _grouped_mm_fits(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> boo
 
 class MoE(nn.Module):
     """Top-k mixture of SwiGLU experts (Mixtral: softmax over the k chosen router logits,
-    Jiang et al. 2024 §2.1), dropless. The experts' weights are stacked on dim 0 so expert
+    Jiang et al. 2024 §2.1), dropless unless the spec sets a capacity factor c: then each
+    expert takes at most ceil(c x tokens x k / E) of a micro-batch's rows, the earliest
+    tokens first, and a dropped row adds nothing (the residual carries the token; GShard,
+    Lepikhin et al. 2021 §2.2; Switch, Fedus et al. 2022 §2.1). The experts' weights are stacked on dim 0 so expert
     parallelism shards that dim; `dispatch` (set by executor.parallelize) moves tokens to
     the rank holding their expert and back."""
 
@@ -206,6 +213,7 @@ class MoE(nn.Module):
         super().__init__()
         h, f, e = spec.hidden_size, spec.intermediate_size, spec.num_local_experts
         self.num_experts, self.top_k = e, spec.num_experts_per_tok
+        self.capacity_factor = spec.moe_capacity_factor
         self.router = nn.Linear(h, e, bias=False)
         self.w1 = nn.Parameter(torch.empty(e, f, h))
         self.w3 = nn.Parameter(torch.empty(e, f, h))
@@ -235,6 +243,15 @@ class MoE(nn.Module):
         hidden = F.silu(padded @ w1.transpose(-2, -1)) * (padded @ w3.transpose(-2, -1))
         return (hidden @ w2.transpose(-2, -1))[expert, slot]
 
+    def _within_capacity(self, flat: torch.Tensor, order: torch.Tensor,
+                         counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sorted rows each expert keeps under the capacity, and the kept counts.
+        The sort is stable, so an expert's rows stand in token order."""
+        capacity = math.ceil(self.capacity_factor * flat.numel() / self.num_experts)
+        first_row = counts.cumsum(0) - counts
+        slot = torch.arange(order.numel(), device=order.device) - first_row[flat[order]]
+        return order[slot < capacity], counts.clamp(max=capacity)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
@@ -243,8 +260,11 @@ class MoE(nn.Module):
         # One row per (token, choice), sorted by expert: each expert sees its rows together.
         flat = chosen.flatten()
         order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        if self.capacity_factor is not None:
+            order, counts = self._within_capacity(flat, order, counts)
         rows = tokens[order // self.top_k]
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        counts = counts.tolist()
         if self.dispatch is None:
             out_rows = self.experts(rows, counts)
         else:

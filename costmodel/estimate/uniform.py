@@ -106,7 +106,7 @@ def unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
     # al. 2020, GShard §2.2), of the k copies of each token's hidden vector.
     ep_one_way = 0.0
     if model.is_moe:
-        ep_one_way = 2 * coll("all_to_all", message * model.num_experts_per_tok / tp, where["ep"])
+        ep_one_way = 2 * coll("all_to_all", message * model.routed_rows_per_token / tp, where["ep"])
 
     dense, experts = layer_parameters(model)
     dense_local, expert_local = dense / tp, experts / (tp * ep)

@@ -9,6 +9,7 @@ naming the field, which the CLI prints as one line with exit code 2.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, fields, replace
 from functools import lru_cache
 from importlib import resources
@@ -232,7 +233,9 @@ def as_float(value: Any, field: str, minimum: float = 0.0, exclusive: bool = Tru
         number = float(value)
     except (TypeError, ValueError):
         raise SpecError(field, f"expected a number, got {value!r}") from None
-    if number != number or (number <= minimum if exclusive else number < minimum):
+    if not math.isfinite(number):
+        raise SpecError(field, f"expected a finite number, got {value!r}")
+    if number <= minimum if exclusive else number < minimum:
         bound = "above" if exclusive else "at least"
         raise SpecError(field, f"must be {bound} {minimum:g}, got {value!r}")
     return number
@@ -310,6 +313,10 @@ def model_from_dict(data: dict, name: str, overrides: dict[str, str] | None = No
         values["resid_dropout"] = as_float(raw["resid_dropout"], "resid_dropout", exclusive=False)
         if values["resid_dropout"] >= 1:
             raise SpecError("resid_dropout", f"must be below 1, got {values['resid_dropout']}")
+    if raw.get("moe_capacity_factor") is not None:
+        values["moe_capacity_factor"] = as_float(raw["moe_capacity_factor"], "moe_capacity_factor")
+        if values["num_local_experts"] < 2:
+            raise SpecError("moe_capacity_factor", "set on a model without experts (num_local_experts 1)")
     if raw.get("head_dim") is not None:
         values["head_dim"] = as_int(raw["head_dim"], "head_dim")
     elif hidden % heads:

@@ -54,6 +54,7 @@ class ModelSpec:
     tie_word_embeddings: bool
     num_local_experts: int = 1
     num_experts_per_tok: int = 1
+    moe_capacity_factor: float | None = None   # None: dropless; c: an expert takes at most c x its balanced share
     head_dim: int | None = None
     mlp: str | None = None                  # "gelu" | "geglu" | "swiglu"
     norm: str | None = None                 # "layernorm" (weight + bias) | "rmsnorm" (weight)
@@ -100,6 +101,15 @@ class ModelSpec:
         return self.num_local_experts > 1
 
     @property
+    def routed_rows_per_token(self) -> float:
+        """Rows each token sends to the experts under balanced routing: num_experts_per_tok,
+        of which a capacity factor c below 1 keeps c (every expert takes at most
+        c x tokens x k / E rows and drops the rest: Lepikhin et al. 2021 §2.2, Fedus et al.
+        2022 §2.1). Dropless routing and c >= 1 keep them all."""
+        c = self.moe_capacity_factor
+        return self.num_experts_per_tok * (1.0 if c is None else min(1.0, c))
+
+    @property
     def gated_mlp(self) -> bool:
         """GeGLU / SwiGLU: three matrices (Shazeer 2020)."""
         return self.mlp != "gelu"
@@ -115,6 +125,6 @@ class ModelSpec:
         return self.num_key_value_heads * self.head_dim
 
 
-_ARCHITECTURE_FIELDS = ("head_dim", "mlp", "norm", "position_embedding", "attention_bias", "attention_out_bias",
-                        "mlp_bias", "qk_norm", "parallel_block", "norms_per_layer", "lm_head_bias",
+_ARCHITECTURE_FIELDS = ("moe_capacity_factor", "head_dim", "mlp", "norm", "position_embedding", "attention_bias",
+                        "attention_out_bias", "mlp_bias", "qk_norm", "parallel_block", "norms_per_layer", "lm_head_bias",
                         "sliding_window", "hidden_act", "resid_dropout", "fused_qkv")

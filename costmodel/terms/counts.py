@@ -65,12 +65,13 @@ def layer_forward_flops(model: ModelSpec, seq_len: int) -> float:
     """Model FLOPs of one layer's forward pass for one sequence: 2 per multiply-add of
     every matmul, attention scores over the full s x s matrix (the convention of
     Korthikanti et al. 2022 eq. 7: 24sh^2 + 4s^2h per layer for a 4h GPT MLP). MoE counts
-    the num_experts_per_tok experts each token visits."""
+    the rows each token sends to the experts (ModelSpec.routed_rows_per_token: the
+    num_experts_per_tok experts it visits, less what a capacity factor below 1 drops)."""
     h, s, q, kv, f = model.hidden_size, seq_len, model.q_size, model.kv_size, model.intermediate_size
     projections = 2 * s * (2 * h * q + 2 * h * kv)
     scores = 4 * s * s * q
     mlp_matrices = 3 if model.gated_mlp else 2
-    mlp = 2 * s * mlp_matrices * h * f * model.num_experts_per_tok
+    mlp = 2 * s * mlp_matrices * h * f * model.routed_rows_per_token
     router = 2 * s * h * model.num_local_experts if model.is_moe else 0
     return float(projections + scores + mlp + router)
 

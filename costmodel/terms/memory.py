@@ -138,8 +138,22 @@ def norm_saved_bytes(model: ModelSpec, training: TrainingSpec, consumers: int) -
     return per_h, 8.0 if model.norm == "layernorm" else 4.0
 
 
+def expert_rows_held_per_token(model: ModelSpec, ep: int) -> float:
+    """Expert rows a rank's activations hold per local token. Balanced routing gives
+    `routed_rows_per_token`. Under expert parallelism a capacity factor c bounds the
+    busiest case: the rank's E/ep experts take at most c x their balanced share from each
+    of the ep ranks, c x k rows per local token (never more than all ep ranks' rows), and
+    memory is priced at that bound, since a low figure runs a plan out of memory. With
+    every expert on the rank (ep 1) the rows are the routed rows whatever the routing.
+    Dropless routing under ep is priced balanced: its busiest rank has no bound."""
+    c = model.moe_capacity_factor
+    if c is None or ep == 1:
+        return model.routed_rows_per_token
+    return model.num_experts_per_tok * min(c, ep)
+
+
 def pytorch_layer_activation_bytes(model: ModelSpec, training: TrainingSpec, micro_batch_size: int,
-                                   tp: int, sequence_parallel: bool, recompute: str) -> float:
+                                   tp: int, sequence_parallel: bool, recompute: str, ep: int = 1) -> float:
     """Activations one layer keeps for backward in 16-bit PyTorch training (eager
     modules: executor.models under torch.autocast, or Hugging Face modules under FSDP2's
     param_dtype), one micro-batch, one rank. Every tensor autograd saves, by width:
@@ -215,7 +229,7 @@ def pytorch_layer_activation_bytes(model: ModelSpec, training: TrainingSpec, mic
         # transformers' NewGELUActivation is an elementwise formula: the tanh, 0.5 x and
         # 1 + tanh are kept beside its input (measured: Phi-2, 5 tensors of f).
         mlp_tensors += 3
-    mlp = v * mlp_tensors * f * model.num_experts_per_tok
+    mlp = v * mlp_tensors * f * expert_rows_held_per_token(model, ep)
     split = (attention + mlp) * tokens / tp + rope_tables * tokens
     router = 4 * tokens * model.num_local_experts if model.is_moe else 0
     weight_copies = 0.0
@@ -265,7 +279,7 @@ def layer_activation_bytes(model: ModelSpec, training: TrainingSpec, micro_batch
     full recompute keeps the layer input only (2sbh). Generalised here term by term:
     K and V scale with num_key_value_heads (GQA), the MLP with intermediate_size and its
     matrices (GELU: 2 tensors of f, SwiGLU: 3), MoE MLP tensors by the k experts each
-    token visits, dropout masks only in GPT models, and FlashAttention keeps its output
+    token visits (`expert_rows_held_per_token`), dropout masks only in GPT models, and FlashAttention keeps its output
     instead of the s x s scores (Dao et al. 2022 §3.1). `saved_tensors` adds what eager
     PyTorch modules keep beyond Megatron-LM's fused kernels. Under the op-level
     selective policy (`selective_policy`, the runtime's) see `op_level_activation_bytes`.
@@ -273,7 +287,7 @@ def layer_activation_bytes(model: ModelSpec, training: TrainingSpec, micro_batch
     if recompute == "selective" and selective_policy == "op-level":
         return op_level_activation_bytes(model, training, micro_batch_size, tp, sequence_parallel, ep)
     if training.precision != "fp32" and training.mixed_precision != "megatron":
-        return pytorch_layer_activation_bytes(model, training, micro_batch_size, tp, sequence_parallel, recompute)
+        return pytorch_layer_activation_bytes(model, training, micro_batch_size, tp, sequence_parallel, recompute, ep)
     b, s, h, f = micro_batch_size, training.seq_len, model.hidden_size, model.intermediate_size
     v = activation_bytes_per_value(training)
     saved = saved_tensors(training)
@@ -290,7 +304,7 @@ def layer_activation_bytes(model: ModelSpec, training: TrainingSpec, micro_batch
     if training.flash_attention and model.position_embedding == "rope" and saved.head_major_output_copy:
         attention += v * tokens_q
     mlp_tensors = saved.gated_mlp_tensors if model.gated_mlp else 2
-    mlp = v * mlp_tensors * f * b * s * model.num_experts_per_tok
+    mlp = v * mlp_tensors * f * b * s * expert_rows_held_per_token(model, ep)
     router = 4 * b * s * model.num_local_experts if model.is_moe else 0
     split = (attention + mlp) / tp + replicated / seq_split + router
     scores = 0.0

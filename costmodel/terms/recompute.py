@@ -64,7 +64,7 @@ def layer_matmuls(model: ModelSpec, tp: int, ep: int = 1) -> tuple[Matmul, ...]:
     # Balanced routing (costmodel.terms.compute.layer_compute): each of the rank's E/ep
     # experts runs its MLP on tokens * k * ep / E tokens, one after another.
     local = model.num_local_experts // ep
-    share = model.num_experts_per_tok * ep / model.num_local_experts
+    share = model.routed_rows_per_token * ep / model.num_local_experts
     experts = [m for _ in range(local) for m in mlp(share)]
     return tuple(attention + [Matmul("router", model.num_local_experts, h)] + experts)
 

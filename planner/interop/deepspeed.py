@@ -145,8 +145,10 @@ def export_deepspeed(strategy: Strategy, model: ModelSpec, training: TrainingSpe
         if s.schedule != "1f1b":
             warnings.append(f"DeepSpeed's pipeline engine runs its own 1F1B TrainSchedule (runtime/pipe/schedule.py); "
                             f"the plan's {s.schedule}" + (f" with vpp {s.vpp}" if s.vpp > 1 else "") + " is not exported")
-    if s.ep > 1:
-        warnings.append(f"DeepSpeed sets expert parallelism in code: deepspeed.moe.layer.MoE(..., ep_size={s.ep}) "
+    if s.ep > 1 or model.moe_capacity_factor is not None:
+        said = ", ".join(([f"ep_size={s.ep}"] if s.ep > 1 else [])
+                         + ([f"capacity_factor={model.moe_capacity_factor:g}"] if model.moe_capacity_factor else []))
+        warnings.append(f"DeepSpeed sets its experts in code: deepspeed.moe.layer.MoE(..., {said}) "
                         "(deepspeed/moe/layer.py)")
     mode = recompute_form(s)
     if mode is not None and mode.mode == "selective":

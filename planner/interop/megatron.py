@@ -107,6 +107,12 @@ MEGATRON_CHOICE_ARGS = {
 
 MEGATRON_STR_ARGS = ("--pipeline-model-parallel-layout",)   # TransformerConfig.pipeline_model_parallel_layout
 
+# TransformerConfig.moe_expert_capacity_factor (None: dropless), moe_token_drop_policy
+# ("probs" drops the lowest router probabilities, "position" the latest tokens: the
+# executor's) and moe_pad_expert_input_to_capacity.
+MEGATRON_FLOAT_MODEL_ARGS = ("--moe-expert-capacity-factor",)
+MEGATRON_DROP_POLICIES = ("probs", "position")
+
 
 
 MEGATRON_FLAGS = (
@@ -119,6 +125,7 @@ MEGATRON_FLAGS = (
     "--account-for-loss-in-pipeline-split",   # TransformerConfig.account_for_loss_in_pipeline_split
     "--bf16", "--fp16",                       # ModelParallelConfig.bf16 / fp16
     "--untie-embeddings-and-output-weights", "--swiglu", "--disable-bias-linear",   # model shape, arguments.py
+    "--moe-pad-expert-input-to-capacity",     # TransformerConfig.moe_pad_expert_input_to_capacity
 )
 
 
@@ -153,12 +160,36 @@ def megatron_parser() -> argparse.ArgumentParser:
         parser.add_argument(name, choices=choices)
     for name in MEGATRON_STR_ARGS + MEGATRON_STR_MODEL_ARGS:
         parser.add_argument(name)
+    for name in MEGATRON_FLOAT_MODEL_ARGS:
+        parser.add_argument(name, type=float)
+    parser.add_argument("--moe-token-drop-policy", choices=MEGATRON_DROP_POLICIES)
     for name in MEGATRON_FLAGS:
         parser.add_argument(name, action="store_true")
     for name in MEGATRON_NARGS_ARGS:
         parser.add_argument(name, nargs="*")
     return parser
 
+
+
+def _check_capacity(args: argparse.Namespace, model: ModelSpec, warnings: list[str]) -> None:
+    """Megatron's expert capacity against the model's: dropping rows changes what the
+    experts compute, so a command that drops where the model does not (or the reverse)
+    describes another model."""
+    given, expected = args.moe_expert_capacity_factor, model.moe_capacity_factor
+    if given != expected:
+        said = "absent (dropless)" if given is None else f"{given:g}"
+        has = "is dropless" if expected is None else f"has moe_capacity_factor {expected:g}"
+        fix = (f"--set moe_capacity_factor={given:g}" if given is not None
+               else "leave moe_capacity_factor unset")
+        raise SpecError("--moe-expert-capacity-factor", f"{said}, but {model.name} {has}: {fix} to price it")
+    if given is None:
+        return
+    if args.moe_pad_expert_input_to_capacity:
+        warnings.append("--moe-pad-expert-input-to-capacity: priced without the padding (each expert runs the "
+                        "rows it keeps, balanced routing)")
+    if args.moe_token_drop_policy != "position":
+        warnings.append("--moe-token-drop-policy probs (Megatron's default) drops the lowest router probabilities; "
+                        "priced the same (as many rows kept), while the executor drops the latest tokens (position)")
 
 
 def read_megatron(text: str, model: ModelSpec, num_gpus: int) -> Imported:
@@ -184,6 +215,8 @@ def read_megatron(text: str, model: ModelSpec, num_gpus: int) -> Imported:
                   ("--num-experts", args.num_experts, model.num_local_experts if model.is_moe else None),
                   ("--moe-router-topk", args.moe_router_topk, model.num_experts_per_tok if model.is_moe else None)],
                  model)
+    if model.is_moe:
+        _check_capacity(args, model, warnings)
     if kv is not None and not args.group_query_attention and args.num_attention_heads is not None:
         raise SpecError("--group-query-attention", f"missing: {model.name} has {kv} KV heads")
     tp = args.tensor_model_parallel_size or 1
@@ -340,6 +373,9 @@ def export_megatron(strategy: Strategy, model: ModelSpec, training: TrainingSpec
         args += ["--group-query-attention", "--num-query-groups", str(model.num_key_value_heads)]
     if model.is_moe:
         args += ["--num-experts", str(model.num_local_experts), "--moe-router-topk", str(model.num_experts_per_tok)]
+        if model.moe_capacity_factor is not None:
+            args += ["--moe-expert-capacity-factor", f"{model.moe_capacity_factor:g}",
+                     "--moe-token-drop-policy", "position"]
     if not model.is_gpt:
         args += ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--disable-bias-linear"]
     if not model.tie_word_embeddings:

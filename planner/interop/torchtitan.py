@@ -465,6 +465,9 @@ def _torchtitan_fields(strategy: Strategy, model: ModelSpec, training: TrainingS
         par.update(_torchtitan_partition(s, model.num_hidden_layers, warnings))
     par["context_parallel_degree"] = 1
     par["expert_parallel_degree"] = s.ep
+    if model.moe_capacity_factor is not None:
+        warnings.append(f"torchtitan's MoE routes dropless (torchtitan/models/moe): the model's capacity factor "
+                        f"{model.moe_capacity_factor:g} is not exported, and torchtitan's experts take every row")
     if s.ep > 1 and (s.zero_stage != 3 or s.tp > 1):
         warnings.append("torchtitan's expert parallelism borrows its ranks from data_parallel_shard_degree x "
                         "tensor_parallel_degree (ParallelismConfig.expert_parallel_degree), so its experts are "

@@ -6,17 +6,16 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
+from costmodel_test_helpers import HF_DIR
 from torch.utils.flop_counter import FlopCounterMode
 
-from costmodel_test_helpers import HF_DIR
-
 from costmodel.specs.loading import load_model
-from costmodel.trace import EXTRA_FLOP_FORMULAS
 from costmodel.terms.counts import (
     head_forward_flops,
     layer_forward_flops,
     total_parameters,
 )
+from costmodel.trace import EXTRA_FLOP_FORMULAS
 from executor.models import build_model, initial_value, materialize, num_parameters
 
 # The tiny built-ins and every built-in family shrunk to a few small layers (the
@@ -160,3 +159,50 @@ def test_experts_in_one_call_equal_the_per_expert_loop(dtype, grouped):
     assert torch.equal(moe.experts(x, counts), out)
     for a, b in zip(mine, [x.grad] + [w.grad for w in (moe.w1, moe.w3, moe.w2)]):
         assert torch.equal(a, b)
+
+
+def routed_per_token(moe, x, capacity):
+    """The MoE output token by token: each token's k experts weighted by the softmax of
+    their router logits, a choice counted only while its expert has room (capacity rows,
+    earliest tokens first); None is dropless."""
+    logits, chosen = moe.router(x).topk(moe.top_k, dim=-1)
+    weights = logits.softmax(-1)
+    taken = [0] * moe.num_experts
+    out, dropped = torch.zeros_like(x), 0
+    for t in range(x.shape[0]):
+        for j in range(moe.top_k):
+            e = int(chosen[t, j])
+            if capacity is not None and taken[e] >= capacity:
+                dropped += 1
+                continue
+            taken[e] += 1
+            hidden = F.silu(x[t] @ moe.w1[e].t()) * (x[t] @ moe.w3[e].t())
+            out[t] += weights[t, j] * (hidden @ moe.w2[e].t())
+    return out, dropped
+
+
+@pytest.mark.parametrize("capacity_factor, capacity, expect_drops", [(None, None, False), (0.5, 8, True),
+                                                                     (1.0, 16, True), (4.0, 64, False)])
+def test_capacity_keeps_each_experts_earliest_rows(capacity_factor, capacity, expect_drops):
+    """32 tokens, top-2 of 4 experts: capacity ceil(c x 32 x 2 / 4) rows per expert. The
+    layer equals the token-by-token reference in float64, value and gradient; c = 0.5
+    and 1 drop rows under this routing, c = 4 and dropless none."""
+    from executor.models import MoE
+    torch.manual_seed(0)
+    spec = dataclasses.replace(load_model("tiny-moe"), moe_capacity_factor=capacity_factor)
+    moe = MoE(spec).to(torch.float64)
+    for w in (moe.router.weight, moe.w1, moe.w3, moe.w2):
+        torch.nn.init.normal_(w, std=0.2)
+    x = torch.randn(32, 64, dtype=torch.float64, requires_grad=True)
+    assert (spec.num_local_experts, spec.num_experts_per_tok) == (4, 2)
+    mine = moe(x)
+    mine.square().sum().backward()
+    grads = [x.grad.clone(), moe.router.weight.grad.clone(), moe.w1.grad.clone()]
+    x.grad = None
+    moe.zero_grad()
+    reference, dropped = routed_per_token(moe, x, capacity)
+    reference.square().sum().backward()
+    assert (dropped > 0) == expect_drops
+    torch.testing.assert_close(mine, reference, rtol=1e-12, atol=1e-12)
+    for a, b in zip(grads, [x.grad, moe.router.weight.grad, moe.w1.grad]):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

@@ -15,6 +15,7 @@ it: every parallel layout trains as one process does.
 """
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ from executor_test_helpers import (
     PARITY,
     SEQ_LEN,
     STEPS,
+    assert_matches_reference,
     assert_trains_as_the_model,
     bf16_loss_rtol,
     cached_reference,
@@ -104,6 +106,20 @@ def test_dense_parity(plan):
 @pytest.mark.parametrize("plan", sorted(MOE_PLANS))
 def test_moe_parity(plan):
     check_parity("tiny-moe", MOE_PLANS[plan])
+
+
+def test_expert_capacity_under_ep_drops_as_without_it(tmp_path):
+    """Capacity is counted per rank's micro-batch, before the all-to-all: dp2 with ep2
+    trains as dp2 with every expert on each rank, capacity factor 1 dropping rows in both,
+    and not as the dropless model does."""
+    spec = (Path(__file__).parents[2] / "configs" / "models" / "tiny-moe.yaml").read_text()
+    model = tmp_path / "tiny-moe-capacity.yaml"
+    model.write_text(spec + "moe_capacity_factor: 1.0\n")
+    without_ep = run_local(parallel_run, 2, str(model), strategy(dp=2), "adamw", STEPS, GLOBAL_BATCH, PARITY)
+    with_ep = run_local(parallel_run, 2, str(model), strategy(dp=2, ep=2), "adamw", STEPS, GLOBAL_BATCH, PARITY)
+    assert_matches_reference(with_ep, *without_ep[0])
+    dropless_losses, _ = cached_reference("tiny-moe")
+    assert without_ep[0][0] != pytest.approx(dropless_losses, rel=1e-6)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

@@ -104,6 +104,25 @@ def test_builtin_mixtral_is_moe():
     assert (m.num_local_experts, m.num_experts_per_tok, m.intermediate_size) == (8, 2, 14336)
 
 
+def test_moe_capacity_factor_reads_and_keeps_dropless_fingerprints():
+    m = load_model("mixtral-8x7b", {"moe_capacity_factor": "1.25"})
+    assert m.moe_capacity_factor == 1.25
+    assert m.canonical_dict()["moe_capacity_factor"] == 1.25
+    assert "moe_capacity_factor" not in load_model("mixtral-8x7b").canonical_dict()
+
+
+@pytest.mark.parametrize("model, value, message", [
+    ("mixtral-8x7b", "0", "must be above 0"),
+    ("mixtral-8x7b", "inf", "expected a finite number"),
+    ("mixtral-8x7b", "lots", "expected a number"),
+    ("llama3-8b", "1.0", "without experts"),
+])
+def test_moe_capacity_factor_rejects(model, value, message):
+    with pytest.raises(SpecError, match=message) as err:
+        load_model(model, {"moe_capacity_factor": value})
+    assert err.value.field == "moe_capacity_factor"
+
+
 @pytest.mark.parametrize("name", builtin_names("clusters"))
 def test_every_builtin_cluster_loads(name):
     c = load_cluster(name)

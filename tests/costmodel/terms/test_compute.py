@@ -3,6 +3,8 @@ head and embedding compute times, checked term by term against hand arithmetic."
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from costmodel_test_helpers import A100_HBM, A100_PEAK_BF16, gemm_seconds, hbm_seconds
 
@@ -133,6 +135,23 @@ def test_moe_layer_gemm_by_hand(dgx, ep):
     lc = layer_compute(m, dgx, training(m, dgx), b, tp, False, ep=ep)
     assert lc.gemm_s == pytest.approx(attention + (E / ep) * per_expert + router, rel=1e-12)
     act = 2 * (3 * f * k) * tokens
+    assert lc.elementwise_s == pytest.approx(hbm_seconds((2 * 4 + 2 * 6) * tokens * h + act), rel=1e-12)
+
+
+@pytest.mark.parametrize("capacity_factor, kept", [(0.5, 0.5), (1.0, 1.0), (1.5, 1.0)])
+def test_moe_capacity_below_one_drops_expert_rows(dgx, capacity_factor, kept):
+    """Balanced routing fills each expert to its share: a capacity factor c < 1 keeps c
+    of the rows, c >= 1 all of them."""
+    m = dataclasses.replace(load_model("tiny-moe"), moe_capacity_factor=capacity_factor)
+    b, s, h, kv, f, E, k, ep = 2, 64, 64, 32, 128, 4, 2, 2
+    tokens = b * s
+    attention = gemm_seconds(tokens, h + 2 * kv, h, PEAK) + gemm_seconds(tokens, h, h, PEAK)
+    tokens_per_expert = tokens * k * kept * ep / E
+    per_expert = gemm_seconds(tokens_per_expert, 2 * f, h, PEAK) + gemm_seconds(tokens_per_expert, h, f, PEAK)
+    router = gemm_seconds(tokens, E, h, PEAK)
+    lc = layer_compute(m, dgx, training(m, dgx), b, 1, False, ep=ep)
+    assert lc.gemm_s == pytest.approx(attention + (E / ep) * per_expert + router, rel=1e-12)
+    act = 2 * (3 * f * k * kept) * tokens
     assert lc.elementwise_s == pytest.approx(hbm_seconds((2 * 4 + 2 * 6) * tokens * h + act), rel=1e-12)
 
 

@@ -4,6 +4,8 @@ layer chain graph."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import networkx as nx
 import pytest
 from costmodel_test_helpers import HF_DIR
@@ -156,6 +158,13 @@ def test_moe_layer_flops_count_the_visited_experts_and_router():
     s, h, kv, f, k, E = 4096, 4096, 1024, 14336, 2, 8
     expected = 2 * s * (2 * h * h + 2 * h * kv) + 4 * s * s * h + k * 2 * s * 3 * h * f + 2 * s * h * E
     assert layer_forward_flops(m, s) == expected
+
+
+def test_moe_layer_flops_count_the_rows_capacity_keeps():
+    m = dataclasses.replace(load_model("mixtral-8x7b"), moe_capacity_factor=0.75)
+    s, h, kv, f, k, E = 4096, 4096, 1024, 14336, 2, 8
+    expected = 2 * s * (2 * h * h + 2 * h * kv) + 4 * s * s * h + 0.75 * k * 2 * s * 3 * h * f + 2 * s * h * E
+    assert layer_forward_flops(m, s) == pytest.approx(expected, rel=1e-15)
 
 
 def test_head_flops():

@@ -4,6 +4,8 @@ per schedule, logits."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from costmodel_test_helpers import HF_DIR
 
@@ -182,6 +184,26 @@ def test_moe_activations(dgx):
     mlp = 2 * 3 * f * s * b * k       # each token's k experts keep their tensors
     router = 4 * s * b * E            # fp32 router logits
     assert layer_activation_bytes(m, t, b, 1, False, "none") == pytest.approx(
+        replicated + attention + mlp + router, rel=1e-12)
+
+
+@pytest.mark.parametrize("capacity_factor, ep, rows_per_token", [
+    (None, 1, 2), (None, 4, 2),        # dropless: balanced, k rows
+    (0.5, 1, 1), (0.5, 4, 1),          # every expert capped at half its share: k / 2
+    (1.25, 1, 2),                      # one rank holds every row whatever the routing
+    (1.25, 4, 2.5),                    # the rank's experts full from every ep rank: c x k
+    (8.0, 2, 4),                       # never more than the ep group's rows: ep x k
+])
+def test_moe_capacity_bounds_the_rows_the_experts_hold(dgx, capacity_factor, ep, rows_per_token):
+    m = dataclasses.replace(load_model("mixtral-8x7b"), moe_capacity_factor=capacity_factor)
+    t = training(m, dgx, flash=True, seq=4096)
+    s, b, h, f, E = 4096, 1, 4096, 14336, 8
+    replicated = 8 * s * b * h
+    attention = 2 * (1 + 2 * 8 / 32) * s * b * h + 2 * s * b * h
+    mlp = 2 * 3 * f * s * b * rows_per_token
+    router = 4 * s * b * E
+    assert memory.expert_rows_held_per_token(m, ep) == rows_per_token
+    assert layer_activation_bytes(m, t, b, 1, False, "none", ep=ep) == pytest.approx(
         replicated + attention + mlp + router, rel=1e-12)
 
 

@@ -45,6 +45,8 @@ CASES = {
     "moe-ep-zero3-pp": dict(model="tiny-moe", gpus=8, batch=32, seq=64,
                             fix="dp=4,tp=1,pp=2,ep=2,mbs=1,zero=3,recompute=none,schedule=1f1b"),
     "zero2-full": dict(model="llama2-7b", gpus=8, batch=64, seq=4096, fix="dp=8,tp=1,pp=1,mbs=1,zero=2,recompute=full"),
+    "moe-capacity-ep": dict(model="tiny-moe", gpus=8, batch=32, seq=64, overrides={"moe_capacity_factor": "1.25"},
+                            fix="dp=8,tp=1,pp=1,ep=4,mbs=1,zero=3,recompute=none"),
 }
 # (case, target) pairs the target expresses exactly; every other pair must warn.
 EXACT = {
@@ -55,12 +57,14 @@ EXACT = {
     ("moe-ep-zero3-pp", "torchtitan"), ("moe-ep-zero3-pp", "torchtitan-toml"), ("moe-ep-zero3-pp", "megatron"),
     ("zero2-full", "torchtitan"), ("zero2-full", "torchtitan-toml"), ("zero2-full", "megatron"),
     ("zero2-full", "deepspeed"),
+    ("moe-capacity-ep", "megatron"),   # torchtitan routes dropless; DeepSpeed sets experts in code
 }
 
 
 def _problem(case):
     c = CASES[case]
-    return make_problem(c["model"], "dgx-a100-80gb", c["batch"], gpus=c["gpus"], seq_len=c["seq"])
+    return make_problem(c["model"], "dgx-a100-80gb", c["batch"], gpus=c["gpus"], seq_len=c["seq"],
+                        overrides=c.get("overrides"))
 
 
 _DOCS: dict = {}
@@ -69,7 +73,8 @@ _DOCS: dict = {}
 def _doc(case):
     if case not in _DOCS:
         c = CASES[case]
-        _DOCS[case] = plan(c["model"], "dgx-a100-80gb", c["batch"], gpus=c["gpus"], seq_len=c["seq"], fix=c["fix"], top=1)
+        _DOCS[case] = plan(c["model"], "dgx-a100-80gb", c["batch"], gpus=c["gpus"], seq_len=c["seq"], fix=c["fix"],
+                           overrides=c.get("overrides"), top=1)
     return _DOCS[case]
 
 
@@ -225,9 +230,12 @@ def megatron_mirror() -> argparse.ArgumentParser:
     parser.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"])
     parser.add_argument("--position-embedding-type", choices=["learned_absolute", "rope", "none"])
     parser.add_argument("--pipeline-model-parallel-layout", type=str)
+    parser.add_argument("--moe-expert-capacity-factor", type=float)
+    parser.add_argument("--moe-token-drop-policy", choices=["probs", "position"])
     for flag in ("--sequence-parallel", "--use-distributed-optimizer", "--use-megatron-fsdp", "--group-query-attention",
                  "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split", "--bf16", "--fp16",
-                 "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights"):
+                 "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
+                 "--moe-pad-expert-input-to-capacity"):
         parser.add_argument(flag, action="store_true")
     return parser
 
@@ -245,6 +253,26 @@ def test_megatron_arguments_parse_with_a_mirror_of_megatron_lm(case):
     assert args.use_distributed_optimizer == (s.zero_stage == 1)
     if doc["model"]["num_key_value_heads"] != doc["model"]["num_attention_heads"]:
         assert args.group_query_attention and args.num_query_groups == doc["model"]["num_key_value_heads"]
+
+
+def test_megatron_capacity_factor_is_the_model_s():
+    """Megatron's --moe-expert-capacity-factor reads back as the model's capacity; a
+    command that drops rows where the model does not (or the reverse) is refused, naming
+    the --set that prices it; padding and the probs drop policy are said."""
+    doc = _doc("moe-capacity-ep")
+    text = export_plan(doc, "megatron").text
+    assert "--moe-expert-capacity-factor 1.25" in text and "--moe-token-drop-policy position" in text
+    with pytest.raises(SpecError, match="but tiny-moe is dropless: --set moe_capacity_factor=1.25") as err:
+        read_text("megatron", text, load_model("tiny-moe"), 8)
+    assert err.value.field == "--moe-expert-capacity-factor"
+    with pytest.raises(SpecError, match=r"absent \(dropless\), but tiny-moe has moe_capacity_factor 1.25"):
+        read_text("megatron", "--expert-model-parallel-size 4 --global-batch-size 32", model_of(doc), 8)
+    edited = text.replace("--moe-token-drop-policy position", "--moe-pad-expert-input-to-capacity")
+    warnings = read_text("megatron", edited, model_of(doc), 8).warnings
+    assert any("priced without the padding" in w for w in warnings)
+    assert any("--moe-token-drop-policy probs" in w for w in warnings)
+    assert any("routes dropless" in w for w in export_plan(doc, "torchtitan").warnings)
+    assert any("capacity_factor=1.25" in w for w in export_plan(doc, "deepspeed").warnings)
 
 
 def test_warnings_say_what_each_engine_cannot_express():
