@@ -7,8 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
-
-import networkx as nx
+from typing import TYPE_CHECKING
 
 from costmodel.measured import MeasuredTimes
 from costmodel.specs import (
@@ -19,6 +18,9 @@ from costmodel.specs import (
     TrainingSpec,
 )
 from costmodel.specs.loading import load_runtime
+
+if TYPE_CHECKING:   # networkx is imported by who builds a graph: not on the planning path
+    import networkx as nx
 
 
 @dataclass(frozen=True)

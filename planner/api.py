@@ -15,7 +15,6 @@ from typing import Any
 from costmodel.measured import load_measured_times
 from costmodel.problem import Problem, TracedProblem, traced_model
 from costmodel.specs import MixedClusterSpec, ModelSpec, RuntimeSpec
-from costmodel.specs.hf import check_spec
 from costmodel.specs.loading import (
     SpecError,
     as_float,
@@ -28,7 +27,6 @@ from costmodel.specs.loading import (
     with_runtime_settings,
 )
 from costmodel.terms.counts import total_parameters
-from costmodel.trace import trace_module
 from planner.plan_file import plan_document
 from planner.rules import BUDGETS, Rules, load_rules, parse_fix, parse_objective
 from planner.search import check_fix, search
@@ -50,6 +48,8 @@ def make_problem(model: str, cluster: str, global_batch: Any, *, nodes: Any = No
     profile's ("fsdp_prefetch=2,ddp_bucket_mb=100" or a mapping; SETTING_FIELDS of
     costmodel.specs.runtime)."""
     if str(model).startswith("hf:"):
+        from costmodel.specs.hf import check_spec   # torch and transformers: only for hf:
+
         source = str(model)[3:]
         model_spec = load_model(source, overrides)
         check_spec(source, model_spec)
@@ -178,6 +178,8 @@ def traced_problem(module, example_inputs: tuple, cluster: str, global_batch: An
                    example_kwargs: dict | None = None) -> TracedProblem:
     """Trace `module` on its example micro-batch into a TracedProblem. Token inputs
     (integer, batch x sequence) count their sequence as tokens per sample."""
+    from costmodel.trace import trace_module   # torch: only for a traced module
+
     first = example_inputs[0]
     batch = int(first.shape[0]) if first.dim() else 1
     tokens = int(first.shape[1]) if first.dim() >= 2 and not first.is_floating_point() else 1

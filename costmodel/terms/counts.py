@@ -5,9 +5,12 @@ per sequence. Parameter and FLOP counts of one layer are defined here and nowher
 
 from __future__ import annotations
 
-import networkx as nx
+from typing import TYPE_CHECKING
 
 from costmodel.specs import ModelSpec
+
+if TYPE_CHECKING:
+    import networkx as nx
 
 
 def attention_parameters(model: ModelSpec) -> int:
@@ -90,6 +93,8 @@ def model_flops_per_step(model: ModelSpec, global_batch: int, seq_len: int) -> f
 def build_graph(model: ModelSpec, seq_len: int) -> nx.DiGraph:
     """Chain graph embedding -> layer.0 .. layer.{L-1} -> head; node attributes
     `parameters` and `forward_flops` (per sequence)."""
+    import networkx as nx   # only who draws or traces a layer graph pays for it
+
     graph = nx.DiGraph(name=model.name)
     dense, experts = layer_parameters(model)
     graph.add_node("embedding", kind="embedding", parameters=embedding_parameters(model), forward_flops=0.0)

@@ -16,14 +16,10 @@ import sys
 
 import click
 
+# Only what every command needs: the search, torch, the solver, rich and matplotlib are
+# imported by the command that uses them, so that `--help` and bad input answer at once.
 from costmodel.specs.loading import SpecError, as_float, as_int, parse_overrides
 from costmodel.units import GIB
-from planner.api import make_problem, make_rules
-from planner.console.progress import progress_bar
-from planner.console.report import print_explain, print_plan
-from planner.plan_file import dumps, plan_document, read_plan, write_plan
-from planner.rules import load_rules, parse_fix
-from planner.search import Infeasible, search, suggest_relaxation
 
 EXIT_BAD_INPUT = 2
 EXIT_INFEASIBLE = 3
@@ -111,6 +107,13 @@ def plan(model_name, cluster_name, nodes, gpus, global_batch, seq, precision, op
          compile_blocks, runtime_settings, rules_name, fix, overrides, profile_file, top, objective, max_cost, power_cap, energy_budget, pareto,
          memory_margin, fmt, output) -> None:
     """Find the best strategy that fits (fastest, or by --objective), and write it as a plan file."""
+    from planner.api import make_problem, make_rules
+    from planner.console.progress import progress_bar
+    from planner.console.report import print_plan
+    from planner.plan_file import dumps, plan_document, write_plan
+    from planner.rules import parse_fix
+    from planner.search import Infeasible, search, suggest_relaxation
+
     try:
         problem = make_problem(model_name, cluster_name, global_batch, nodes=nodes, gpus=gpus, seq_len=seq,
                                precision=precision, optimizer=optimizer, flash_attention=attention == "flash",
@@ -217,6 +220,7 @@ def sweep(model_name, cluster_name, sizes, global_batch, seq, precision, optimiz
     import json
     import os
 
+    from planner.console.progress import progress_bar
     from planner.workflows.sweep import IMPOSSIBLE, OK, parse_sizes
     from planner.workflows.sweep import sweep as sweep_rows
 
@@ -337,6 +341,9 @@ def explain(plan_file, plot_file, html_file) -> None:
     """
     import os
 
+    from planner.console.report import print_explain
+    from planner.plan_file import read_plan
+
     try:
         doc = read_plan(plan_file)
         for option, path in (("--plot", plot_file), ("--html", html_file)):
@@ -388,6 +395,10 @@ def replan(plan_file, gpus, nodes, cluster_name, rules_name, fix, top, fmt, outp
     """
     import time
 
+    from planner.console.progress import progress_bar
+    from planner.console.report import print_plan
+    from planner.plan_file import dumps, read_plan, write_plan
+    from planner.search import suggest_relaxation
     from planner.workflows.replan import NoPlan
     from planner.workflows.replan import replan as replan_doc
 
@@ -434,6 +445,7 @@ def export(plan_file, target, output) -> None:
     shardwise export plan.json --to deepspeed -o ds_config.json
     """
     from planner.interop.export import export_plan
+    from planner.plan_file import read_plan
 
     try:
         exported = export_plan(read_plan(plan_file), target)
@@ -499,6 +511,8 @@ def evaluate(source, model_name, cluster_name, nodes, gpus, global_batch, seq, p
         reason_lines,
         summary_line,
     )
+    from planner.plan_file import dumps
+    from planner.rules import load_rules, parse_fix
 
     source, config = source
     try:

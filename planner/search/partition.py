@@ -31,7 +31,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-from ortools.sat.python import cp_model
 
 from costmodel.estimate.uniform import (
     UnitCosts,
@@ -200,6 +199,8 @@ def solve_partition(problem: Problem, units: UnitCosts, strategy: Strategy, mode
     def b(x: float) -> int:
         return math.floor(x / MEMORY_UNIT_BYTES)
 
+    from ortools.sat.python import cp_model   # imported on first solve: it takes pandas with it
+
     model = cp_model.CpModel()
     # A safe upper bound for every time variable, with slack for per-term rounding.
     big_t = 2 * t(sum(abs(r.time.const) + abs(r.optimizer.const) + abs(r.dp_exposed.const)
@@ -279,10 +280,12 @@ def solve_partition(problem: Problem, units: UnitCosts, strategy: Strategy, mode
     return Solution(strategy.with_stages(layout(strategy, counts)), seconds(value), gap, timed_out)
 
 
-def _solve(model: cp_model.CpModel, n_vars: list, objective: str, peak_mem, time_objective):
+def _solve(model, n_vars: list, objective: str, peak_mem, time_objective):
     """(status, objective value, objective bound, per-rank counts) of one solve, or
     "infeasible" / "timeout". The memory objective first finds the least peak memory,
     then the fastest partition at it."""
+    from ortools.sat.python import cp_model
+
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = 1
     solver.parameters.random_seed = 0
