@@ -24,6 +24,7 @@ import hashlib
 import json
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,6 +111,21 @@ def _state_dict(trainer, step: int) -> dict[str, torch.Tensor]:
 
 # -- saving -----------------------------------------------------------------------------
 
+class _WriterThatCalls(dcp.FileSystemWriter):
+    """DCP's file writer that calls `after_write` once this rank's files are written
+    (tests: a rank killed mid-save)."""
+
+    def __init__(self, path: str, after_write: Callable[[], None]):
+        super().__init__(path)
+        self.after_write = after_write
+
+    def write_data(self, plan, planner):
+        written = super().write_data(plan, planner)
+        written.wait()
+        self.after_write()
+        return written
+
+
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -118,9 +134,13 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def save(trainer, step: int, root: str | Path, plan: dict, keep: int = 3, crash_after_write: bool = False) -> Path:
+def save(trainer, step: int, root: str | Path, plan: dict, keep: int = 3, crash_after_write: bool = False,
+         crash_mid_write: Callable[[], None] | None = None) -> Path:
     """Write the checkpoint of `step` (steps done) under `root`; every rank calls it.
-    `crash_after_write` (tests) kills the process between the writes and the publish."""
+    Tests only (executor.run's SHARDWISE_TEST_CRASH_AT): `crash_after_write` kills the
+    process between the writes and the publish; `crash_mid_write` is called on this rank
+    once its own files are written, before DCP gathers the ranks' results (the fault
+    injection kills the process there)."""
     root = Path(root)
     partial, final = _partial_dir(root, step), step_dir(root, step)
     if dist.get_rank() == 0:
@@ -128,7 +148,8 @@ def save(trainer, step: int, root: str | Path, plan: dict, keep: int = 3, crash_
             shutil.rmtree(partial)   # an earlier attempt at this step that did not finish
         partial.mkdir(parents=True)
     dist.barrier()
-    dcp.save(_state_dict(trainer, step), checkpoint_id=str(partial))
+    writer = None if crash_mid_write is None else _WriterThatCalls(str(partial), crash_mid_write)
+    dcp.save(_state_dict(trainer, step), checkpoint_id=str(partial), storage_writer=writer)
     dist.barrier()
     if crash_after_write:
         os._exit(9)

@@ -27,20 +27,39 @@ before it), and a closing summary that puts the measured step time and memory be
 the plan's estimate, as a JSON line and a table; the JSON also lists each rank's group
 of the cluster, hardware and device.
 
-`SHARDWISE_TEST_CRASH_AT=RANK:STEP` (tests only) makes that rank die at that step on
-the first attempt, `hang:RANK:STEP` stop answering there, `save:STEP` every rank die
-halfway through that step's save.
+Fault injection, tests only (tests/executor/test_run.py, bench/chaos.py):
+`SHARDWISE_TEST_CRASH_AT` holds one or more faults, comma-separated:
+
+- `RANK:STEP`: that rank exits (code 1) as step STEP (0-based) begins;
+- `hang:RANK:STEP`: that rank stops answering there (its peers time out);
+- `save:STEP`: every rank dies once the checkpoint of STEP steps is written, before its
+  publish;
+- `POINT:RANK:STEP`: that rank is SIGKILLed at POINT of step STEP: `forward` (as the
+  middle layer of its first stage starts its forward), `backward` (as the gradient
+  reaches that layer's output, mid-backward), `optimizer` (once its optimizer has
+  updated the weights in place, before the step ends), `save` (mid-save of the
+  checkpoint of STEP steps done: once this rank's DCP files are written, before DCP
+  gathers the ranks' results and before any manifest), `resume` (as it loads the
+  checkpoint of STEP steps to resume from: its peers are loading).
+
+Each fault fires on the first attempt, or on attempt N with an `@N` suffix
+(`resume:0:3@1`): the attempt is `shardwise run --max-restarts`'s restart count
+(SHARDWISE_RESTART) plus torchrun's own. The rank writes one line to stderr
+(`SHARDWISE_TEST_CRASH: rank R killed at POINT, step S, attempt A`) before it dies.
+Unset, nothing is parsed or hooked.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import math
 import os
 import re
 import resource
+import signal
 import statistics
 import sys
 import time
@@ -216,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SpecError("--steps", "must be at least 1")
         source = make_source(args.data, job.model.vocab_size, args.seed)
         placement = rank_group(job.plan, rank)
+        faults = fault_injector(rank)   # tests only: None unless SHARDWISE_TEST_CRASH_AT is set
     except (SpecError, ValueError) as err:
         if rank == 0:
             print(f"error: {err}", file=sys.stderr)
@@ -231,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
                             timeout=datetime.timedelta(seconds=args.timeout_s))
     code = 0
     try:
-        train(job, args, source, device, rank, placement)
+        train(job, args, source, device, rank, placement, faults)
     except NonFiniteStep as err:   # every rank sees the same global norm: they stop together
         print(f"error: rank {rank}: {err}", file=sys.stderr, flush=True)
         code = EXIT_NONFINITE
@@ -276,7 +296,8 @@ def is_collective_failure(err: RuntimeError) -> bool:
         word in text for word in ("gloo", "NCCL", "Timed out", "Connection reset", "Connection closed"))
 
 
-def resume(trainer: Trainer, job: RunJob, args: argparse.Namespace, rank: int) -> int:
+def resume(trainer: Trainer, job: RunJob, args: argparse.Namespace, rank: int,
+           faults: FaultInjector | None = None) -> int:
     """The step to start from: the newest good checkpoint of --resume (required to
     exist) or of --checkpoint-dir (a restart), else 0."""
     log = print if rank == 0 else (lambda *a, **k: None)
@@ -289,6 +310,8 @@ def resume(trainer: Trainer, job: RunJob, args: argparse.Namespace, rank: int) -
             raise SpecError("--resume", f"no complete checkpoint at {args.resume}")
     if found is None:
         return 0
+    if faults is not None:
+        faults.fire("resume", found.step)
     step = checkpoint.load(trainer, found.path, job.plan)
     log(f"checkpoint: resumed from {found.path} (step {step})", flush=True)
     return step
@@ -388,10 +411,94 @@ def record(metrics: StepMetrics) -> dict:
     return asdict(metrics)
 
 
+# -- fault injection (tests only: SHARDWISE_TEST_CRASH_AT, see the module docstring) ----
+
+KILL_POINTS = ("forward", "backward", "optimizer", "save", "resume")
+
+
+@dataclass(frozen=True)
+class Fault:
+    point: str          # "start", "hang", "save-all" (the older forms) or one of KILL_POINTS
+    rank: int | None    # None: every rank (save-all)
+    step: int
+    attempt: int = 0
+
+
+def parse_faults(text: str) -> list[Fault]:
+    """SHARDWISE_TEST_CRASH_AT's faults; ValueError naming a malformed one."""
+    faults = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        spec, _, attempt = item.partition("@")
+        fields = spec.split(":")
+        try:
+            if len(fields) == 2 and fields[0] == "save":
+                fault = Fault("save-all", None, int(fields[1]))
+            elif len(fields) == 2:
+                fault = Fault("start", int(fields[0]), int(fields[1]))
+            elif len(fields) == 3 and fields[0] in ("hang", *KILL_POINTS):
+                fault = Fault(fields[0], int(fields[1]), int(fields[2]))
+            else:
+                raise ValueError
+            faults.append(Fault(fault.point, fault.rank, fault.step, int(attempt) if attempt else 0))
+        except ValueError:
+            raise ValueError(f"SHARDWISE_TEST_CRASH_AT: cannot read {item!r} (RANK:STEP, hang:RANK:STEP, "
+                             f"save:STEP or {'|'.join(KILL_POINTS)}:RANK:STEP, each with an optional @ATTEMPT)") \
+                from None
+    return faults
+
+
+class FaultInjector:
+    """This rank's faults of this attempt, and the hooks that fire them; `step` is the
+    step the loop is in. Built only when SHARDWISE_TEST_CRASH_AT is set."""
+
+    def __init__(self, faults: list[Fault], rank: int, attempt: int):
+        self.rank, self.attempt = rank, attempt
+        self.faults = [f for f in faults if f.attempt == attempt and f.rank in (None, rank)]
+        self.step = -1
+
+    def due(self, point: str, step: int) -> bool:
+        return any(f.point == point and f.step == step for f in self.faults)
+
+    def fire(self, point: str, step: int | None = None) -> None:
+        """Die at once (SIGKILL: nothing flushed, no handler, no atexit) when a fault is due."""
+        step = self.step if step is None else step
+        if self.due(point, step):
+            os.write(2, f"SHARDWISE_TEST_CRASH: rank {self.rank} killed at {point}, step {step}, "
+                        f"attempt {self.attempt}\n".encode())
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def install(self, trainer: Trainer) -> None:
+        """Hooks for the faults inside a step: the middle layer of this rank's first
+        stage (forward, backward) and the optimizer's step (optimizer)."""
+        points = {f.point for f in self.faults}
+        if points & {"forward", "backward"}:
+            layers = list(trainer.model.stages[0].layers.values())
+            middle = layers[len(layers) // 2]
+            if "forward" in points:
+                middle.register_forward_pre_hook(lambda module, args: self.fire("forward"))
+            if "backward" in points:
+                def arm(module, args, output):
+                    if self.due("backward", self.step) and isinstance(output, torch.Tensor) and output.requires_grad:
+                        output.register_hook(lambda grad: self.fire("backward"))
+                middle.register_forward_hook(arm)
+        if "optimizer" in points:
+            inner = getattr(trainer.optimizer, "optim", trainer.optimizer)   # ZeRO-1: the local optimizer
+            inner.register_step_post_hook(lambda optimizer, args, kwargs: self.fire("optimizer"))
+
+
+def fault_injector(rank: int) -> FaultInjector | None:
+    """This rank's FaultInjector when SHARDWISE_TEST_CRASH_AT is set, else None."""
+    text = os.environ.get("SHARDWISE_TEST_CRASH_AT")
+    if not text:
+        return None
+    attempt = int(os.environ.get("SHARDWISE_RESTART", "0")) + int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    return FaultInjector(parse_faults(text), rank, attempt)
+
+
 # -- the training loop ----------------------------------------------------------------
 
 def train(job: RunJob, args: argparse.Namespace, source, device: torch.device, rank: int,
-          placement: RankGroup) -> None:
+          placement: RankGroup, faults: FaultInjector | None = None) -> None:
     training = job.training
     if device.type == "cpu" and training.precision != "fp32":
         # CPU runs in fp32: few CPUs have fast bf16 matmuls.
@@ -415,17 +522,19 @@ def train(job: RunJob, args: argparse.Namespace, source, device: torch.device, r
                                    "device": device.type})
     if rank == 0 and len({r["group"] for r in ranks}) > 1:
         print("groups: " + "; ".join(group_summaries(ranks)), flush=True)
-    start_step = resume(trainer, job, args, rank)
+    if faults is not None:
+        faults.install(trainer)
+    start_step = resume(trainer, job, args, rank, faults)
     writer = MetricsWriter(args.metrics_out if rank == 0 else None)
     tokens = training.global_batch * training.seq_len
     steps = []
-    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == os.environ.get("SHARDWISE_RESTART", "0") == "0"
-    crash = os.environ.get("SHARDWISE_TEST_CRASH_AT", "") if first_attempt else ""
     for step in range(start_step, args.steps):
-        if crash == f"{rank}:{step}":
-            os._exit(1)
-        if crash == f"hang:{rank}:{step}":
-            time.sleep(3600)   # a rank that stops answering: its peers' collectives time out
+        if faults is not None:
+            faults.step = step
+            if faults.due("start", step):
+                os._exit(1)
+            if faults.due("hang", step):
+                time.sleep(3600)   # a rank that stops answering: its peers' collectives time out
         inputs, targets = source.global_batch(step, training.global_batch, training.seq_len)
         lr = trainer.scheduler.get_last_lr()[0]
         if device.type == "cuda":
@@ -457,7 +566,9 @@ def train(job: RunJob, args: argparse.Namespace, source, device: torch.device, r
         done = step + 1
         if args.checkpoint_dir and ((args.checkpoint_every and done % args.checkpoint_every == 0) or done == args.steps):
             path = checkpoint.save(trainer, done, args.checkpoint_dir, job.plan, keep=args.keep_last,
-                                   crash_after_write=crash == f"save:{done}")
+                                   crash_after_write=faults is not None and faults.due("save-all", done),
+                                   crash_mid_write=functools.partial(faults.fire, "save", done)
+                                   if faults is not None and faults.due("save", done) else None)
             if rank == 0:
                 print(f"checkpoint: step {done} saved to {path}", flush=True)
     summary = {**summarize(steps, job.plan["estimate"], device, ranks), "numerics": trainer.numerics()}

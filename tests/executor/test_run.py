@@ -218,3 +218,20 @@ def test_a_new_plan_resumes_a_checkpoint_of_the_old_one(plan_file, tmp_path):
     assert f"checkpoint: resumed from {tmp_path / 'dp2' / 'step-00000004'} (step 4)" in second.stdout
     losses = lambda out: re.findall(r"step (\d)/6  loss ([0-9.]+)", out)  # noqa: E731
     assert losses(second.stdout) == losses(whole.stdout)[4:]
+
+
+def test_a_rank_killed_mid_backward_is_restarted_and_ends_bitwise_equal(plan_file, tmp_path):
+    """SHARDWISE_TEST_CRASH_AT's in-step points: rank 1 SIGKILLed as the gradient
+    reaches its middle layer in step 3 (0-based); the restart resumes from step 2."""
+    clean = shardwise_run(plan_file, tmp_path / "clean")
+    assert clean.returncode == 0, clean.stderr[-2000:]
+    crashed = shardwise_run(plan_file, tmp_path / "crashed", "--max-restarts", "1", crash="backward:1:3")
+    assert crashed.returncode == 0, crashed.stderr[-2000:]
+    assert "SHARDWISE_TEST_CRASH: rank 1 killed at backward, step 3, attempt 0" in crashed.stderr
+    assert "restart 1 of 1" in crashed.stdout and "(step 2)" in crashed.stdout
+    final = f"step-{RESTART_STEPS:08d}"
+    a = tensors(tmp_path / "clean" / final, tmp_path, "a")
+    b = tensors(tmp_path / "crashed" / final, tmp_path, "b")
+    assert set(a) == set(b) and any(k.startswith("optim.") for k in a)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
