@@ -33,10 +33,13 @@ from costmodel.specs.loading import (
     gpu_from_dict,
     link_from_dict,
     load_runtime,
+    model_from_dict,
     read_json_object,
     runtime_from_dict,
 )
-from costmodel.strategy import Stage, Strategy
+from costmodel.specs.training import MIXED_PRECISION, OPTIMIZERS, PRECISIONS
+from costmodel.strategy import RECOMPUTE_MODES, SCHEDULES, Stage, Strategy
+from planner.outputs import write_atomic
 from planner.search import Candidate, SearchResult
 
 SCHEMA_VERSION = 1
@@ -159,12 +162,10 @@ def dumps(doc: dict) -> str:
     return json.dumps(doc, sort_keys=True, indent=2) + "\n"
 
 
-def write_plan(doc: dict, path: str | Path) -> None:
-    """Write aside, then rename: a crash never leaves half a plan file."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(dumps(doc))
-    tmp.replace(path)
+def write_plan(doc: dict, path: str | Path, field: str = "-o") -> None:
+    """Write aside, then rename: a crash never leaves half a plan file; SpecError naming
+    `field` when it cannot be written."""
+    write_atomic(path, dumps(doc), field)
 
 
 _STRATEGY_INTS = ("dp", "tp", "pp", "micro_batch_size", "num_microbatches", "vpp", "ep", "zero_stage")
@@ -184,6 +185,9 @@ def check_plan(doc: dict) -> dict:
     for key in ("model", "model_fingerprint", "cluster", "training", "strategy", "estimate"):
         if key not in doc:
             raise SpecError(f"plan.{key}", "missing")
+        if key != "model_fingerprint" and not isinstance(doc[key], dict):
+            raise SpecError(f"plan.{key}", f"expected a mapping, got {type(doc[key]).__name__}")
+    _check_training(doc["training"])
     model = model_of(doc)
     if fingerprint(model) != doc["model_fingerprint"]:
         raise SpecError("plan.model_fingerprint", "does not match the model spec in the file")
@@ -200,11 +204,46 @@ def check_plan(doc: dict) -> dict:
                       "dp x micro_batch_size x num_microbatches")
     if batch != training.global_batch:
         raise SpecError("plan.strategy", f"{why} does not equal the global batch")
-    names = {f.name for f in fields(Estimate) if f.name != "replica_time_s"}
-    missing = sorted(names - set(doc["estimate"]))
-    if missing:
-        raise SpecError(f"plan.estimate.{missing[0]}", "missing")
+    gpus = cluster_of(doc).num_gpus
+    if strategy.num_gpus != gpus:
+        raise SpecError("plan.strategy", f"dp {strategy.dp} x tp {strategy.tp} x pp {strategy.pp} = "
+                                         f"{strategy.num_gpus} ranks, but the plan's cluster has {gpus} GPUs")
+    _check_estimate(doc["estimate"])
     return doc
+
+
+def _check_training(data: dict) -> None:
+    """The training block's types and choices (TrainingSpec itself does not check them)."""
+    for key in ("global_batch", "seq_len"):
+        as_int(data.get(key), f"plan.training.{key}")
+    for key, choices in (("precision", PRECISIONS), ("optimizer", OPTIMIZERS), ("mixed_precision", MIXED_PRECISION)):
+        if key in data and data[key] not in choices:
+            raise SpecError(f"plan.training.{key}", f"expected one of {', '.join(choices)}, got {data[key]!r}")
+    for key in ("flash_attention",):
+        if key in data and not isinstance(data[key], bool):
+            raise SpecError(f"plan.training.{key}", f"expected true or false, got {data[key]!r}")
+
+
+def _check_estimate(data: dict) -> None:
+    """Every figure the estimate needs is there and is a finite number."""
+    for f in fields(Estimate):
+        if f.name == "replica_time_s" and f.name not in data:
+            continue
+        if f.name not in data:
+            raise SpecError(f"plan.estimate.{f.name}", "missing")
+        value = data[f.name]
+        if isinstance(value, dict):
+            items = value.items()
+        elif isinstance(value, list):
+            items = enumerate(value)
+        else:
+            items = [(None, value)]
+        for key, item in items:
+            if isinstance(item, (dict, list)) or item is None:
+                continue   # nested breakdowns and absent figures are read where they are used
+            name = f"plan.estimate.{f.name}" + (f".{key}" if key is not None else "")
+            if isinstance(item, bool) or not isinstance(item, (int, float)) or item != item or abs(item) == float("inf"):
+                raise SpecError(name, f"expected a finite number, got {item!r}")
 
 
 def training_of(doc: dict) -> TrainingSpec:
@@ -235,9 +274,12 @@ def model_of(doc: dict) -> ModelSpec | TracedModel:
         if is_traced(doc):
             nodes = tuple(NodeCost(**n) for n in data["nodes"])
             return TracedModel(**{**data, "nodes": nodes, "cut_bytes": tuple(data["cut_bytes"])})
-        return ModelSpec(**data)
     except (TypeError, KeyError) as err:
         raise SpecError("plan.model", f"malformed: {err}") from None
+    try:   # read as a model file is: every field's type and range checked
+        return model_from_dict({k: v for k, v in data.items() if k != "name"}, str(data.get("name")))
+    except SpecError as err:
+        raise SpecError(f"plan.model.{err.field}", str(err).removeprefix(f"{err.field}: ")) from None
 
 
 def _check_mixed(strategy: Strategy, doc: dict) -> None:
@@ -270,6 +312,19 @@ def _check_mixed(strategy: Strategy, doc: dict) -> None:
 def strategy_of(doc: dict) -> Strategy:
     """The Strategy a plan document holds."""
     data = doc["strategy"]
+    if not isinstance(data, dict):
+        raise SpecError("plan.strategy", f"expected a mapping, got {type(data).__name__}")
+    for key, choices in (("schedule", SCHEDULES), ("recompute", (*RECOMPUTE_MODES, "mixed"))):
+        if data.get(key) not in choices:
+            raise SpecError(f"plan.strategy.{key}", f"expected one of {', '.join(choices)}, got {data.get(key)!r}")
+    if not isinstance(data.get("sequence_parallel"), bool):
+        raise SpecError("plan.strategy.sequence_parallel", f"expected true or false, got {data.get('sequence_parallel')!r}")
+    if not isinstance(data.get("stages", []), list) or not all(isinstance(s, dict) for s in data.get("stages", [])):
+        raise SpecError("plan.strategy.stages", "expected a list of stage mappings")
+    for i, stage in enumerate(data.get("stages", [])):
+        for key, value in stage.items():
+            if key != "ranks" and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise SpecError(f"plan.strategy.stages[{i}].{key}", f"expected a non-negative integer, got {value!r}")
     for key in _STRATEGY_INTS:
         if not isinstance(data.get(key), int) or isinstance(data.get(key), bool) or data[key] < 0:
             raise SpecError(f"plan.strategy.{key}", f"expected a non-negative integer, got {data.get(key)!r}")

@@ -155,12 +155,20 @@ def builtin_names(kind: str) -> list[str]:
     return sorted(p.stem for p in configs_dir(kind).glob("*.yaml"))
 
 
+def _exists(path: Path) -> bool:
+    """Path.exists, False for a name the system refuses (too long, a NUL byte)."""
+    try:
+        return path.exists()
+    except (OSError, ValueError):
+        return False
+
+
 def read_document(source: str | Path, kind: str, field: str) -> tuple[dict, str]:
     """The mapping in a built-in name or a YAML/JSON path, and a display name."""
     path = Path(source)
-    if not path.exists():
+    if not _exists(path):
         builtin = configs_dir(kind) / f"{source}.yaml"
-        if not builtin.exists():
+        if not _exists(builtin):
             known = ", ".join(builtin_names(kind))
             raise SpecError(field, f"unknown {kind[:-1]} {str(source)!r} (built-ins: {known})")
         path = builtin
@@ -173,6 +181,8 @@ def read_document(source: str | Path, kind: str, field: str) -> tuple[dict, str]
         data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except (OSError, UnicodeDecodeError) as err:
         raise SpecError(field, f"cannot read {path}: {err}") from None
+    except RecursionError:
+        raise SpecError(field, f"{path} is nested too deeply to be a spec") from None
     except (json.JSONDecodeError, yaml.YAMLError) as err:
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise SpecError(field, f"{path} is not valid {path.suffix.lstrip('.') or 'YAML'}: {first}") from None
@@ -191,6 +201,10 @@ def read_json_object(path: str | Path, field: str) -> dict:
         raise SpecError(field, f"cannot read {path}: {err.strerror or err}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise SpecError(field, f"{path} is not valid JSON: {err}") from None
+    except RecursionError:
+        raise SpecError(field, f"{path} is nested too deeply to be a Shardwise file") from None
+    except ValueError as err:   # a path with a NUL byte
+        raise SpecError(field, f"cannot read {path!r}: {err}") from None
     if not isinstance(doc, dict):
         raise SpecError(field, f"{path} must hold a JSON object")
     return doc
@@ -209,13 +223,18 @@ def parse_overrides(text: str | None, field: str = "--set") -> dict[str, str]:
     return out
 
 
-def as_int(value: Any, field: str, minimum: int = 1) -> int:
+# The largest integer any field takes, the largest a float holds exactly: beyond it the
+# estimates' float arithmetic overflows (--seq 1e300 squared is inf).
+MAX_INT = 2**53
+
+
+def as_int(value: Any, field: str, minimum: int = 1, maximum: int = MAX_INT) -> int:
     if isinstance(value, bool):
         raise SpecError(field, f"expected an integer, got {value!r}")
     if isinstance(value, str):
         try:
             value = float(value) if any(c in value for c in ".eE") else int(value)
-        except ValueError:
+        except (ValueError, OverflowError):
             raise SpecError(field, f"expected an integer, got {value!r}") from None
     if isinstance(value, float) and value.is_integer():
         value = int(value)
@@ -223,6 +242,8 @@ def as_int(value: Any, field: str, minimum: int = 1) -> int:
         raise SpecError(field, f"expected an integer, got {value!r}")
     if value < minimum:
         raise SpecError(field, f"must be at least {minimum}, got {value}")
+    if value > maximum:
+        raise SpecError(field, f"must be at most {maximum}, got {value if value < 10**18 else f'{value:.3g}'}")
     return value
 
 

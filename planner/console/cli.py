@@ -59,7 +59,41 @@ def training_options(command):
     return command
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+class _Shardwise(click.Group):
+    """click's group, with click's own usage errors (a bad choice, a missing or unknown
+    option) said as every other bad input is: one line naming the field, exit 2."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode, **extra)
+        try:
+            code = super().main(args, prog_name, complete_var, False, **extra)
+        except click.exceptions.NoArgsIsHelpError as err:   # bare `shardwise`: the help, as click says it
+            click.echo(err.ctx.get_help())
+            sys.exit(0)
+        except click.UsageError as err:
+            _fail(EXIT_BAD_INPUT, _usage_line(err))
+        except click.ClickException as err:
+            _fail(err.exit_code, err.format_message())
+        except click.Abort:
+            _fail(1, "aborted")
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+def _usage_line(err: click.UsageError) -> str:
+    param = getattr(err, "param", None)
+    if param is not None:
+        field = param.opts[0] if getattr(param, "opts", None) else param.name.upper()
+    else:
+        field = getattr(err, "option_name", None) or (err.ctx.command.name if err.ctx else "shardwise")
+    message = err.message if isinstance(err, click.BadParameter) and not isinstance(err, click.MissingParameter) \
+        else err.format_message()
+    command = err.ctx.command_path if err.ctx else "shardwise"
+    return f"{field}: {' '.join(message.split())} (see {command} --help)"
+
+
+@click.group(cls=_Shardwise, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="shardwise", prog_name="shardwise", message="%(prog)s %(version)s")
 def main() -> None:
     """Shardwise plans how to split a model's training over GPUs: data, tensor and
     pipeline parallel degrees, micro-batching, schedule, ZeRO stage and recomputation.
@@ -115,6 +149,7 @@ def plan(model_name, cluster_name, nodes, gpus, global_batch, seq, precision, op
     from planner.search import Infeasible, search, suggest_relaxation
 
     try:
+        _check_outputs(("-o", output))
         problem = make_problem(model_name, cluster_name, global_batch, nodes=nodes, gpus=gpus, seq_len=seq,
                                precision=precision, optimizer=optimizer, flash_attention=attention == "flash",
                                overrides=parse_overrides(overrides), fix=parse_fix(fix), profile=profile_file,
@@ -145,7 +180,7 @@ def plan(model_name, cluster_name, nodes, gpus, global_batch, seq, precision, op
                        f"{best.micro_batch_size}, tp {best.tp} (the best plan's shape): priced by the analytic model",
                        err=True)
     if output:
-        write_plan(doc, output)
+        _or_fail(write_plan, doc, output)
     if fmt == "json":
         click.echo(dumps(doc), nl=False)
     else:
@@ -218,7 +253,6 @@ def sweep(model_name, cluster_name, sizes, global_batch, seq, precision, optimiz
     shardwise sweep --model llama2-7b --cluster dgx-a100-80gb --gpus 8,16,32 --global-batch 64 --format json
     """
     import json
-    import os
 
     from planner.console.progress import progress_bar
     from planner.workflows.sweep import IMPOSSIBLE, OK, parse_sizes
@@ -226,9 +260,7 @@ def sweep(model_name, cluster_name, sizes, global_batch, seq, precision, optimiz
 
     try:
         gpus = parse_sizes(sizes)
-        for option, path in (("--plot", plot_file), ("-o", output)):
-            if path and not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
-                raise SpecError(option, f"cannot write {path}: its folder is missing or not writable")
+        _check_outputs(("--plot", plot_file), ("-o", output))
         with progress_bar("sweep") as update:
             def tick(done: int, total: int) -> None:   # label the bar with the size planned next
                 update(done, total, f"planning {gpus[done]} GPUs" if done < total else "sweep")
@@ -270,17 +302,32 @@ def sweep(model_name, cluster_name, sizes, global_batch, seq, precision, optimiz
         _fail(EXIT_INFEASIBLE, f"no size plans: {'; '.join(f'{r.gpus} GPUs: {r.reason}' for r in rows)}")
 
 
-def _write_aside(option: str, path: str, data: bytes) -> None:
-    """Write aside, then rename: never half a file; exit 2 naming `option` if it cannot."""
-    from pathlib import Path
+def _check_outputs(*pairs: tuple[str, str | None]) -> None:
+    """Every (option, path) given can be written (planner.outputs.check_writable) and a
+    --plot is a PNG: checked before the work, so a bad path costs nothing."""
+    from planner.outputs import check_writable
 
-    tmp = Path(path + ".tmp")
+    for option, path in pairs:
+        if path is None:
+            continue
+        check_writable(path, option)
+        if option == "--plot" and not str(path).lower().endswith(".png"):
+            raise SpecError("--plot", f"{path}: the figure is drawn as PNG; give a .png path")
+
+
+def _or_fail(write, *args) -> None:
+    """Run a writer; a SpecError it raises (a disk that filled since the check) exits 2."""
     try:
-        tmp.write_bytes(data)
-        tmp.replace(path)
-    except OSError as err:
-        tmp.unlink(missing_ok=True)
-        _fail(EXIT_BAD_INPUT, f"{option}: cannot write {path}: {err.strerror}")
+        write(*args)
+    except SpecError as err:
+        _fail(EXIT_BAD_INPUT, str(err))
+
+
+def _write_aside(option: str, path: str, data: bytes | str) -> None:
+    """Write aside, then rename: never half a file; exit 2 naming `option` if it cannot."""
+    from planner.outputs import write_atomic
+
+    _or_fail(write_atomic, path, data, option)
 
 
 def _print_sweep(rows, tokens: float | None) -> None:
@@ -346,9 +393,9 @@ def explain(plan_file, plot_file, html_file) -> None:
 
     try:
         doc = read_plan(plan_file)
-        for option, path in (("--plot", plot_file), ("--html", html_file)):
-            if path and not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
-                raise SpecError(option, f"cannot write {path}: its folder is missing or not writable")
+        _check_outputs(("--plot", plot_file), ("--html", html_file))
+        if plot_file and html_file and os.path.abspath(plot_file) == os.path.abspath(html_file):
+            raise SpecError("--html", "the same path as --plot")
     except SpecError as err:
         _fail(EXIT_BAD_INPUT, str(err))
     print_explain(doc)
@@ -404,6 +451,7 @@ def replan(plan_file, gpus, nodes, cluster_name, rules_name, fix, top, fmt, outp
 
     started = time.perf_counter()
     try:
+        _check_outputs(("-o", output))
         with progress_bar("searching") as progress:
             doc, notes = replan_doc(read_plan(plan_file), gpus=gpus, nodes=nodes, cluster=cluster_name,
                                     rules=rules_name, fix=fix, top=as_int(top, "--top"), progress=progress)
@@ -414,7 +462,7 @@ def replan(plan_file, gpus, nodes, cluster_name, rules_name, fix, top, fmt, outp
         hint = f"; would fit if you {relax}" if relax else "; no relaxation up to 16x the GPUs helps"
         _fail(EXIT_INFEASIBLE, f"no feasible plan: {err.reason}{hint}")
     if output:
-        write_plan(doc, output)
+        _or_fail(write_plan, doc, output)
     if fmt == "json":
         for note in notes:   # stdout holds only the plan document
             click.echo(f"note: {note}", err=True)
@@ -448,17 +496,14 @@ def export(plan_file, target, output) -> None:
     from planner.plan_file import read_plan
 
     try:
+        _check_outputs(("-o", output))
         exported = export_plan(read_plan(plan_file), target)
     except SpecError as err:
         _fail(EXIT_BAD_INPUT, str(err))
     for warning in exported.warnings:
         click.echo(f"warning: {warning}", err=True)
     if output:
-        from pathlib import Path
-
-        tmp = Path(output + ".tmp")   # write aside, then rename: never half a file
-        tmp.write_text(exported.text)
-        tmp.replace(output)
+        _write_aside("-o", output, exported.text)
         click.echo(f"{target} configuration written to {output}", err=True)
     else:
         click.echo(exported.text, nl=False)
@@ -683,6 +728,7 @@ def profile(device, nproc, precision, model_name, overrides, seq, micro_batch_si
     from executor.measure import profile as measure
 
     try:
+        _check_outputs(("-o", output), ("--spec-out", spec_out))
         ranks = as_int(nproc, "--nproc")
         spec = seq_len = mbs = widths = None
         if model_name is not None:
@@ -718,16 +764,13 @@ def profile(device, nproc, precision, model_name, overrides, seq, micro_batch_si
             result = extend_profile(old, result)
         except (ValueError, KeyError, TypeError) as err:
             _fail(EXIT_BAD_INPUT, f"--extend: {err}")
-    tmp = Path(output + ".tmp")
-    tmp.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
-    tmp.replace(output)
+    _write_aside("-o", output, json.dumps(result, indent=2, sort_keys=True) + "\n")
     click.echo(f"profile written to {output}")
     if spec_out:
         spec_doc = json.loads(json.dumps(cluster_spec(result, Path(spec_out).stem)))   # no shared objects: no YAML anchors
         notes = roofline_notes(result)
-        Path(spec_out).write_text("# Fitted by shardwise profile from " + output + "\n"
-                                  + "".join(f"# note: {note}\n" for note in notes)
-                                  + yaml.safe_dump(spec_doc, sort_keys=False))
+        _write_aside("--spec-out", spec_out, "# Fitted by shardwise profile from " + output + "\n"
+                     + "".join(f"# note: {note}\n" for note in notes) + yaml.safe_dump(spec_doc, sort_keys=False))
         click.echo(f"cluster spec written to {spec_out}")
         for note in notes:
             click.echo(f"note: {note}", err=True)

@@ -10,6 +10,8 @@ which rule emptied it.
 
 from __future__ import annotations
 
+import math
+
 import itertools
 from dataclasses import dataclass, field
 
@@ -24,7 +26,10 @@ MAX_VPP = 8
 
 
 def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """The divisors of n, ascending; pairs up to sqrt(n), so a billion-GPU request
+    answers at once."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
 
 
 @dataclass

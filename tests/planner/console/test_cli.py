@@ -116,3 +116,67 @@ def test_a_bad_memory_margin_is_named():
     out = CliRunner().invoke(main, ["plan", "--model", "llama2-7b", "--cluster", "dgx-a100-40gb", "--gpus", "8",
                                     "--global-batch", "32", "--memory-margin", "-1"])
     assert out.exit_code == 2 and "--memory-margin" in out.output and "Traceback" not in out.output
+
+
+# -- issue 21's holes: each is exit 2 (or a quick exit 3) with one line, nothing written ------
+
+TINY = ["--model", "tiny-gpt", "--cluster", "cpu", "--gpus", "2", "--global-batch", "8", "--seq", "16",
+        "--precision", "fp32"]
+
+
+def _one_line(out, code, text):
+    assert out.exit_code == code, out.output
+    assert "Traceback" not in out.output and out.exception is None or isinstance(out.exception, SystemExit)
+    lines = out.output.strip().splitlines()
+    assert len(lines) == 1 and text in lines[0], out.output
+
+
+@pytest.mark.parametrize("extra, text", [
+    (["--seq", "1e300"], "--seq: must be at most 9007199254740992, got 1e+300"),
+    (["--global-batch", "nan"], "--global-batch"),
+    (["--format", "yaml"], "--format: 'yaml' is not one of 'table', 'json'"),
+    (["--bogus", "1"], "--bogus: No such option"),
+])
+def test_plan_odd_numbers_and_click_usage_errors_are_one_line(extra, text):
+    _one_line(CliRunner().invoke(main, ["plan", *TINY, *extra]), 2, text)
+
+
+def test_a_billion_nodes_answer_at_once():
+    out = CliRunner().invoke(main, ["plan", "--model", "gpt3-175b", "--cluster", "dgx-a100-80gb",
+                                    "--nodes", "1000000000", "--global-batch", "1536"])
+    _one_line(out, 3, "does not divide --global-batch 1536")
+
+
+@pytest.mark.parametrize("output", ["missing/p.json", "folder", "file/p.json", "n" * 300 + ".json"])
+def test_an_unwritable_output_is_refused_before_the_work(tmp_path, monkeypatch, output):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "file").write_text("x")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    _one_line(CliRunner().invoke(main, ["plan", *TINY, "-o", output]), 2, "-o: ")
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def _edited_plan(tmp_path, **strategy):
+    plan = tmp_path / "p.json"
+    assert CliRunner().invoke(main, ["plan", *TINY, "-o", str(plan)]).exit_code == 0
+    doc = json.loads(plan.read_text())
+    doc["strategy"].update(strategy)
+    plan.write_text(json.dumps(doc))
+    return str(plan)
+
+
+@pytest.mark.parametrize("command", [["explain"], ["export", "--to", "megatron"], ["replan", "--gpus", "4"]])
+def test_every_reader_refuses_a_hand_edited_plan(tmp_path, command):
+    plan = _edited_plan(tmp_path, tp=3)
+    out = CliRunner().invoke(main, [command[0], plan, *command[1:]])
+    _one_line(out, 2, "plan.strategy: dp 2 x tp 3 x pp 1 = 6 ranks, but the plan's cluster has 2 GPUs")
+
+
+def test_plot_must_be_png_and_version_prints(tmp_path):
+    plan = _edited_plan(tmp_path)
+    _one_line(CliRunner().invoke(main, ["explain", plan, "--plot", str(tmp_path / "x.jpg")]), 2,
+              "--plot: ")
+    assert not (tmp_path / "x.jpg").exists()
+    out = CliRunner().invoke(main, ["--version"])
+    assert out.exit_code == 0 and out.output.startswith("shardwise ")
