@@ -211,6 +211,20 @@ def make_source(name: str, vocab_size: int, seed: int = 0) -> TokenSource:
     return CorpusTokens(load_corpus(None if name == "corpus" else name), seed)
 
 
+def check_source(name: str, vocab_size: int, global_batch: int, seq_len: int) -> None:
+    """What a run's ranks would find wrong with its data, found before they start:
+    an unknown source, a file that cannot be read or is not UTF-8 text, a corpus too
+    short for one global batch. ValueError saying which."""
+    if name == "synthetic":
+        return
+    try:
+        make_source(name, vocab_size).window_starts(0, global_batch, seq_len)
+    except OSError as err:
+        raise ValueError(f"data: cannot read {name}: {err.strerror or err}") from None
+    except UnicodeDecodeError as err:
+        raise ValueError(f"data: {name} is not UTF-8 text ({err.reason} at byte {err.start})") from None
+
+
 def dp_shard(inputs: torch.Tensor, targets: torch.Tensor, dp_rank: int, dp: int,
              sizes: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """This data-parallel rank's contiguous slice of the global batch, along dim 0:

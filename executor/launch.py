@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import io
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -56,6 +57,45 @@ def plan_launch(num_gpus: int, nproc_per_node: int | None, nnodes: int, node_ran
     return Launch(nproc_per_node, nnodes, node_rank, rdzv_endpoint, rdzv_id, max_restarts)
 
 
+# What one rank costs beyond its share of the model: the interpreter, torch and its
+# libraries, gloo's buffers (measured: ~0.25 GiB resident per CPU rank of the tiny models).
+PROCESS_OVERHEAD_BYTES = 2**28
+
+
+def check_machine(launch: Launch, device_type: str, rank_memory_bytes: float) -> None:
+    """Refuse, before torchrun starts, a launch this machine cannot hold: more CUDA ranks
+    than GPUs, or CPU ranks whose estimated memory (the plan's peak per rank plus each
+    process's own) exceeds the memory available. SpecError names what the plan needs
+    against what the machine has."""
+    n = launch.nproc_per_node
+    if device_type == "cuda":
+        have = torch.cuda.device_count()
+        if n > have:
+            raise SpecError("--nproc-per-node", f"the plan starts {n} ranks on this node, one per GPU; "
+                                                f"this machine has {have} GPUs (use --nnodes to spread it)")
+        return
+    try:
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):   # not POSIX: nothing to check against
+        return
+    need = n * (rank_memory_bytes + PROCESS_OVERHEAD_BYTES)
+    if need > available:
+        gib = 2**30
+        raise SpecError("--nproc-per-node", f"the plan starts {n} CPU ranks on this node, about "
+                                            f"{need / gib:.1f} GiB ({rank_memory_bytes / gib:.2f} GiB estimated per "
+                                            f"rank + {PROCESS_OVERHEAD_BYTES / gib:.2f} GiB per process); this "
+                                            f"machine has {available / gib:.1f} GiB available")
+
+
+def check_endpoint(endpoint: str | None) -> None:
+    """host:port with a port in 1..65535 (torchrun's own message comes after a traceback)."""
+    if endpoint is None:
+        return
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise SpecError("--rdzv-endpoint", f"expected HOST:PORT (port 1..65535), got {endpoint!r}")
+
+
 def torchrun_command(launch: Launch, worker_args: list[str]) -> list[str]:
     # Static rendezvous: node K takes ranks K * nproc_per_node onwards, as its
     # --node-rank says (c10d numbers nodes by host name), so the ranks of a mixed
@@ -85,7 +125,10 @@ def run_torchrun(launch: Launch, worker_args: list[str], log=print) -> int:
         env["SHARDWISE_EXIT_FILE"] = str(exit_file)
         for attempt in range(launch.max_restarts + 1):
             env["SHARDWISE_RESTART"] = str(attempt)
-            code = subprocess.call(torchrun_command(once, worker_args), env=env)
+            code, stopped_by = _call_forwarding_signals(torchrun_command(once, worker_args), env)
+            if stopped_by is not None:   # the job was stopped (scancel, kubectl delete, Ctrl-C): no restart
+                log(f"shardwise: stopped by {signal.Signals(stopped_by).name}; torchrun and its workers were told")
+                return 128 + stopped_by
             if exit_file.is_file():
                 code = int(exit_file.read_text())
                 if code in FINAL_EXIT_CODES:
@@ -94,6 +137,30 @@ def run_torchrun(launch: Launch, worker_args: list[str], log=print) -> int:
                 return code
             log(f"shardwise: the group exited with code {code}; restart {attempt + 1} of {launch.max_restarts}")
     return code
+
+
+def _call_forwarding_signals(cmd: list[str], env: dict) -> tuple[int, int | None]:
+    """Run torchrun and wait; SIGTERM / SIGINT sent to this process (what Slurm's scancel
+    and Kubernetes send) go on to torchrun, which stops its workers, so stopping the
+    command stops the job and no worker is left holding its device. (exit code, the
+    signal that stopped it or None)."""
+    proc = subprocess.Popen(cmd, env=env)
+    received: list[int] = []
+
+    def forward(signum, frame):
+        received.append(signum)
+        proc.send_signal(signum)
+
+    import threading
+
+    on_main = threading.current_thread() is threading.main_thread()   # only there can handlers be set
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)} if on_main else {}
+    try:
+        code = proc.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return code, (received[0] if received else None)
 
 
 def free_port() -> int:

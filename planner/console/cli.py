@@ -639,11 +639,14 @@ def run(plan_file, steps, model_name, data, seed, lr, metrics_out, nproc_per_nod
     Surviving:     shardwise run plan.json --steps 1000 --checkpoint-dir ckpt --checkpoint-every 50 --max-restarts 3
     Another plan:  shardwise run newplan.json --steps 1000 --resume ckpt --checkpoint-dir ckpt2
     """
-    from executor.launch import plan_launch, run_torchrun
-    from executor.run import load_job
+    from executor.data import check_source
+    from executor.launch import check_endpoint, check_machine, plan_launch, run_torchrun
+    from executor.run import job_device_type, load_job
+    from planner.outputs import check_writable
 
     try:
         job = load_job(plan_file, model_name)
+        check_endpoint(rdzv_endpoint)
         launch = plan_launch(job.strategy.num_gpus, as_int(nproc_per_node, "--nproc-per-node") if nproc_per_node else None,
                              as_int(nnodes, "--nnodes"), as_int(node_rank, "--node-rank", minimum=0),
                              rdzv_endpoint, rdzv_id, as_int(max_restarts, "--max-restarts", minimum=0))
@@ -652,7 +655,15 @@ def run(plan_file, steps, model_name, data, seed, lr, metrics_out, nproc_per_nod
                   "--checkpoint-every", str(as_int(checkpoint_every, "--checkpoint-every", minimum=0)),
                   "--keep-last", str(as_int(keep_last, "--keep-last")), "--on-nonfinite", on_nonfinite,
                   "--timeout-s", str(as_float(timeout_s, "--timeout-s"))]
+        check_machine(launch, job_device_type(job.plan), job.plan["estimate"]["peak_memory_bytes"])
+        try:
+            check_source(data, job.model.vocab_size, job.training.global_batch, job.training.seq_len)
+        except ValueError as err:
+            raise SpecError("--data", str(err).removeprefix("data: ")) from None
+        if metrics_out:
+            check_writable(metrics_out, "--metrics-out")
         if checkpoint_dir:
+            _check_folder(checkpoint_dir, "--checkpoint-dir")
             worker += ["--checkpoint-dir", checkpoint_dir]
         if resume:
             from executor.checkpoint import CheckpointError, latest
@@ -774,6 +785,23 @@ def profile(device, nproc, precision, model_name, overrides, seq, micro_batch_si
         click.echo(f"cluster spec written to {spec_out}")
         for note in notes:
             click.echo(f"note: {note}", err=True)
+
+
+def _check_folder(path: str, field: str) -> None:
+    """A folder that exists and is writable, or can be made (its parent is writable)."""
+    import os
+    from pathlib import Path
+
+    folder = Path(path)
+    try:
+        exists = folder.exists()
+    except (OSError, ValueError) as err:
+        raise SpecError(field, f"cannot use {path}: {getattr(err, 'strerror', None) or err}") from None
+    if exists and not folder.is_dir():
+        raise SpecError(field, f"{path} is a file, not a folder")
+    nearest = folder if exists else next((p for p in folder.absolute().parents if p.exists()), Path("/"))
+    if not nearest.is_dir() or not os.access(nearest, os.W_OK | os.X_OK):
+        raise SpecError(field, f"cannot write under {path}: {nearest} is not a writable folder")
 
 
 def _int_list(text: str | None, field: str) -> list[int] | None:

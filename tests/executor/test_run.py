@@ -235,3 +235,78 @@ def test_a_rank_killed_mid_backward_is_restarted_and_ends_bitwise_equal(plan_fil
     assert set(a) == set(b) and any(k.startswith("optim.") for k in a)
     for key in a:
         assert torch.equal(a[key], b[key]), key
+
+
+# -- refused before launch: the data, the outputs, the endpoint, the machine ----------------
+
+@pytest.mark.parametrize("make, text", [
+    (lambda d: d / "missing.txt", "--data: unknown data source"),
+    (lambda d: (d / "empty.txt").write_text("") and None or d / "empty.txt", "too small for one sample"),
+    (lambda d: (d / "short.txt").write_text("a few bytes " * 5) and None or d / "short.txt", "fewer than one batch"),
+    (lambda d: (d / "bin.txt").write_bytes(b"\xff\xfe" * 4000) and None or d / "bin.txt", "is not UTF-8 text"),
+])
+def test_bad_data_is_refused_before_any_rank_starts(plan_file, tmp_path, make, text):
+    code, out = run_cli(plan_file, "--data", make(tmp_path))
+    assert code == 2 and text in out and len(out.strip().splitlines()) == 1, out
+
+
+@pytest.mark.parametrize("option, value, text", [
+    ("--metrics-out", "missing/m.jsonl", "--metrics-out: cannot write"),
+    ("--checkpoint-dir", "afile", "--checkpoint-dir: afile is a file"),
+    ("--rdzv-endpoint", "nohost", "--rdzv-endpoint: expected HOST:PORT"),
+])
+def test_unusable_outputs_and_endpoints_are_refused_before_launch(plan_file, tmp_path, monkeypatch, option, value,
+                                                                   text):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("x")
+    code, out = run_cli(plan_file, option, value)
+    assert code == 2 and text in out and len(out.strip().splitlines()) == 1, out
+
+
+def test_a_plan_bigger_than_this_machine_is_refused(tmp_path, monkeypatch):
+    """128 CPU ranks of ~1 GiB each: the memory they need against what the machine has,
+    before a process is forked."""
+    import executor.launch as launch
+
+    doc = plan("tiny-gpt", "cpu", 128, gpus=128, seq_len=SEQ_LEN, precision="fp32", fix={"dp": 128, "tp": 1})
+    write_plan(doc, tmp_path / "big.json")
+    monkeypatch.setattr(launch.os, "sysconf", lambda name: {"SC_AVPHYS_PAGES": 2**20, "SC_PAGE_SIZE": 4096}[name])
+    code, out = run_cli(tmp_path / "big.json")
+    assert code == 2 and "the plan starts 128 CPU ranks on this node" in out and "4.0 GiB available" in out, out
+
+
+def _alive(marker: str) -> list[int]:
+    """Processes whose command line holds `marker`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if marker.encode() in f.read():
+                        found.append(int(entry))
+            except OSError:
+                pass
+    return found
+
+
+def test_sigterm_stops_torchrun_and_every_worker(plan_file, tmp_path):
+    """What scancel and Kubernetes send: the command forwards it, torchrun stops its
+    workers, and none outlives the command."""
+    import signal
+    import time
+
+    marker = tmp_path / "sigterm-plan.json"
+    marker.write_text(plan_file.read_text())
+    cmd = [sys.executable, "-m", "planner.console.cli", "run", str(marker), "--steps", "100000"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={"OMP_NUM_THREADS": "1", **os.environ})
+    for line in proc.stdout:   # wait until the ranks train
+        if line.startswith("step "):
+            break
+    assert len(_alive(str(marker))) >= 3   # this command, torchrun and its two workers
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    deadline = time.time() + 30
+    while _alive(str(marker)) and time.time() < deadline:
+        time.sleep(0.2)
+    assert _alive(str(marker)) == []
