@@ -123,7 +123,14 @@ def parse_fix(text: str | dict | None, field_name: str = "--fix") -> dict[str, A
     out: dict[str, Any] = {}
     for key, value in items.items():
         knob = knob_name(key, f"{field_name} {key}")
+        if knob in out:   # an alias and its knob (mbs=2,micro_batch_size=4)
+            raise SpecError(f"{field_name} {key}", f"pins {knob} a second time")
         out[knob] = knob_value(knob, value, f"{field_name} {key}")
+    if out.get("vpp", 1) > 1 and out.get("pp") == 1:
+        raise SpecError(f"{field_name} vpp", f"vpp {out['vpp']} needs pp > 1: interleaving splits each pipeline "
+                                             "rank's layers into chunks")
+    if out.get("vpp", 1) > 1 and out.get("schedule", "interleaved") != "interleaved":
+        raise SpecError(f"{field_name} vpp", f"vpp {out['vpp']} runs the interleaved schedule, not {out['schedule']}")
     return out
 
 

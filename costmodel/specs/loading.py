@@ -170,7 +170,8 @@ def read_document(source: str | Path, kind: str, field: str) -> tuple[dict, str]
         builtin = configs_dir(kind) / f"{source}.yaml"
         if not _exists(builtin):
             known = ", ".join(builtin_names(kind))
-            raise SpecError(field, f"unknown {kind[:-1]} {str(source)!r} (built-ins: {known})")
+            what = {"hardware": "GPU", "rules": "rule set"}.get(kind, kind.removesuffix("s"))
+            raise SpecError(field, f"unknown {what} {str(source)!r} (built-ins: {known})")
         path = builtin
     if path.is_dir():
         path = path / "config.json"
@@ -219,6 +220,8 @@ def parse_overrides(text: str | None, field: str = "--set") -> dict[str, str]:
         key, sep, value = item.partition("=")
         if not sep or not key.strip() or not value.strip():
             raise SpecError(field, f"expected key=value, got {item.strip()!r}")
+        if key.strip() in out:   # which one was meant? saying so beats keeping the last
+            raise SpecError(f"{field} {key.strip()}", f"given twice ({out[key.strip()]} and {value.strip()})")
         out[key.strip()] = value.strip()
     return out
 

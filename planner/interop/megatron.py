@@ -201,6 +201,10 @@ def read_megatron(text: str, model: ModelSpec, num_gpus: int) -> Imported:
     except _ArgError as err:
         match = re.search(r"argument (--[a-z0-9-]+)", str(err))
         raise SpecError(match.group(1) if match else "megatron", str(err)) from None
+    for name in MEGATRON_INT_ARGS:   # Megatron-LM asserts these positive; 0 is not a default here
+        value = getattr(args, name.lstrip("-").replace("-", "_"))
+        if value is not None and value < (0 if name == "--recompute-num-layers" else 1):
+            raise SpecError(name, f"must be at least {0 if name == '--recompute-num-layers' else 1}, got {value}")
     warnings = []
     unknown = [w for w in rest if w.startswith("--")]
     if unknown:

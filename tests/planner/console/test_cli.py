@@ -180,3 +180,23 @@ def test_plot_must_be_png_and_version_prints(tmp_path):
     assert not (tmp_path / "x.jpg").exists()
     out = CliRunner().invoke(main, ["--version"])
     assert out.exit_code == 0 and out.output.startswith("shardwise ")
+
+
+@pytest.mark.parametrize("fix, text", [
+    ("vpp=2,pp=1", "--fix vpp: vpp 2 needs pp > 1"),
+    ("dp=2,dp=1", "--fix dp: given twice (2 and 1)"),
+    ("mbs=2,micro_batch_size=4", "--fix micro_batch_size: pins mbs a second time"),
+])
+def test_contradictory_and_repeated_pins_are_bad_input(fix, text):
+    _one_line(CliRunner().invoke(main, ["plan", *TINY, "--fix", fix]), 2, text)
+
+
+def test_evaluate_refuses_a_zero_micro_batch_and_names_hardware_rightly(tmp_path):
+    out = CliRunner().invoke(main, ["evaluate", "--from", "megatron", "--micro-batch-size 0 --global-batch-size 64",
+                                    "--model", "gpt3-1.3b", "--cluster", "dgx-a100-80gb", "--gpus", "8"])
+    _one_line(out, 2, "--micro-batch-size: must be at least 1, got 0")
+    cluster = tmp_path / "c.yaml"
+    cluster.write_text("name: c\ngpu: no-such-gpu\ngpus_per_node: 8\nintra_node: nvlink3\ninter_node: ib-hdr\n")
+    out = CliRunner().invoke(main, ["plan", "--model", "gpt3-1.3b", "--cluster", str(cluster), "--gpus", "8",
+                                    "--global-batch", "64"])
+    assert out.exit_code == 2 and "unknown GPU 'no-such-gpu'" in out.output, out.output
