@@ -47,14 +47,7 @@ def make_problem(model: str, cluster: str, global_batch: Any, *, nodes: Any = No
     None: as the runtime profile says. `runtime_settings`: engine settings over the
     profile's ("fsdp_prefetch=2,ddp_bucket_mb=100" or a mapping; SETTING_FIELDS of
     costmodel.specs.runtime)."""
-    if str(model).startswith("hf:"):
-        from costmodel.specs.hf import check_spec   # torch and transformers: only for hf:
-
-        source = str(model)[3:]
-        model_spec = load_model(source, overrides)
-        check_spec(source, model_spec)
-    else:
-        model_spec = load_model(model, overrides)
+    model_spec = load_model(model, overrides)
     cluster_spec = load_cluster(cluster, nodes=nodes, gpus=gpus)
     runtime = runtime if isinstance(runtime, RuntimeSpec) else load_runtime(runtime)
     if compile is not None:

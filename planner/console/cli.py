@@ -804,6 +804,47 @@ def _check_folder(path: str, field: str) -> None:
         raise SpecError(field, f"cannot write under {path}: {nearest} is not a writable folder")
 
 
+@main.command()
+def models() -> None:
+    """List the built-in models (configs/models/), one line each: family, parameters,
+    layers, hidden size, heads, experts and context. Any of them is a `--model`."""
+    from costmodel.specs.loading import builtin_names, load_model
+    from costmodel.terms.counts import total_parameters
+
+    for name in builtin_names("models"):
+        m = load_model(name)
+        experts = f", {m.num_local_experts} experts top-{m.num_experts_per_tok}" if m.is_moe else ""
+        n = total_parameters(m)
+        size = f"{n / 1e9:7.2f}B" if n >= 1e9 else f"{n / 1e6:7.2f}M"
+        click.echo(f"{name:16s} {m.model_type:8s} {size}  {m.num_hidden_layers:3d} layers, "
+                   f"hidden {m.hidden_size}, {m.num_attention_heads} heads ({m.num_key_value_heads} kv){experts}, "
+                   f"context {m.max_position_embeddings}")
+
+
+@main.command()
+def clusters() -> None:
+    """List the built-in clusters (configs/clusters/), one line each: the GPU, GPUs per
+    node, memory, bf16 peak and the links within and across nodes. Any of them is a
+    `--cluster` (sized with --nodes or --gpus; a mixed one by its file)."""
+    from costmodel.specs.loading import builtin_names, load_cluster
+
+    def node(c) -> str:
+        g = c.gpu
+        precision, peak = max(g.peak_flops_per_s.items(), key=lambda item: item[1])
+        return (f"{g.name} x {c.gpus_per_node}/node, {g.memory_bytes / GIB:.0f} GiB, "
+                f"{peak / 1e12:.3g} TFLOP/s {precision}, links "
+                f"{c.intra_node.bandwidth_bytes_per_s / 1e9:.0f} GB/s in node, "
+                f"{c.inter_node.bandwidth_bytes_per_s / 1e9:.1f} GB/s across")
+
+    for name in builtin_names("clusters"):
+        if name.startswith("mixed"):
+            c = load_cluster(name)
+            groups = "; ".join(f"{g.num_nodes} node(s) of {node(g)}" for g in c.groups)
+            click.echo(f"{name:22s} mixed: {groups}")
+        else:
+            click.echo(f"{name:22s} {node(load_cluster(name, nodes=1))}")
+
+
 def _int_list(text: str | None, field: str) -> list[int] | None:
     """`1,2,4` -> [1, 2, 4] (sorted, without repeats); None stays None."""
     if text is None:

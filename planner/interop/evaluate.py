@@ -133,7 +133,7 @@ def evaluate_config(source: str, config: str, model_name: str, cluster_name: str
                     pins: dict | None = None, runtime: str | None = None) -> Evaluation:
     """Price the configuration and the best plan under `rules` (already holding `pins`),
     both under `runtime` (by default the engine's own, ENGINE_RUNTIMES)."""
-    spec = load_model(str(model_name).removeprefix("hf:"), overrides)
+    spec = load_model(model_name, overrides)
     cluster = load_cluster(cluster_name, nodes=nodes, gpus=gpus)
     if isinstance(cluster, MixedClusterSpec):
         raise SpecError("--cluster", f"{cluster.name} is a mixed cluster: an engine's configuration does not say "

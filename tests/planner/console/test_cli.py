@@ -200,3 +200,24 @@ def test_evaluate_refuses_a_zero_micro_batch_and_names_hardware_rightly(tmp_path
     out = CliRunner().invoke(main, ["plan", "--model", "gpt3-1.3b", "--cluster", str(cluster), "--gpus", "8",
                                     "--global-batch", "64"])
     assert out.exit_code == 2 and "unknown GPU 'no-such-gpu'" in out.output, out.output
+
+
+def test_models_and_clusters_list_the_built_ins_one_line_each():
+    from costmodel.specs.loading import builtin_names
+
+    out = CliRunner().invoke(main, ["models"])
+    lines = out.output.strip().splitlines()
+    assert out.exit_code == 0 and [line.split()[0] for line in lines] == builtin_names("models")
+    assert any(line.startswith("gpt3-175b") and "174.62B" in line and "96 layers" in line for line in lines)
+    assert any(line.startswith("mixtral-8x7b") and "8 experts top-2" in line for line in lines)
+    out = CliRunner().invoke(main, ["clusters"])
+    lines = out.output.strip().splitlines()
+    assert out.exit_code == 0 and [line.split()[0] for line in lines] == builtin_names("clusters")
+    assert any(line.startswith("dgx-h100") and "H100-SXM x 8/node, 80 GiB, 989 TFLOP/s bf16" in line for line in lines)
+
+
+def test_a_plan_file_is_a_model_spec(tmp_path):
+    plan = _edited_plan(tmp_path)
+    again = CliRunner().invoke(main, ["plan", *TINY[2:], "--model", plan, "--format", "json"])
+    assert again.exit_code == 0, again.output
+    assert json.loads(again.output)["model_fingerprint"] == json.loads(open(plan).read())["model_fingerprint"]
