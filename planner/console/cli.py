@@ -481,10 +481,15 @@ def replan(plan_file, gpus, nodes, cluster_name, rules_name, fix, top, fmt, outp
               help="torchtitan: command-line overrides for its Python-config releases (0.3); torchtitan-toml: the "
                    "sections of an older (0.2) job TOML; megatron: Megatron-LM arguments; deepspeed: a config JSON.")
 @click.option("-o", "--output", default=None, help="Write the configuration here [default: stdout].")
-def export(plan_file, target, output) -> None:
+@click.option("--allow-changes", is_flag=True,
+              help="Write the configuration even where the engine would run something other than the plan "
+                   "(each change is said on stderr); without it such an export exits 3.")
+def export(plan_file, target, output, allow_changes) -> None:
     """Write a plan as another engine's configuration. What the engine cannot express
     (an uneven partition, per-stage recompute, a ZeRO stage it lacks, a degree it sets
     in code) is said on stderr, one `warning:` line each; nothing is dropped silently.
+    Where the configuration read back is another strategy than the plan's, the export
+    exits 3 unless --allow-changes is given.
 
     \b
     shardwise export plan.json --to torchtitan        # paste after torchtitan/train.py --module M --config C
@@ -502,6 +507,10 @@ def export(plan_file, target, output) -> None:
         _fail(EXIT_BAD_INPUT, str(err))
     for warning in exported.warnings:
         click.echo(f"warning: {warning}", err=True)
+    if exported.changes and not allow_changes:
+        _fail(EXIT_INFEASIBLE, f"--to {target}: the engine would not run this plan as planned ({exported.changes[0]}); "
+                               f"--allow-changes writes it anyway, or plan again under rules the engine can run "
+                               f"(--rules megatron, --rules fsdp)")
     if output:
         _write_aside("-o", output, exported.text)
         click.echo(f"{target} configuration written to {output}", err=True)

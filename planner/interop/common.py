@@ -106,6 +106,9 @@ def even_sizes(num_layers: int, parts: int) -> list[int]:
 class Exported:
     text: str
     warnings: tuple[str, ...]
+    # What the engine would run other than the plan (read back from the text): the
+    # warnings among the above that change the plan, not only say something of it.
+    changes: tuple[str, ...] = ()
 
 
 

@@ -61,14 +61,15 @@ def export_strategy(target: str, strategy: Strategy, model: ModelSpec, training:
     try:
         back = importers.read_text(target, exported.text, model, strategy.num_gpus)
     except SpecError as err:
-        return Exported(exported.text, exported.warnings + (f"{target} refuses this configuration: {err}",))
+        refused = f"{target} refuses this configuration: {err}"
+        return Exported(exported.text, exported.warnings + (refused,), (refused,))
     if runtime is not None and cluster is not None:
         exported = Exported(exported.text, exported.warnings + _memory_warnings(
             target, Problem(model, cluster, training, runtime=runtime), strategy, back.runtime_settings))
     changes = strategy_changes(strategy, back.strategy)
     if changes:
-        return Exported(exported.text, exported.warnings + (f"{target} will run this configuration with "
-                                                            f"{', '.join(changes)} (plan → exported)",))
+        changed = f"{target} will run this configuration with {', '.join(changes)} (plan → exported)"
+        return Exported(exported.text, exported.warnings + (changed,), (changed,))
     return exported
 
 

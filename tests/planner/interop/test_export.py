@@ -375,10 +375,25 @@ def test_evaluate_says_when_yours_does_not_fit():
 def test_export_warnings_go_to_stderr_one_per_line(tmp_path):
     path = tmp_path / "plan.json"
     write_plan(_doc("zero1-sp-full-pp"), path)
-    out = CliRunner().invoke(main, ["export", str(path), "--to", "torchtitan"])
+    out = CliRunner().invoke(main, ["export", str(path), "--to", "torchtitan", "--allow-changes"])
     assert out.exit_code == 0
     assert out.stderr.splitlines() and all(line.startswith("warning: ") for line in out.stderr.splitlines())
     assert out.stdout.rstrip().endswith("activation-checkpoint:full")
+
+
+def test_an_export_that_changes_the_plan_is_refused_unless_allowed(tmp_path):
+    """torchtitan has no ZeRO-1: the read-back says it would run ZeRO-2; without
+    --allow-changes nothing is written and the export exits 3 naming the change."""
+    path = tmp_path / "plan.json"
+    write_plan(_doc("zero1-sp-full-pp"), path)
+    out = CliRunner().invoke(main, ["export", str(path), "--to", "torchtitan", "-o", str(tmp_path / "tt.txt")])
+    assert out.exit_code == 3 and not (tmp_path / "tt.txt").exists()
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: --to torchtitan: the engine would not run this plan as planned")
+    assert "zero 1→2" in last and "--allow-changes" in last
+    exact = tmp_path / "exact.json"
+    write_plan(_doc("zero1-sp-full-pp"), exact)
+    assert CliRunner().invoke(main, ["export", str(exact), "--to", "megatron"]).exit_code == 0
 
 
 @pytest.mark.parametrize("source, config, extra, field", [
