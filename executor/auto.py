@@ -88,7 +88,11 @@ def auto_parallelize(model: nn.Module, plan: dict | str | None = None, *, cluste
     maximum positions. The process group must be initialised (torchrun, or
     `dist.init_process_group`)."""
     if not dist.is_initialized():
-        raise RuntimeError("auto_parallelize runs inside a process group: start the script with torchrun")
+        if "WORLD_SIZE" in os.environ:   # torchrun started us; the script has not joined the group yet
+            raise RuntimeError("auto_parallelize: no process group is initialised: call "
+                               "torch.distributed.init_process_group() before it")
+        raise RuntimeError("auto_parallelize runs inside a process group: start the script with torchrun "
+                           "(torchrun --nproc-per-node N script.py), or initialise one first")
     from planner.api import plan_model, plan_spec
     from planner.plan_file import read_plan, strategy_of
 

@@ -154,7 +154,22 @@ class Trainer:
                 inputs, targets = inputs["input_ids"], inputs.get("labels", inputs["input_ids"])
             else:
                 inputs, targets = inputs
+        self._check_batch(inputs)
         return self.train_step.global_loss(self.train_step(inputs, targets))
+
+    def _check_batch(self, inputs) -> None:
+        """The batch is the plan's: a global batch of sequences of its length (token ids:
+        [global_batch, seq_len]). Said here, at the call, rather than as a shape error deep
+        in a pipeline stage or the loss."""
+        if not isinstance(inputs, torch.Tensor) or inputs.dim() == 0:
+            return
+        b, s = self.training.global_batch, self.training.seq_len
+        tokens = inputs.dim() >= 2 and not inputs.is_floating_point()
+        if inputs.shape[0] != b or (tokens and inputs.shape[1] != s):
+            want = f"[{b}, {s}] (global batch x seq_len)" if tokens else f"{b} samples (the global batch)"
+            raise ValueError(f"batch: inputs of shape {list(inputs.shape)}, but the plan is for {want}; "
+                             f"plan for this shape (plan --global-batch / --seq, auto_parallelize "
+                             f"global_batch= / seq_len=) or cut the batch to it")
 
     def numerics(self) -> dict:
         """What the run computed in, for its summary: the weights' dtype, the autocast

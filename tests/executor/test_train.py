@@ -144,3 +144,27 @@ def test_the_ddp_bucket_size_is_the_plans_and_async_tp_waits_for_cuda():
     assert bucket_bytes == 512 * 1024
     # Async TP runs over CUDA symmetric memory with compiled blocks: off here, and said.
     assert ran["async_tp"] is False
+
+
+def _step_with(rank, world, shape):
+    from executor_test_helpers import CONFIG, strategy, training
+
+    from costmodel.specs.loading import load_model
+    from executor.train import Trainer
+
+    trainer = Trainer(load_model("tiny-gpt"), training(), strategy(pp=2), CONFIG, "cpu")
+    try:
+        trainer.step(torch.zeros(shape, dtype=torch.int64), torch.zeros(shape, dtype=torch.int64))
+    except ValueError as err:
+        return str(err)
+    return "trained"
+
+
+def test_a_batch_of_another_sequence_length_is_named_at_the_call():
+    """The plan is for [8, 16] token ids; [8, 32] is refused by Trainer.step with the
+    shapes, before a pipeline stage meets it."""
+    from executor.launch import run_local
+
+    said = run_local(_step_with, 2, (8, 32))[0]
+    assert said.startswith("batch: inputs of shape [8, 32], but the plan is for [8, 16] (global batch x seq_len)")
+    assert run_local(_step_with, 2, (8, 16))[0] == "trained"
