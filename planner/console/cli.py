@@ -814,6 +814,33 @@ def _check_folder(path: str, field: str) -> None:
 
 
 @main.command()
+@click.argument("plan_files", nargs=-1, required=True, metavar="PLAN.json PLAN.json [...]")
+def compare(plan_files) -> None:
+    """Plans side by side: strategy, step time, throughput, MFU and peak memory, every
+    time and memory term, what differs from the first plan and why the fastest wins.
+
+    \b
+    shardwise plan ... --fix tp=8 -o a.json; shardwise plan ... --fix tp=4 -o b.json
+    shardwise compare a.json b.json
+    """
+    from pathlib import Path
+
+    from planner.console.report import print_compare
+    from planner.plan_file import read_plan
+
+    try:
+        if len(plan_files) < 2:
+            raise SpecError("PLAN_FILES", "give two plan files or more")
+        docs = [read_plan(path) for path in plan_files]
+    except SpecError as err:
+        _fail(EXIT_BAD_INPUT, str(err))
+    names = [Path(p).stem for p in plan_files]
+    if len(set(names)) < len(names):
+        names = list(plan_files)
+    print_compare(docs, names)
+
+
+@main.command()
 def models() -> None:
     """List the built-in models (configs/models/), one line each: family, parameters,
     layers, hidden size, heads, experts and context. Any of them is a `--model`."""

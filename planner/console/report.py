@@ -167,3 +167,56 @@ def explain_html(doc: dict, png: bytes | None = None) -> str:
                      f'src="data:image/png;base64,{data}">')
     parts.append("</body></html>")
     return "\n".join(parts) + "\n"
+
+
+def compare_lines(docs: list[dict], names: list[str]) -> tuple[list[str], list[str], list[list[str]]]:
+    """`compare`'s table (columns, rows: the strategy, the headline figures, every time
+    and memory term, one column per plan) and the lines under it: what differs from the
+    first plan and why the fastest wins (the terms that move by more than 0.5% of its step)."""
+    from planner.interop.common import strategy_changes
+    from planner.plan_file import strategy_of
+
+    est = [d["estimate"] for d in docs]
+    rows = [["model"] + [d["model"]["name"] for d in docs],
+            ["GPUs"] + [str(strategy_of(d).num_gpus) for d in docs],
+            ["strategy"] + [_label(d["strategy"]) for d in docs],
+            ["step s"] + [f"{e['step_time_s']:.3f}" for e in est],
+            ["tokens/s"] + [f"{e['tokens_per_s']:,.0f}" for e in est],
+            ["MFU"] + [f"{e['mfu']:.1%}" for e in est],
+            ["peak GiB"] + [f"{e['peak_memory_bytes'] / GIB:.2f}" for e in est]]
+    for part, unit, scale in (("time", "s", 1.0), ("memory", "GiB", GIB)):
+        keys = list(dict.fromkeys(k for e in est for k in e[part]))
+        for key in keys:
+            label = f"{part}: {key.removesuffix('_s').removesuffix('_bytes')} {unit}"
+            rows.append([label] + [f"{e[part].get(key, 0.0) / scale:.3f}" if unit == "s" else
+                                   f"{e[part].get(key, 0.0) / scale:.2f}" for e in est])
+    lines = []
+    first = strategy_of(docs[0])
+    for name, doc in zip(names[1:], docs[1:]):
+        changes = strategy_changes(first, strategy_of(doc))
+        lines.append(f"{names[0]} → {name}: {', '.join(changes) if changes else 'the same strategy'}")
+    best = min(range(len(docs)), key=lambda i: (est[i]["step_time_s"], i))
+    for i, (name, e) in enumerate(zip(names, est)):
+        if i == best:
+            continue
+        gap = e["step_time_s"] - est[best]["step_time_s"]
+        moved = sorted(((e["time"][k] - est[best]["time"].get(k, 0.0), k) for k in e["time"]
+                        if abs(e["time"][k] - est[best]["time"].get(k, 0.0)) > 0.005 * est[best]["step_time_s"]),
+                       reverse=True)
+        why = ", ".join(f"{k.removesuffix('_s')} {-d:+.3f} s" for d, k in moved) or "no single term"
+        lines.append(f"{names[best]} is {gap:.3f} s per step faster than {name} "
+                     f"({gap / e['step_time_s']:.1%}): {why}")
+    return ["", *names], rows, lines
+
+
+def print_compare(docs: list[dict], names: list[str], console: Console | None = None) -> None:
+    console = console or Console()
+    columns, rows, lines = compare_lines(docs, names)
+    table = Table(title="Plans side by side")
+    for i, col in enumerate(columns):
+        table.add_column(escape(col), justify="left" if i == 0 else "right", overflow="fold")
+    for row in rows:
+        table.add_row(*(escape(c) for c in row))
+    console.print(table)
+    for line in lines:
+        console.print(escape(line))

@@ -221,3 +221,22 @@ def test_a_plan_file_is_a_model_spec(tmp_path):
     again = CliRunner().invoke(main, ["plan", *TINY[2:], "--model", plan, "--format", "json"])
     assert again.exit_code == 0, again.output
     assert json.loads(again.output)["model_fingerprint"] == json.loads(open(plan).read())["model_fingerprint"]
+
+
+def test_compare_puts_plans_side_by_side_and_says_why_the_fastest_wins(tmp_path):
+    paths = []
+    for name, fix in (("tp2", "tp=2,dp=1"), ("dp2", "dp=2,tp=1")):
+        path = tmp_path / f"{name}.json"
+        assert CliRunner().invoke(main, ["plan", *TINY, "--fix", fix, "-o", str(path)]).exit_code == 0
+        paths.append(str(path))
+    docs = [json.loads(open(p).read()) for p in paths]
+    out = CliRunner().invoke(main, ["compare", *paths], terminal_width=200)
+    assert out.exit_code == 0, out.output
+    assert "tp2 → dp2: dp 1→2, tp 2→1" in out.output
+    fast, slow = sorted(range(2), key=lambda i: docs[i]["estimate"]["step_time_s"])
+    gap = docs[slow]["estimate"]["step_time_s"] - docs[fast]["estimate"]["step_time_s"]
+    names = ["tp2", "dp2"]
+    assert f"{names[fast]} is {gap:.3f} s per step faster than {names[slow]}" in out.output
+    for doc in docs:
+        assert f"{doc['estimate']['step_time_s']:.3f}" in out.output
+    _one_line(CliRunner().invoke(main, ["compare", paths[0]]), 2, "PLAN_FILES: give two plan files or more")
