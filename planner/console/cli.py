@@ -34,7 +34,7 @@ def training_options(command):
     """The training run's options, as `plan` and `sweep` take them: --seq, --precision,
     --optimizer, --attention, --runtime."""
     for option in reversed([
-        click.option("--seq", type=str, default=None,
+        click.option("--seq", metavar="INT>=1", type=str, default=None,
                      help="Sequence length [default: the model's max_position_embeddings]."),
         click.option("--precision", default="bf16", show_default=True,
                      help="bf16 | fp16 (mixed, fp32 master weights) | fp32."),
@@ -109,9 +109,9 @@ def main() -> None:
 @click.option("--cluster", "cluster_name", required=True,
               help="Built-in cluster (dgx-a100-80gb, dgx-h100, ...; mixed: mixed-h100-a100, ...) or a YAML path. "
                    "A mixed cluster (groups of node types) is sized by its file: no --nodes/--gpus.")
-@click.option("--nodes", type=str, default=None, help="Number of nodes.")
-@click.option("--gpus", type=str, default=None, help="Number of GPUs (instead of --nodes).")
-@click.option("--global-batch", required=True, type=str, help="Global batch in sequences.")
+@click.option("--nodes", metavar="INT>=1", type=str, default=None, help="Number of nodes.")
+@click.option("--gpus", type=str, metavar="INT>=1", default=None, help="Number of GPUs (instead of --nodes).")
+@click.option("--global-batch", metavar="INT>=1", required=True, type=str, help="Global batch in sequences.")
 @training_options
 @click.option("--rules", "rules_name", default=None, help="Rule set: built-in (default, megatron, fsdp) or a YAML path.")
 @click.option("--fix", default=None, help="Pin knobs: dp=,tp=,pp=,vpp=,ep=,mbs=,zero=,recompute=none|selective|full,sp=on|off,schedule=gpipe|1f1b|interleaved.")
@@ -120,18 +120,18 @@ def main() -> None:
               help="A `shardwise profile --model` JSON of this model, --seq, --precision and --attention: its "
                    "measured layer, embedding and head times replace the analytic ones, interpolated between "
                    "measured micro-batch sizes and tp widths; shapes it does not cover stay analytic.")
-@click.option("--top", default="3", show_default=True, help="Plans to report: the best and the next alternatives.")
+@click.option("--top", metavar="INT>=1", default="3", show_default=True, help="Plans to report: the best and the next alternatives.")
 @click.option("--objective", default=None,
               help="time | memory | cost (USD per step, from the cluster's gpu_hour_price_usd) | energy (J per "
                    "step, from the GPU's busy_power_w and idle_power_w) [default: the rules', else time].")
-@click.option("--max-cost-per-step", "max_cost", default=None, help="Drop plans costing more than this many USD per step.")
-@click.option("--power-cap", "power_cap", default=None,
+@click.option("--max-cost-per-step", "max_cost", metavar="USD>0", default=None, help="Drop plans costing more than this many USD per step.")
+@click.option("--power-cap", "power_cap", metavar="WATTS>0", default=None,
               help="Drop plans whose busiest GPU averages more than this many watts over a step.")
-@click.option("--energy-budget", "energy_budget", default=None,
+@click.option("--energy-budget", "energy_budget", metavar="JOULES>0", default=None,
               help="Drop plans using more than this many joules per step (all GPUs).")
 @click.option("--pareto", is_flag=True, default=False,
               help="Solve every candidate that fits and list those no other beats on all of step time, cost and energy.")
-@click.option("--memory-margin", "memory_margin", default=None,
+@click.option("--memory-margin", "memory_margin", metavar="FLOAT>=0", default=None,
               help="A plan fits when its estimated peak memory x (1 + this) is within the device's usable memory "
                    "[default: the rules' memory_margin, else the runtime profile's measured memory band, "
                    "memory_high_ratio - 1]. 0 checks the estimate itself.")
@@ -225,13 +225,13 @@ def _print_cost_energy(doc: dict) -> None:
 @click.option("--gpus", "sizes", required=True,
               help="Sizes to plan: A..B doubles from A to B (8..1024: 8, 16, ..., 1024), or a list 8,16,48 "
                    "(items mix: 8..64,96).")
-@click.option("--global-batch", required=True, type=str, help="Global batch in sequences, the same at every size.")
+@click.option("--global-batch", metavar="INT>=1", required=True, type=str, help="Global batch in sequences, the same at every size.")
 @training_options
 @click.option("--set", "overrides", default=None, help="Override model fields: key=value,...")
 @click.option("--rules", "rules_name", default=None, help="Rule set, as for `plan`.")
 @click.option("--fix", default=None, help="Pin knobs at every size, as for `plan`.")
 @click.option("--objective", default=None, help="time | memory | cost | energy, as for `plan`.")
-@click.option("--tokens", default=None,
+@click.option("--tokens", metavar="FLOAT>0", default=None,
               help="Token budget of the training run (300e9): adds the time, cost (USD) and energy to train it "
                    "at each size.")
 @click.option("--plot", "plot_file", default=None,
@@ -419,14 +419,14 @@ def explain(plan_file, plot_file, html_file) -> None:
 
 @main.command()
 @click.argument("plan_file")
-@click.option("--gpus", type=str, default=None, help="The new number of GPUs.")
-@click.option("--nodes", type=str, default=None, help="The new number of nodes (instead of --gpus).")
+@click.option("--gpus", type=str, metavar="INT>=1", default=None, help="The new number of GPUs.")
+@click.option("--nodes", metavar="INT>=1", type=str, default=None, help="The new number of nodes (instead of --gpus).")
 @click.option("--cluster", "cluster_name", default=None,
               help="A new cluster (built-in or YAML), sized by --nodes/--gpus or else by its file "
                    "[default: the plan's own cluster, resized].")
 @click.option("--rules", "rules_name", default=None, help="Rule set [default: the plan's, when it is a built-in].")
 @click.option("--fix", default=None, help="Pin knobs, as for `plan` (the plan file does not record its pins).")
-@click.option("--top", default="3", show_default=True, help="Plans to report: the best and the next alternatives.")
+@click.option("--top", metavar="INT>=1", default="3", show_default=True, help="Plans to report: the best and the next alternatives.")
 @click.option("--format", "fmt", type=click.Choice(["table", "json"]), default="table", show_default=True)
 @click.option("-o", "--output", default=None, help="Write the new plan file here.")
 def replan(plan_file, gpus, nodes, cluster_name, rules_name, fix, top, fmt, output) -> None:
@@ -524,10 +524,10 @@ def export(plan_file, target, output, allow_changes) -> None:
               help="The engine (torchtitan, megatron, deepspeed) and its configuration: quoted arguments or a file.")
 @click.option("--model", "model_name", required=True, help="The model, as for `plan`.")
 @click.option("--cluster", "cluster_name", required=True, help="The cluster, as for `plan`.")
-@click.option("--nodes", type=str, default=None, help="Number of nodes.")
-@click.option("--gpus", type=str, default=None, help="Number of GPUs (instead of --nodes).")
-@click.option("--global-batch", default=None, help="Global batch in sequences, where the configuration does not say it.")
-@click.option("--seq", default=None, help="Sequence length, where the configuration does not say it "
+@click.option("--nodes", metavar="INT>=1", type=str, default=None, help="Number of nodes.")
+@click.option("--gpus", type=str, metavar="INT>=1", default=None, help="Number of GPUs (instead of --nodes).")
+@click.option("--global-batch", metavar="INT>=1", default=None, help="Global batch in sequences, where the configuration does not say it.")
+@click.option("--seq", metavar="INT>=1", default=None, help="Sequence length, where the configuration does not say it "
                                           "[default: the model's max_position_embeddings].")
 @click.option("--precision", default=None, help="bf16 | fp16 | fp32, where the configuration does not say it [default: bf16].")
 @click.option("--optimizer", default="adamw", show_default=True, help="adam | adamw | sgd.")
@@ -595,34 +595,34 @@ def evaluate(source, model_name, cluster_name, nodes, gpus, global_batch, seq, p
 
 @main.command()
 @click.argument("plan_file")
-@click.option("--steps", default="10", show_default=True, help="Training steps to run.")
+@click.option("--steps", metavar="INT>=1", default="10", show_default=True, help="Training steps to run.")
 @click.option("--model", "model_name", default=None, help="Refuse the plan unless it was made for this model.")
 @click.option("--data", default="synthetic", show_default=True,
               help="synthetic (seeded random tokens) | corpus (the built-in text, byte tokens) | a .txt path.")
-@click.option("--seed", default="0", show_default=True, help="Seed of the weights and the data.")
-@click.option("--lr", default=None, help="Peak learning rate [default: 1e-3, warm-up then cosine].")
+@click.option("--seed", metavar="INT>=0", default="0", show_default=True, help="Seed of the weights and the data.")
+@click.option("--lr", metavar="FLOAT>0", default=None, help="Peak learning rate [default: 1e-3, warm-up then cosine].")
 @click.option("--metrics-out", default=None, help="Write one JSON line per step and a closing summary here.")
-@click.option("--nproc-per-node", default=None, help="Processes on this node [default: the plan's GPUs / --nnodes].")
-@click.option("--nnodes", default="1", show_default=True, help="Nodes taking part; each runs this same command.")
-@click.option("--node-rank", default="0", show_default=True, help="This node's index (0 .. nnodes-1).")
+@click.option("--nproc-per-node", metavar="INT>=1", default=None, help="Processes on this node [default: the plan's GPUs / --nnodes].")
+@click.option("--nnodes", metavar="INT>=1", default="1", show_default=True, help="Nodes taking part; each runs this same command.")
+@click.option("--node-rank", metavar="INT>=0", default="0", show_default=True, help="This node's index (0 .. nnodes-1).")
 @click.option("--rdzv-endpoint", default=None, help="host:port of node 0, for --nnodes > 1.")
 @click.option("--rdzv-id", default="shardwise", show_default=True, help="Job id shared by the nodes.")
 @click.option("--checkpoint-dir", default=None,
               help="Save checkpoints here (DCP, one directory per step, published atomically); a run started "
                    "again with the same directory resumes from its newest good checkpoint.")
-@click.option("--checkpoint-every", default="0", show_default=True,
+@click.option("--checkpoint-every", metavar="INT>=0", default="0", show_default=True,
               help="Steps between checkpoints (0: only after the last step).")
-@click.option("--keep-last", default="3", show_default=True, help="Checkpoints kept; older ones are removed.")
+@click.option("--keep-last", metavar="INT>=1", default="3", show_default=True, help="Checkpoints kept; older ones are removed.")
 @click.option("--resume", default=None,
               help="Start from this checkpoint (or the newest under this directory), written under any plan "
                    "of the same model: it is resharded on load.")
-@click.option("--max-restarts", default="0", show_default=True,
+@click.option("--max-restarts", metavar="INT>=0", default="0", show_default=True,
               help="Times the group is started again (a fresh torchrun) when it fails, say a rank died; with "
                    "--checkpoint-dir it resumes from the newest checkpoint. Bad input and non-finite steps are "
                    "not retried.")
 @click.option("--on-nonfinite", type=click.Choice(["stop", "skip"]), default="stop", show_default=True,
               help="A step with a non-finite loss or gradient: stop the run (exit 4) or skip its update.")
-@click.option("--timeout-s", default="600", show_default=True,
+@click.option("--timeout-s", metavar="SECONDS>0", default="600", show_default=True,
               help="Seconds a collective may wait for a peer before the run fails naming the rank (exit 5).")
 @click.option("--fp64", is_flag=True,
               help="Train in float64 (weights, activations, gradients, optimizer states; no autocast) from the "
@@ -700,7 +700,7 @@ def run(plan_file, steps, model_name, data, seed, lr, metrics_out, nproc_per_nod
 @main.command()
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
               help="Where to measure: this machine's CPU (one thread per process, gloo) or its GPUs (NCCL).")
-@click.option("--nproc", default="2", show_default=True,
+@click.option("--nproc", metavar="INT>=1", default="2", show_default=True,
               help="Local processes (GPUs) for the collectives; 1 skips them. Also the widest default --tp.")
 @click.option("--precision", type=click.Choice(["fp32", "bf16", "fp16"]), default="fp32", show_default=True,
               help="dtype of the GEMMs and elementwise passes; bf16/fp16 layer kinds run under autocast.")
@@ -709,7 +709,7 @@ def run(plan_file, steps, model_name, data, seed, lr, metrics_out, nproc_per_nod
                    "TP shard one rank runs, forward and backward, compute only: a built-in, a YAML/JSON spec or a "
                    "config.json, as for `plan`.")
 @click.option("--set", "overrides", default=None, help="Override model fields: key=value,...")
-@click.option("--seq", default=None, help="Sequence length of the layer kinds [default: the model's max_position_embeddings].")
+@click.option("--seq", metavar="INT>=1", default=None, help="Sequence length of the layer kinds [default: the model's max_position_embeddings].")
 @click.option("--micro-batch-sizes", "micro_batch_sizes", default=None,
               help="Comma-separated micro-batch sizes of the layer kinds [default: 1,2,4,8; with --quick 1,2].")
 @click.option("--tp", "tp_widths", default=None,
