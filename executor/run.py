@@ -525,6 +525,14 @@ def train(job: RunJob, args: argparse.Namespace, source, device: torch.device, r
     if faults is not None:
         faults.install(trainer)
     start_step = resume(trainer, job, args, rank, faults)
+    # --steps is the step to train to, resumed or not (the learning-rate schedule spans it).
+    if start_step > args.steps:
+        raise SpecError("--steps", f"{args.steps} is the step to train to, and the checkpoint is already at step "
+                                   f"{start_step}: give a larger --steps")
+    if start_step == args.steps:
+        if rank == 0:
+            print(f"checkpoint at step {start_step}: all {args.steps} steps are trained, nothing to do", flush=True)
+        return
     writer = MetricsWriter(args.metrics_out if rank == 0 else None)
     tokens = training.global_batch * training.seq_len
     steps = []

@@ -595,7 +595,8 @@ def evaluate(source, model_name, cluster_name, nodes, gpus, global_batch, seq, p
 
 @main.command()
 @click.argument("plan_file")
-@click.option("--steps", metavar="INT>=1", default="10", show_default=True, help="Training steps to run.")
+@click.option("--steps", metavar="INT>=1", default="10", show_default=True, help="The step to train to, counted from the start of training: a run resumed from a checkpoint at "
+                   "step 40 with --steps 100 trains 60 more (the learning-rate schedule spans all 100).")
 @click.option("--model", "model_name", default=None, help="Refuse the plan unless it was made for this model.")
 @click.option("--data", default="synthetic", show_default=True,
               help="synthetic (seeded random tokens) | corpus (the built-in text, byte tokens) | a .txt path.")

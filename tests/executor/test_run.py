@@ -310,3 +310,15 @@ def test_sigterm_stops_torchrun_and_every_worker(plan_file, tmp_path):
     while _alive(str(marker)) and time.time() < deadline:
         time.sleep(0.2)
     assert _alive(str(marker)) == []
+
+
+def test_steps_is_the_step_to_train_to_after_a_resume_too(plan_file, tmp_path):
+    """A run trained to step 2 and started again with --steps 2 has nothing to do; with
+    --steps 1 it is bad input naming --steps (the checkpoint is past it)."""
+    first = shardwise_run(plan_file, tmp_path / "ckpt", "--steps", "2")
+    assert first.returncode == 0, first.stderr[-2000:]
+    again = shardwise_run(plan_file, tmp_path / "ckpt", "--steps", "2")
+    assert again.returncode == 0 and "all 2 steps are trained, nothing to do" in again.stdout, again.stderr[-2000:]
+    back = shardwise_run(plan_file, tmp_path / "ckpt", "--steps", "1")
+    assert back.returncode == 2
+    assert "--steps: 1 is the step to train to, and the checkpoint is already at step 2" in back.stdout + back.stderr
