@@ -32,6 +32,21 @@ from planner.rules import BUDGETS, Rules, load_rules, parse_fix, parse_objective
 from planner.search import check_fix, search
 
 
+def resolve_model(source: str, overrides: dict | None = None) -> ModelSpec:
+    """The one model resolver of every command (`--model`): what load_model reads (a
+    built-in, a spec, a config.json, a plan file's model block), or `hf:PATH`: that
+    config, also built by transformers on the meta device and refused where it differs
+    from the spec."""
+    text = str(source)
+    if not text.startswith("hf:"):
+        return load_model(source, overrides)
+    from costmodel.specs.hf import check_spec  # torch and transformers: only for hf:
+
+    spec = load_model(text[3:], overrides)
+    check_spec(text[3:], spec)
+    return spec
+
+
 def make_problem(model: str, cluster: str, global_batch: Any, *, nodes: Any = None, gpus: Any = None,
                  seq_len: Any = None, precision: str = "bf16", optimizer: str = "adamw",
                  flash_attention: bool = True, overrides: dict | None = None, fix: dict | None = None,
@@ -47,7 +62,7 @@ def make_problem(model: str, cluster: str, global_batch: Any, *, nodes: Any = No
     None: as the runtime profile says. `runtime_settings`: engine settings over the
     profile's ("fsdp_prefetch=2,ddp_bucket_mb=100" or a mapping; SETTING_FIELDS of
     costmodel.specs.runtime)."""
-    model_spec = load_model(model, overrides)
+    model_spec = resolve_model(model, overrides)
     cluster_spec = load_cluster(cluster, nodes=nodes, gpus=gpus)
     runtime = runtime if isinstance(runtime, RuntimeSpec) else load_runtime(runtime)
     if compile is not None:
@@ -171,7 +186,7 @@ def traced_problem(module, example_inputs: tuple, cluster: str, global_batch: An
                    example_kwargs: dict | None = None) -> TracedProblem:
     """Trace `module` on its example micro-batch into a TracedProblem. Token inputs
     (integer, batch x sequence) count their sequence as tokens per sample."""
-    from costmodel.trace import trace_module   # torch: only for a traced module
+    from costmodel.trace import trace_module  # torch: only for a traced module
 
     first = example_inputs[0]
     batch = int(first.shape[0]) if first.dim() else 1

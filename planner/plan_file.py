@@ -204,8 +204,9 @@ def check_plan(doc: dict) -> dict:
                       "dp x micro_batch_size x num_microbatches")
     if batch != training.global_batch:
         raise SpecError("plan.strategy", f"{why} does not equal the global batch")
-    gpus = cluster_of(doc).num_gpus
-    if strategy.num_gpus != gpus:
+    cluster = cluster_of(doc)
+    gpus = cluster.num_gpus
+    if not isinstance(cluster, MixedClusterSpec) and strategy.num_gpus != gpus:   # a mixed plan places its groups
         raise SpecError("plan.strategy", f"dp {strategy.dp} x tp {strategy.tp} x pp {strategy.pp} = "
                                          f"{strategy.num_gpus} ranks, but the plan's cluster has {gpus} GPUs")
     _check_estimate(doc["estimate"])

@@ -355,17 +355,8 @@ def model_from_dict(data: dict, name: str, overrides: dict[str, str] | None = No
 
 
 def load_model(source: str | Path, overrides: dict[str, str] | None = None) -> ModelSpec:
-    """The one model resolver of every command: a built-in name, a YAML/JSON spec, a
-    Hugging Face config.json (or its folder), `hf:PATH` (that config, also built by
-    transformers on the meta device and refused where it differs from the spec), or a
-    plan file (its model block)."""
-    text = str(source)
-    if text.startswith("hf:"):
-        from costmodel.specs.hf import check_spec   # torch and transformers: only for hf:
-
-        spec = load_model(text[3:], overrides)
-        check_spec(text[3:], spec)
-        return spec
+    """A built-in name, a YAML/JSON spec, a Hugging Face config.json (or its folder), or
+    a plan file (its model block). `hf:PATH` is planner.api.resolve_model's."""
     data, name = read_document(source, "models", "--model")
     if "schema_version" in data and isinstance(data.get("model"), dict):   # a plan file: its model
         block = data["model"]

@@ -743,17 +743,17 @@ def profile(device, nproc, precision, model_name, overrides, seq, micro_batch_si
 
     from costmodel.calibrate import cluster_spec, roofline_notes
     from costmodel.measured import READABLE_SCHEMA_VERSIONS
-    from costmodel.specs.loading import load_model
     from executor.measure import check_tp
     from executor.measure import extend as extend_profile
     from executor.measure import profile as measure
+    from planner.api import resolve_model
 
     try:
         _check_outputs(("-o", output), ("--spec-out", spec_out))
         ranks = as_int(nproc, "--nproc")
         spec = seq_len = mbs = widths = None
         if model_name is not None:
-            spec = load_model(model_name, parse_overrides(overrides))
+            spec = resolve_model(model_name, parse_overrides(overrides))
             seq_len = as_int(seq, "--seq") if seq is not None else spec.max_position_embeddings
             mbs = _int_list(micro_batch_sizes, "--micro-batch-sizes")
             widths = _int_list(tp_widths, "--tp")

@@ -16,12 +16,11 @@ from costmodel.specs.loading import (
     SpecError,
     as_int,
     load_cluster,
-    load_model,
     load_runtime,
 )
 from costmodel.strategy import Strategy
 from costmodel.units import GIB
-from planner.api import make_problem
+from planner.api import make_problem, resolve_model
 from planner.interop.common import Imported, strategy_changes
 from planner.interop.importers import read_config
 from planner.plan_file import _round, strategy_dict
@@ -133,7 +132,7 @@ def evaluate_config(source: str, config: str, model_name: str, cluster_name: str
                     pins: dict | None = None, runtime: str | None = None) -> Evaluation:
     """Price the configuration and the best plan under `rules` (already holding `pins`),
     both under `runtime` (by default the engine's own, ENGINE_RUNTIMES)."""
-    spec = load_model(model_name, overrides)
+    spec = resolve_model(model_name, overrides)
     cluster = load_cluster(cluster_name, nodes=nodes, gpus=gpus)
     if isinstance(cluster, MixedClusterSpec):
         raise SpecError("--cluster", f"{cluster.name} is a mixed cluster: an engine's configuration does not say "
