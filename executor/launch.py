@@ -100,7 +100,7 @@ def torchrun_command(launch: Launch, worker_args: list[str]) -> list[str]:
     # Static rendezvous: node K takes ranks K * nproc_per_node onwards, as its
     # --node-rank says (c10d numbers nodes by host name), so the ranks of a mixed
     # cluster's plan land on the groups the plan put them on.
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(launch.nproc_per_node)]
+    cmd = [sys.executable, "-m", "executor.launch", "--nproc-per-node", str(launch.nproc_per_node)]
     if launch.rdzv_endpoint:
         cmd += ["--nnodes", str(launch.nnodes), "--node-rank", str(launch.node_rank),
                 "--rdzv-backend", "static", "--rdzv-endpoint", launch.rdzv_endpoint, "--rdzv-id", launch.rdzv_id]
@@ -210,3 +210,27 @@ def run_local(fn, world: int, *args, backend: str = "gloo") -> list:
     for p in procs:
         p.join(timeout=30)
     return [results[r] for r in range(world)]
+
+
+def torchrun_main(argv: list[str]) -> int:
+    """torchrun (torch.distributed.run) in this process, its ChildFailedError said in one
+    line: the first failed rank, how it ended and where its error was written. The rank's
+    own error line comes before it, from the rank; torchrun's traceback of its agent says
+    nothing more and is left out."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun
+
+    try:
+        torchrun(argv)
+    except ChildFailedError as err:
+        rank, failure = err.get_first_failure()
+        how = (f"killed by {signal.Signals(-failure.exitcode).name}" if failure.exitcode < 0
+               else f"exit code {failure.exitcode}")
+        where = f"; its error: {failure.error_file}" if os.path.isfile(str(failure.error_file)) else ""
+        print(f"shardwise: rank {rank} (pid {failure.pid}) failed, {how}{where}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":   # what torchrun_command starts
+    sys.exit(torchrun_main(sys.argv[1:]))

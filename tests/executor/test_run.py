@@ -78,7 +78,7 @@ def test_torchrun_command_for_nodes():
     two = torchrun_command(plan_launch(16, None, 2, 1, "node0:29500"), ["p.json"])
     assert two[two.index("--nproc-per-node") + 1] == "8"
     assert two[two.index("--node-rank") + 1] == "1" and two[two.index("--rdzv-endpoint") + 1] == "node0:29500"
-    assert two[-3:] == ["-m", "executor.run", "p.json"]
+    assert two[-3:] == ["-m", "executor.run", "p.json"] and two[1:3] == ["-m", "executor.launch"]
 
 
 def test_run_trains_like_one_process(plan_file, tmp_path):
