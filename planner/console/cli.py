@@ -676,13 +676,19 @@ def run(plan_file, steps, model_name, data, seed, lr, metrics_out, nproc_per_nod
             _check_folder(checkpoint_dir, "--checkpoint-dir")
             worker += ["--checkpoint-dir", checkpoint_dir]
         if resume:
-            from executor.checkpoint import CheckpointError, latest
+            from executor.checkpoint import CheckpointError, latest, verify
 
-            try:
-                if latest(resume, log=lambda *a: None) is None:
+            try:   # the checkpoint the ranks would load, checked here: checksums and its model
+                found = latest(resume, log=lambda *a: None)
+                if found is None:
                     raise SpecError("--resume", f"no complete checkpoint at {resume}")
+                verify(found.path)
             except CheckpointError as err:
                 raise SpecError("--resume", str(err)) from None
+            if found.manifest["model_fingerprint"] != job.plan["model_fingerprint"]:
+                raise SpecError("--resume", f"{found.path} was written for another model "
+                                            f"({found.manifest['plan']['model'].get('name')}) than the plan's "
+                                            f"({job.model.name})")
             worker += ["--resume", resume]
         if lr is not None:
             worker += ["--lr", str(as_float(lr, "--lr"))]

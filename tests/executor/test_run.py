@@ -322,3 +322,22 @@ def test_steps_is_the_step_to_train_to_after_a_resume_too(plan_file, tmp_path):
     back = shardwise_run(plan_file, tmp_path / "ckpt", "--steps", "1")
     assert back.returncode == 2
     assert "--steps: 1 is the step to train to, and the checkpoint is already at step 2" in back.stdout + back.stderr
+
+
+def test_resume_from_another_model_or_a_tampered_checkpoint_is_refused_before_launch(plan_file, tmp_path):
+    from executor.checkpoint import MANIFEST, MANIFEST_VERSION
+
+    ckpt = tmp_path / "other"
+    ckpt.mkdir()
+    (ckpt / "data.distcp").write_bytes(b"weights")
+    manifest = {"schema_version": MANIFEST_VERSION, "step": 3, "model_fingerprint": "sha256:another",
+                "plan": {"model": {"name": "tiny-llama"}}, "files": {"data.distcp": "0" * 64}}
+    (ckpt / MANIFEST).write_text(json.dumps(manifest))
+    code, out = run_cli(plan_file, "--resume", ckpt)
+    assert code == 2 and "checksum does not match the manifest" in out and len(out.strip().splitlines()) == 1
+    import hashlib
+
+    manifest["files"]["data.distcp"] = hashlib.sha256(b"weights").hexdigest()
+    (ckpt / MANIFEST).write_text(json.dumps(manifest))
+    code, out = run_cli(plan_file, "--resume", ckpt)
+    assert code == 2 and "was written for another model (tiny-llama) than the plan's (tiny-gpt)" in out, out
