@@ -181,6 +181,10 @@ def rank_capacities(doc: dict) -> list[float]:
     return [float(c) for c in rank_capacity_bytes(cluster_of(doc), strategy_of(doc))]
 
 
+# Micro-batches drawn per pipeline rank before the timeline is windowed (x pp).
+WINDOW_PIPELINES = 4
+
+
 def _draw_timeline(ax, tl: Timeline) -> None:
     height = 0.7
     for r in range(tl.num_ranks):
@@ -208,6 +212,14 @@ def _draw_timeline(ax, tl: Timeline) -> None:
     ax.set_yticks(range(tl.num_ranks), [f"pp rank {r}" for r in range(tl.num_ranks)])
     ax.set_ylim(tl.num_ranks + 0.3, -0.7)   # inverted, with a strip below the rows for the legend
     ax.set_xlim(0, max(tl.makespan_s, tl.estimate_s) * 1.01)
+    window = ""
+    microbatches = 1 + max(b.microbatch for b in tl.boxes)
+    shown = WINDOW_PIPELINES * tl.num_ranks
+    if microbatches > 2 * shown:
+        # Hundreds of micro-batches make a solid bar: show the warm-up and the start of
+        # the steady state, which then repeats until the cool-down mirrors the warm-up.
+        ax.set_xlim(0, max(b.end_s for b in tl.boxes if b.microbatch < shown) * 1.02)
+        window = f"; first {shown} of {microbatches} micro-batches shown, the steady state repeats"
     ax.set_xlabel("seconds into the step")
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
@@ -216,7 +228,7 @@ def _draw_timeline(ax, tl: Timeline) -> None:
     handles.append(Line2D([], [], color="black", linestyle=":", label=f"estimate {tl.estimate_s:.3f} s"))
     ax.legend(handles=handles, loc="lower right", fontsize=8, ncol=5)
     chunks = " (hatched: odd model chunks)" if stages > tl.num_ranks else ""
-    ax.set_title(f"Pipeline timeline: makespan {tl.makespan_s:.3f} s{chunks}")
+    ax.set_title(f"Pipeline timeline: makespan {tl.makespan_s:.3f} s{chunks}{window}")
 
 
 def _draw_memory(ax, breakdowns: list[dict[str, float]], capacity_bytes: float | list[float]) -> None:

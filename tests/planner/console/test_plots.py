@@ -178,3 +178,26 @@ def test_an_unwritable_output_exits_2_with_one_line(plans, option, tmp_path):
     assert result.stderr.count("\n") == 1 and result.stderr.startswith(f"error: {option}: cannot write ")
     missing = CliRunner().invoke(main, ["explain", str(tmp_path / "nope.json"), option, str(tmp_path / "out")])
     assert missing.exit_code == 2 and missing.stderr.startswith("error: plan: cannot read ")
+
+
+def test_a_timeline_of_hundreds_of_micro_batches_is_windowed():
+    """192 micro-batches x vpp 3 on 4 ranks: the warm-up and the first 16 micro-batches
+    are drawn, and the title says so; 8 micro-batches are drawn whole."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from planner.console.plots import _draw_timeline
+
+    long = timeline("interleaved", [1.0] * 4, 192, vpp=3)
+    fig, ax = plt.subplots()
+    _draw_timeline(ax, long)
+    shown = max(b.end_s for b in long.boxes if b.microbatch < 16)
+    assert ax.get_xlim()[1] == pytest.approx(shown * 1.02) and shown < long.makespan_s / 5
+    assert "first 16 of 192 micro-batches shown" in ax.get_title()
+    short = timeline("1f1b", [1.0] * 4, 8)
+    fig, ax = plt.subplots()
+    _draw_timeline(ax, short)
+    assert ax.get_xlim()[1] >= short.makespan_s and "shown" not in ax.get_title()
+    plt.close("all")
