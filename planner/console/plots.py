@@ -219,7 +219,7 @@ def _draw_timeline(ax, tl: Timeline) -> None:
         # Hundreds of micro-batches make a solid bar: show the warm-up and the start of
         # the steady state, which then repeats until the cool-down mirrors the warm-up.
         ax.set_xlim(0, max(b.end_s for b in tl.boxes if b.microbatch < shown) * 1.02)
-        window = f"; first {shown} of {microbatches} micro-batches shown, the steady state repeats"
+        window = f"; first {shown} of {microbatches} micro-batches shown"
     ax.set_xlabel("seconds into the step")
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
