@@ -154,6 +154,17 @@ def shardwise_run(plan_file, checkpoints, *extra, crash=None):
                           capture_output=True, text=True, timeout=300, env=env)
 
 
+def assert_final_checkpoints_bitwise_equal(tmp_path):
+    """The clean and the crashed run's last checkpoints: the same weights and optimizer
+    states, bit for bit."""
+    final = f"step-{RESTART_STEPS:08d}"
+    a = tensors(tmp_path / "clean" / final, tmp_path, "a")
+    b = tensors(tmp_path / "crashed" / final, tmp_path, "b")
+    assert set(a) == set(b) and any(k.startswith("optim.") for k in a)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
 def tensors(checkpoint_dir, tmp_path, name):
     out = tmp_path / f"{name}.pt"
     dcp_to_torch_save(str(checkpoint_dir), str(out))
@@ -167,12 +178,7 @@ def test_a_killed_rank_is_restarted_and_ends_bitwise_equal(plan_file, tmp_path):
     crashed = shardwise_run(plan_file, tmp_path / "crashed", "--max-restarts", "1", crash="1:3")
     assert crashed.returncode == 0, crashed.stderr[-2000:]
     assert "checkpoint: resumed from" in crashed.stdout and "(step 2)" in crashed.stdout
-    final = f"step-{RESTART_STEPS:08d}"
-    a = tensors(tmp_path / "clean" / final, tmp_path, "a")
-    b = tensors(tmp_path / "crashed" / final, tmp_path, "b")
-    assert set(a) == set(b) and any(k.startswith("optim.") for k in a)
-    for key in a:
-        assert torch.equal(a[key], b[key]), key
+    assert_final_checkpoints_bitwise_equal(tmp_path)
 
 
 def test_a_save_killed_halfway_leaves_the_previous_checkpoint(plan_file, tmp_path):
@@ -229,12 +235,7 @@ def test_a_rank_killed_mid_backward_is_restarted_and_ends_bitwise_equal(plan_fil
     assert crashed.returncode == 0, crashed.stderr[-2000:]
     assert "SHARDWISE_TEST_CRASH: rank 1 killed at backward, step 3, attempt 0" in crashed.stderr
     assert "restart 1 of 1" in crashed.stdout and "(step 2)" in crashed.stdout
-    final = f"step-{RESTART_STEPS:08d}"
-    a = tensors(tmp_path / "clean" / final, tmp_path, "a")
-    b = tensors(tmp_path / "crashed" / final, tmp_path, "b")
-    assert set(a) == set(b) and any(k.startswith("optim.") for k in a)
-    for key in a:
-        assert torch.equal(a[key], b[key]), key
+    assert_final_checkpoints_bitwise_equal(tmp_path)
 
 
 # -- refused before launch: the data, the outputs, the endpoint, the machine ----------------
