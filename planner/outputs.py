@@ -38,6 +38,43 @@ def check_writable(path: str | Path, field: str) -> None:
     tmp.unlink(missing_ok=True)
 
 
+def check_folder(path: str | Path, field: str) -> None:
+    """SpecError naming `field` unless files can be written in the folder `path`: it exists
+    or can be made, and a probe file can be created in it. Folders made for the probe are
+    removed again, so a refused or abandoned command leaves nothing behind. A probe, not
+    `os.access`: as root, access says yes to /proc and read-only mounts."""
+    text = str(path)
+    if not text.strip():
+        raise SpecError(field, "expected a folder path, got an empty one")
+    folder = Path(text)
+    try:
+        exists = folder.exists()
+        if exists and not folder.is_dir():
+            raise SpecError(field, f"{text} is a file, not a folder")
+        made = [p for p in [folder, *folder.absolute().parents] if not p.exists()] if not exists else []
+    except (OSError, ValueError) as err:   # a name too long, a NUL byte
+        raise SpecError(field, f"cannot use {text}: {getattr(err, 'strerror', None) or err}") from None
+    probe = folder / ".shardwise-probe"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(probe, "xb"):
+            pass
+    except FileExistsError:
+        pass
+    except (OSError, ValueError) as err:
+        raise SpecError(field, f"cannot write under {text}: {getattr(err, 'strerror', None) or err}") from None
+    finally:
+        try:
+            probe.unlink(missing_ok=True)
+        except OSError:
+            pass
+        for made_folder in made:   # deepest first
+            try:
+                made_folder.rmdir()
+            except OSError:
+                break
+
+
 def write_atomic(path: str | Path, data: bytes | str, field: str) -> None:
     """Write aside, then rename; SpecError naming `field` if it cannot, nothing left."""
     target = Path(path)

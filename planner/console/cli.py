@@ -652,7 +652,7 @@ def run(plan_file, steps, model_name, data, seed, lr, metrics_out, nproc_per_nod
     from executor.data import check_source
     from executor.launch import check_endpoint, check_machine, plan_launch, run_torchrun
     from executor.run import job_device_type, load_job
-    from planner.outputs import check_writable
+    from planner.outputs import check_folder, check_writable
 
     try:
         job = load_job(plan_file, model_name)
@@ -673,7 +673,7 @@ def run(plan_file, steps, model_name, data, seed, lr, metrics_out, nproc_per_nod
         if metrics_out:
             check_writable(metrics_out, "--metrics-out")
         if checkpoint_dir:
-            _check_folder(checkpoint_dir, "--checkpoint-dir")
+            check_folder(checkpoint_dir, "--checkpoint-dir")
             worker += ["--checkpoint-dir", checkpoint_dir]
         if resume:
             from executor.checkpoint import CheckpointError, latest, verify
@@ -801,23 +801,6 @@ def profile(device, nproc, precision, model_name, overrides, seq, micro_batch_si
         click.echo(f"cluster spec written to {spec_out}")
         for note in notes:
             click.echo(f"note: {note}", err=True)
-
-
-def _check_folder(path: str, field: str) -> None:
-    """A folder that exists and is writable, or can be made (its parent is writable)."""
-    import os
-    from pathlib import Path
-
-    folder = Path(path)
-    try:
-        exists = folder.exists()
-    except (OSError, ValueError) as err:
-        raise SpecError(field, f"cannot use {path}: {getattr(err, 'strerror', None) or err}") from None
-    if exists and not folder.is_dir():
-        raise SpecError(field, f"{path} is a file, not a folder")
-    nearest = folder if exists else next((p for p in folder.absolute().parents if p.exists()), Path("/"))
-    if not nearest.is_dir() or not os.access(nearest, os.W_OK | os.X_OK):
-        raise SpecError(field, f"cannot write under {path}: {nearest} is not a writable folder")
 
 
 @main.command()

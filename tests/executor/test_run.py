@@ -254,6 +254,7 @@ def test_bad_data_is_refused_before_any_rank_starts(plan_file, tmp_path, make, t
 @pytest.mark.parametrize("option, value, text", [
     ("--metrics-out", "missing/m.jsonl", "--metrics-out: cannot write"),
     ("--checkpoint-dir", "afile", "--checkpoint-dir: afile is a file"),
+    ("--checkpoint-dir", "/proc/shardwise-ckpt", "--checkpoint-dir: cannot write under /proc/shardwise-ckpt"),
     ("--rdzv-endpoint", "nohost", "--rdzv-endpoint: expected HOST:PORT"),
 ])
 def test_unusable_outputs_and_endpoints_are_refused_before_launch(plan_file, tmp_path, monkeypatch, option, value,
