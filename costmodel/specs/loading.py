@@ -611,7 +611,7 @@ def make_training(model: ModelSpec, cluster: ClusterSpec | MixedClusterSpec, glo
     for group in getattr(cluster, "groups", (cluster,)):
         if precision not in group.gpu.peak_flops_per_s:
             have = ", ".join(group.gpu.peak_flops_per_s)
-            raise SpecError("--precision", f"{group.gpu.name} has no {precision} peak (has: {have})")
+            raise SpecError("--precision", f"{group.gpu.name} has no {precision} peak (has: {have}; pass one of those)")
     if optimizer not in OPTIMIZERS:
         raise SpecError("--optimizer", f"unknown {optimizer!r} (known: {', '.join(OPTIMIZERS)})")
     if mixed_precision not in MIXED_PRECISION:

@@ -738,7 +738,7 @@ def profile(device, nproc, precision, model_name, overrides, seq, micro_batch_si
 
     \b
     shardwise profile --device cpu --nproc 2 -o cpu.json --spec-out my-cpu.yaml
-    shardwise plan --model tiny-gpt --cluster my-cpu.yaml --gpus 2 --global-batch 8
+    shardwise plan --model tiny-gpt --cluster my-cpu.yaml --gpus 2 --global-batch 8 --precision fp32
     shardwise profile --device cpu --model tiny-gpt --seq 64 --micro-batch-sizes 1,2,4 -o cpu.json --extend
     shardwise plan --model tiny-gpt --cluster cpu --gpus 2 --global-batch 8 --seq 64 --precision fp32 --profile cpu.json
     """

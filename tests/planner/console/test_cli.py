@@ -240,3 +240,26 @@ def test_compare_puts_plans_side_by_side_and_says_why_the_fastest_wins(tmp_path)
     for doc in docs:
         assert f"{doc['estimate']['step_time_s']:.3f}" in out.output
     _one_line(CliRunner().invoke(main, ["compare", paths[0]]), 2, "PLAN_FILES: give two plan files or more")
+
+
+def test_profile_help_plans_on_the_fp32_only_spec_profile_writes(tmp_path):
+    """`profile` measures fp32 by default, so the spec it writes has an fp32 peak only:
+    the `plan` line its --help shows must ask for fp32, and a bf16 plan says what to pass."""
+    from pathlib import Path
+
+    import yaml
+
+    import configs
+
+    CONFIGS_DIR = Path(configs.__file__).parent
+    cluster = yaml.safe_load((CONFIGS_DIR / "clusters" / "cpu.yaml").read_text())
+    gpu = yaml.safe_load((CONFIGS_DIR / "hardware" / "cpu.yaml").read_text())
+    gpu["peak_flops_per_s"] = {"fp32": gpu["peak_flops_per_s"]["fp32"]}
+    (tmp_path / "my-cpu.yaml").write_text(yaml.safe_dump({**cluster, "name": "my-cpu", "gpu": gpu}))
+    help_text = CliRunner().invoke(main, ["profile", "--help"]).output
+    line = next(line.strip() for line in help_text.splitlines() if "plan" in line and "my-cpu.yaml" in line)
+    argv = line.removeprefix("shardwise ").replace("my-cpu.yaml", str(tmp_path / "my-cpu.yaml")).split()
+    out = CliRunner().invoke(main, argv)
+    assert out.exit_code == 0, out.output
+    bf16 = [arg for arg in argv if arg not in ("--precision", "fp32")]
+    _one_line(CliRunner().invoke(main, bf16), 2, "--precision: CPU has no bf16 peak (has: fp32; pass one of those)")
