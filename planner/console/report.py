@@ -45,20 +45,9 @@ def print_plan(doc: dict, seconds: float, console: Console | None = None) -> Non
     model, cluster = doc["model"], doc["cluster"]
     console.print(f"[bold]{model['name']}[/] on {cluster_line(cluster)}, global batch {doc['training']['global_batch']} "
                   f"x {doc['training']['seq_len']} tokens, {doc['training']['precision']}")
-    table = Table(title="Plans, best first")
     banded = "band" in doc   # plans from before runtime profiles carry none
-    columns = ("#", "strategy", "step s", *(("step s band",) if banded else ()), "tokens/s", "TFLOP/s/GPU", "MFU",
-               "peak GiB", *(("up to GiB",) if banded else ()))
-    for col in columns:
-        table.add_column(col, justify="left" if col == "strategy" else "right")
-    for i, cand in enumerate([doc] + doc["alternatives"]):
-        e, band = cand["estimate"], cand.get("band")
-        table.add_row(str(i + 1), _label(cand["strategy"]), f"{e['step_time_s']:.3f}",
-                      *((f"{band['step_time_low_s']:.3f}-{band['step_time_high_s']:.3f}",) if banded else ()),
-                      f"{e['tokens_per_s']:,.0f}", f"{e['tflops_per_gpu']:.1f}", f"{e['mfu']:.1%}",
-                      f"{e['peak_memory_bytes'] / GIB:.1f}",
-                      *((f"{band['peak_memory_high_bytes'] / GIB:.1f}",) if banded else ()))
-    console.print(table)
+    docs = [doc] + [{**doc, **alternative} for alternative in doc["alternatives"]]
+    _print_side_by_side(docs, [f"#{i + 1}" for i in range(len(docs))], "Plans, best first", console)
     if banded:
         console.print(band_line(doc))
     st = doc["search"]
@@ -182,8 +171,13 @@ def compare_lines(docs: list[dict], names: list[str]) -> tuple[list[str], list[s
             ["strategy"] + [_label(d["strategy"]) for d in docs],
             ["step s"] + [f"{e['step_time_s']:.3f}" for e in est],
             ["tokens/s"] + [f"{e['tokens_per_s']:,.0f}" for e in est],
+            ["TFLOP/s/GPU"] + [f"{e['tflops_per_gpu']:.1f}" for e in est],
             ["MFU"] + [f"{e['mfu']:.1%}" for e in est],
             ["peak GiB"] + [f"{e['peak_memory_bytes'] / GIB:.2f}" for e in est]]
+    if all("band" in d for d in docs):   # plans from before runtime profiles carry none
+        rows.insert(4, ["step s band"] + [f"{d['band']['step_time_low_s']:.3f}-{d['band']['step_time_high_s']:.3f}"
+                                          for d in docs])
+        rows.append(["up to GiB"] + [f"{d['band']['peak_memory_high_bytes'] / GIB:.2f}" for d in docs])
     for part, unit, scale in (("time", "s", 1.0), ("memory", "GiB", GIB)):
         keys = list(dict.fromkeys(k for e in est for k in e[part]))
         for key in keys:
@@ -210,9 +204,12 @@ def compare_lines(docs: list[dict], names: list[str]) -> tuple[list[str], list[s
 
 
 def print_compare(docs: list[dict], names: list[str], console: Console | None = None) -> None:
-    console = console or Console()
+    _print_side_by_side(docs, names, "Plans side by side", console or Console())
+
+
+def _print_side_by_side(docs: list[dict], names: list[str], title: str, console: Console) -> None:
     columns, rows, lines = compare_lines(docs, names)
-    table = Table(title="Plans side by side")
+    table = Table(title=title)
     for i, col in enumerate(columns):
         table.add_column(escape(col), justify="left" if i == 0 else "right", overflow="fold")
     for row in rows:

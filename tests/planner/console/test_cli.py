@@ -263,3 +263,17 @@ def test_profile_help_plans_on_the_fp32_only_spec_profile_writes(tmp_path):
     assert out.exit_code == 0, out.output
     bf16 = [arg for arg in argv if arg not in ("--precision", "fp32")]
     _one_line(CliRunner().invoke(main, bf16), 2, "--precision: CPU has no bf16 peak (has: fp32; pass one of those)")
+
+
+def test_plan_top_k_shows_the_compare_table_of_the_k_best():
+    args = ["plan", "--model", "gpt3-1.3b", "--cluster", "dgx-a100-40gb", "--gpus", "8", "--global-batch", "64",
+            "--top", "3"]
+    doc = json.loads(CliRunner().invoke(main, [*args, "--format", "json"]).output)
+    out = CliRunner().invoke(main, args, terminal_width=200).output
+    docs = [doc] + [{**doc, **alt} for alt in doc["alternatives"]]
+    assert len(docs) == 3 and "Plans, best first" in out
+    header = next(line for line in out.splitlines() if "#1" in line)
+    assert "#2" in header and "#3" in header
+    step_row = next(line for line in out.splitlines() if line.startswith("│ step s "))
+    assert [c.strip() for c in step_row.split("│")[2:-1]] == [f"{d['estimate']['step_time_s']:.3f}" for d in docs]
+    assert "#1 → #2: " in out and "#1 is " in out and " per step faster than #2" in out
