@@ -570,32 +570,27 @@ class Builder:
         return path
 
     def rules(self, name: str = "--rules", p: float = 0.25) -> None:
-        if not self.include(name, p):
-            return
-        if not self.is_bad(name):
-            self.add(name, self.draw(st.sampled_from(["default", "megatron", "fsdp"])))
-            return
-        if self.draw(st.integers(0, 3)) == 0:
-            text, kind = self.draw(bad_word())
-            self.add(name, text, f"rules {kind}")
-            return
-        path = self.spec_file("configs/rules/default.yaml", self.bases.rules, "rules.yaml", RULES_PATHS, name,
-                              extra=RULES_EXTRA_VALUES)
-        self.args += [name, path]
+        self._named_spec(name, p, "rules", ["default", "megatron", "fsdp"], "configs/rules/default.yaml",
+                         self.bases.rules, "rules.yaml", RULES_PATHS, RULES_EXTRA_VALUES)
 
     def runtime(self, name: str = "--runtime", p: float = 0.2) -> None:
+        self._named_spec(name, p, "runtime", ["pytorch-native", "megatron", "deepspeed-zero"],
+                         "configs/runtimes/pytorch-native.yaml", self.bases.runtime, "runtime.yaml",
+                         [(k,) for k in self.bases.runtime], {("version",): [2, 99]})
+
+    def _named_spec(self, name: str, p: float, kind: str, builtins: list[str], source: str, base: dict,
+                    file_name: str, paths: list, extra: dict) -> None:
+        """A built-in name when good; when bad, a bad word or an edited copy of `source`."""
         if not self.include(name, p):
             return
         if not self.is_bad(name):
-            self.add(name, self.draw(st.sampled_from(["pytorch-native", "megatron", "deepspeed-zero"])))
+            self.add(name, self.draw(st.sampled_from(builtins)))
             return
         if self.draw(st.integers(0, 3)) == 0:
-            text, kind = self.draw(bad_word())
-            self.add(name, text, f"runtime {kind}")
+            text, word_kind = self.draw(bad_word())
+            self.add(name, text, f"{kind} {word_kind}")
             return
-        path = self.spec_file("configs/runtimes/pytorch-native.yaml", self.bases.runtime, "runtime.yaml",
-                              [(k,) for k in self.bases.runtime], name, extra={("version",): [2, 99]})
-        self.args += [name, path]
+        self.args += [name, self.spec_file(source, base, file_name, paths, name, extra=extra)]
 
     def fix(self, name: str = "--fix", p: float = 0.3, valid: list[str] | None = None) -> None:
         self.value(name, valid or FIX_VALID, tagged(FIX_BAD) if self.draw(st.booleans()) else bad_pairs(FIX_KEYS),
