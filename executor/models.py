@@ -218,7 +218,6 @@ class MoE(nn.Module):
         self.w1 = nn.Parameter(torch.empty(e, f, h))
         self.w3 = nn.Parameter(torch.empty(e, f, h))
         self.w2 = nn.Parameter(torch.empty(e, h, f))
-        self.expert_range = (0, e)     # experts held here; expert parallelism narrows it
         self.dispatch = None           # executor.parallelize's all-to-all exchange under ep > 1
 
     def experts(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
@@ -227,7 +226,8 @@ class MoE(nn.Module):
         allow it, else one batched matmul over rows padded to the busiest expert."""
         dtype = _matmul_dtype(x)
         x = x.to(dtype)
-        w1, w3, w2 = (w.to(dtype) for w in (self.w1, self.w3, self.w2))
+        # Under expert parallelism the weights are DTensors sharded over ep: this rank's experts.
+        w1, w3, w2 = ((w.to_local() if isinstance(w, DTensor) else w).to(dtype) for w in (self.w1, self.w3, self.w2))
         if _grouped_mm_fits(x, w1, w2):
             offsets = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
 
@@ -457,19 +457,12 @@ def materialize(model: Transformer, device: str | torch.device, seed: int = 0) -
     if model.tied:
         model.tie()   # to_empty gave the head a parameter of its own
     tied = model.spec.tie_word_embeddings
-    expert_ranges = {f"{name}.{leaf}": module.expert_range for name, module in model.named_modules()
-                     if isinstance(module, MoE) for leaf in ("w1", "w2", "w3")}
     for name, param in model.named_parameters():
         name = canonical_name(name)
         if isinstance(param, DTensor):
             full = initial_value(name, param.shape, seed, tied)
             local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
             param.to_local().copy_(local)
-        elif name in expert_ranges:
-            first, last = expert_ranges[name]
-            total = model.spec.num_local_experts
-            full = initial_value(name, (total, *param.shape[1:]), seed, tied)
-            param.copy_(full[first:last])
         else:
             param.copy_(initial_value(name, param.shape, seed, tied))
     cos, sin = rope_tables(model.seq_len, model.spec.head_dim, device=device, dtype=model.rope_cos.dtype)

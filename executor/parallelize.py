@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -88,8 +88,6 @@ def check_supported(spec: ModelSpec, strategy: Strategy, seq_len: int) -> None:
                               f"and {spec.num_key_value_heads} kv heads")
     if spec.is_moe and spec.num_local_experts % strategy.ep:
         raise UnsupportedPlan(f"strategy.ep: {strategy.ep} does not divide the {spec.num_local_experts} experts")
-    if strategy.ep > 1 and strategy.zero_stage in (1, 2):
-        raise UnsupportedPlan("strategy.zero_stage: ZeRO 1 and 2 with expert parallelism are not supported; use 0 or 3")
     if strategy.stage_groups and len(strategy.stage_groups) != strategy.pp:
         raise UnsupportedPlan(f"plan.strategy.stage_groups: expected one group per pipeline rank ({strategy.pp}), "
                               f"got {len(strategy.stage_groups)}")
@@ -258,16 +256,15 @@ class ExpertDispatch:
 
 
 def apply_expert_parallel(model: Transformer, ep_mesh: DeviceMesh) -> None:
-    """Keep this rank's experts (the ep_rank-th slice of dim 0) and route rows to them."""
-    ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
-    dispatch = ExpertDispatch(ep_mesh.get_group(), ep)
+    """Shard the experts over the ep group (dim 0, as DTensors: DCP saves every rank's
+    experts and reshards them to another ep, `full_tensor` gathers them) and route rows
+    to the rank holding their expert."""
+    dispatch = ExpertDispatch(ep_mesh.get_group(), ep_mesh.size())
     for layer in model.layers.values():
         moe = layer.feed_forward
-        local = moe.num_experts // ep
-        moe.expert_range = (rank * local, (rank + 1) * local)
         for name in ("w1", "w2", "w3"):
             full = getattr(moe, name)
-            setattr(moe, name, nn.Parameter(full.new_empty((local, *full.shape[1:]))))
+            setattr(moe, name, nn.Parameter(distribute_tensor(full, ep_mesh, [Shard(0)], src_data_rank=None)))
         moe.dispatch = dispatch
 
 
@@ -280,11 +277,12 @@ def expert_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
 def data_parallel_kind(strategy: Strategy) -> str:
     """How the dp replicas are kept in step: "none", "ddp" (ZeRO-0, and ZeRO-1 with
     ZeroRedundancyOptimizer, Rajbhandari et al. 2020 §5.1), "replicate" (ZeRO-0 over
-    tensor-parallel weights) or "fsdp" (ZeRO-2 and 3; ZeRO-1 over tensor-parallel weights
-    runs as ZeRO-2: the same traffic per step, less memory than planned)."""
+    tensor-parallel weights) or "fsdp" (ZeRO-2 and 3; ZeRO-1 over tensor-parallel or
+    expert-parallel weights runs as ZeRO-2: the same traffic per step, less memory than
+    planned; ZeroRedundancyOptimizer would broadcast one rank's experts to all)."""
     if strategy.dp == 1:
         return "none"
-    if strategy.zero_stage >= 2 or (strategy.zero_stage == 1 and strategy.tp > 1):
+    if strategy.zero_stage >= 2 or (strategy.zero_stage == 1 and (strategy.tp > 1 or strategy.ep > 1)):
         return "fsdp"
     return "replicate" if strategy.tp > 1 else "ddp"
 
@@ -336,6 +334,20 @@ def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, zero_stage: int, ignored
         unit.set_modules_to_backward_prefetch(units[max(0, i - ahead):i][::-1])
 
 
+def apply_expert_fsdp(model: Transformer, edp_mesh: DeviceMesh, dp_mesh: DeviceMesh, zero_stage: int) -> None:
+    """ZeRO over expert weights, as torchtitan shards them: each MoE's experts (already
+    sharded over ep) are an FSDP2 unit over the edp group (the dp ranks holding the same
+    experts) and its router a unit over dp, before the layers become units (a unit leaves
+    out what its sub-units hold). FSDP2 averages expert gradients over edp; the step
+    divides them by ep (executor.step.TrainStep.synchronize_gradients). The cost model
+    shards expert states over dp / ep (costmodel.estimate.uniform)."""
+    reshard = zero_stage == 3
+    for layer in model.layers.values():
+        moe = layer.feed_forward
+        fully_shard(moe.router, mesh=dp_mesh, reshard_after_forward=reshard)
+        fully_shard(moe, mesh=edp_mesh, reshard_after_forward=reshard)
+
+
 # DDP's switch for not broadcasting buffers each forward: `forward_sync_buffers` in
 # recent PyTorch, `broadcast_buffers` (deprecated there) before.
 NO_BUFFER_SYNC = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters
@@ -372,6 +384,9 @@ class BuiltinModel:
         ends_group = tied_ends_group(mesh) if spec.tie_word_embeddings and strategy.pp > 1 else None
         self.data_parallel = data_parallel_kind(strategy)
         zero_2 = self.data_parallel == "fsdp" and strategy.zero_stage < 3
+        # ZeRO over experts needs two ranks holding them (edp > 1): on one there is
+        # nothing to shard, and the step reduces them as under DDP.
+        self.experts_sharded = self.data_parallel == "fsdp" and strategy.ep > 1 and strategy.dp // strategy.ep > 1
         stages = [None] if strategy.pp == 1 else list(strategy.rank_stages(mesh.pp_rank))
         self.modules = [self._build(stage) for stage in stages]   # as the step runs them
         # This rank's Transformers, without their DDP wrappers.
@@ -388,6 +403,7 @@ class BuiltinModel:
             shapes=self._stage_shapes(),
             tied=self._tied_embedding(ends_group),
             expert_parameters=tuple(p for inner in self.stages for _, p in expert_parameters(inner)),
+            experts_reduced_by_fsdp=self.experts_sharded,
             summed_over_tp=self._summed_over_tp())
         self.tied_names = ("tok_embeddings.weight", "output.weight") if spec.tie_word_embeddings else None
 
@@ -409,6 +425,9 @@ class BuiltinModel:
             apply_compile(model, self.compile_backend, micro_pipeline_tp=self.overlap.async_tp)
         experts = {p for _, p in expert_parameters(model)}
         if self.data_parallel == "fsdp":
+            if self.experts_sharded:
+                apply_expert_fsdp(model, self.mesh["edp"], self.mesh.dp_mesh, max(2, s.zero_stage))
+                experts = set()
             apply_fsdp(model, self.mesh.dp_mesh, max(2, s.zero_stage), experts, self.overlap)
         elif self.data_parallel == "replicate":
             apply_replicate(model, self.mesh.dp_mesh, experts)
@@ -454,13 +473,8 @@ class BuiltinModel:
         model (gathered over tp, dp and ep; every rank of the stage gets them)."""
         out = {}
         for inner in self.stages:
-            experts = {id(p) for _, p in expert_parameters(inner)}
             for name, p in inner.named_parameters():
                 value = p.full_tensor() if isinstance(p, DTensor) else p.detach()
-                if id(p) in experts:
-                    shards = [torch.empty_like(value) for _ in range(self.strategy.ep)]
-                    dist.all_gather(shards, value.contiguous(), group=self.mesh["ep"].get_group())
-                    value = torch.cat(shards)
                 out[canonical_name(name)] = value.cpu().clone()
         return out
 

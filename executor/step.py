@@ -91,7 +91,8 @@ class ModelParts:
     accumulation: Accumulation
     shapes: StageShapes
     tied: TiedEmbedding | None = None
-    expert_parameters: tuple[nn.Parameter, ...] = ()   # sharded over ep, replicated over edp
+    expert_parameters: tuple[nn.Parameter, ...] = ()   # sharded over ep (DTensors), replicated over edp
+    experts_reduced_by_fsdp: bool = False   # FSDP shards them over edp and reduces their gradients
     summed_over_tp: tuple[nn.Parameter, ...] = ()      # each tp rank's gradient is one part of the whole
 
     def parameters(self) -> list[nn.Parameter]:
@@ -244,12 +245,18 @@ class TrainStep:
             elif grads:
                 dist.all_reduce(grads[0], group=parts.tied.ends_group)
         # Expert weights see tokens from every dp rank through the all-to-all: the
-        # gradient of the dp-mean loss is their sum over edp divided by dp.
+        # gradient of the dp-mean loss is their sum over edp divided by dp. FSDP has
+        # taken the mean over edp already (sum / (dp / ep)): that leaves a division by ep.
         for p in parts.expert_parameters:
-            if p.grad is not None:
-                if s.dp // s.ep > 1:
-                    dist.all_reduce(p.grad, group=self.mesh["edp"].get_group())
-                p.grad.div_(s.dp)
+            if p.grad is None:
+                continue
+            grad = _local(p.grad)
+            if parts.experts_reduced_by_fsdp:
+                grad.div_(s.ep)
+                continue
+            if s.dp // s.ep > 1:
+                dist.all_reduce(grad, group=self.mesh["edp"].get_group())
+            grad.div_(s.dp)
 
     def clip_gradients(self) -> torch.Tensor:
         """Scale gradients so their global L2 norm is at most grad_clip (Pascanu et al.
@@ -281,8 +288,9 @@ class TrainStep:
         if isinstance(param, DTensor):
             for name, placement in zip(param.device_mesh.mesh_dim_names, param.placements):
                 # FSDP over TP shards as _StridedShard, which is not a Shard subclass.
-                if (placement.is_shard() or isinstance(placement, _StridedShard)) and name in sizes:
-                    sizes[name] = 1
+                key = "dp" if name == "edp" else name   # experts under FSDP: sharded over edp
+                if (placement.is_shard() or isinstance(placement, _StridedShard)) and key in sizes:
+                    sizes[key] = 1
         return sizes["dp"] * sizes["tp"]
 
     def global_loss(self, loss: torch.Tensor | None) -> float:

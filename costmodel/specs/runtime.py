@@ -97,6 +97,10 @@ class RuntimeSpec:
     step_time_low_ratio: float = 1.0
     step_time_high_ratio: float = 1.0
     memory_high_ratio: float = 1.0
+    # Whether the engine splits each expert's matrices over tp (Megatron-LM's expert
+    # tensor parallelism). The executor keeps experts whole (executor/parallelize.py
+    # check_supported), so under its runtime the search offers MoE models tp 1 only.
+    expert_tensor_parallel: bool = True
     # coefficient -> the measurements it was fitted on (or the source it was read from).
     fitted_on: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
 
@@ -146,4 +150,4 @@ INT_FIELDS = ("fsdp_prefetch",)
 # `plan --runtime-set` changes these (a runtime file changes anything).
 SETTING_FIELDS = ("torch_compile", "async_tp", "chunked_loss", "selective_recompute", "fsdp_kept_gathered",
                   "fsdp_prefetch", "ddp_bucket_mb")
-FLAG_FIELDS = ("async_tp", "torch_compile", "chunked_loss")
+FLAG_FIELDS = ("async_tp", "torch_compile", "chunked_loss", "expert_tensor_parallel")

@@ -10,9 +10,8 @@ which rule emptied it.
 
 from __future__ import annotations
 
-import math
-
 import itertools
+import math
 from dataclasses import dataclass, field
 
 from costmodel.problem import Problem, TracedProblem
@@ -34,22 +33,29 @@ def divisors(n: int) -> list[int]:
 
 @dataclass
 class Exclusions:
-    """Why values were left out, knob by knob (the last reason seen wins)."""
+    """Why values were left out, knob by knob (the last reason seen wins). A reason
+    about a value the rules permit outranks a rule's refusal: under `--fix tp=2` the
+    user wants to hear why tp 2 cannot be, not that tp 4 is not 2."""
 
     reasons: dict[str, str] = field(default_factory=dict)
+    rule_reasons: dict[str, str] = field(default_factory=dict)
 
     def add(self, knob: str, reason: str) -> None:
         self.reasons[knob] = reason
 
+    def add_rule(self, knob: str, reason: str) -> None:
+        self.rule_reasons[knob] = reason
+
     def summary(self) -> str:
-        return "; ".join(f"{k}: {v}" for k, v in sorted(self.reasons.items())) or "no strategy to consider"
+        merged = {**self.rule_reasons, **self.reasons}
+        return "; ".join(f"{k}: {v}" for k, v in sorted(merged.items())) or "no strategy to consider"
 
 
 def admits(rules: Rules, why: Exclusions, knob: str, value) -> bool:
     """Whether the rules permit `value` for `knob`; records the rule when not."""
     if rules.permits(knob, value):
         return True
-    why.add(knob, rules.why_not(knob, value))
+    why.add_rule(knob, rules.why_not(knob, value))
     return False
 
 
@@ -125,6 +131,8 @@ def _tp_options(problem: Problem, rules: Rules, degrees: list[int], why: Exclusi
     model, g = problem.model, problem.cluster.gpus_per_node
     out = []
     for tp in degrees:
+        if not admits(rules, why, "tp", tp):
+            continue
         if model.hidden_size % tp:
             why.add("tp", f"{tp} does not divide hidden_size {model.hidden_size}")
         elif rules.tp_within_node and tp > g:
@@ -132,7 +140,10 @@ def _tp_options(problem: Problem, rules: Rules, degrees: list[int], why: Exclusi
         elif rules.tp_divides_heads and (model.num_attention_heads % tp or model.num_key_value_heads % tp):
             why.add("tp", f"tp_divides_heads: {tp} does not divide {model.num_attention_heads} attention "
                           f"and {model.num_key_value_heads} KV heads")
-        elif admits(rules, why, "tp", tp):
+        elif model.is_moe and tp > 1 and not problem.runtime.expert_tensor_parallel:
+            why.add("tp", f"the {problem.runtime.name} runtime does not split experts over tp "
+                          f"(--runtime megatron does)")
+        else:
             out.append(tp)
     return out
 

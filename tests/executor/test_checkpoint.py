@@ -34,16 +34,16 @@ def plan_of(strat) -> dict:
     return {**PLAN_STUB, "model": {"name": "tiny-gpt"}, "strategy": strategy_dict(strat)}
 
 
-def save_rank(rank, world, strat, root):
-    spec = load_model("tiny-gpt")
+def save_rank(rank, world, strat, root, model="tiny-gpt"):
+    spec = load_model(model)
     trainer = Trainer(spec, training(), strat, PARITY, "cpu")
     losses = [trainer.step(x, y) for x, y in batches(spec, SAVED_AT)]
     checkpoint.save(trainer, SAVED_AT, root, plan_of(strat))
     return torch.tensor(losses, dtype=torch.float64)
 
 
-def resume_rank(rank, world, strat, root):
-    spec = load_model("tiny-gpt")
+def resume_rank(rank, world, strat, root, model="tiny-gpt"):
+    spec = load_model(model)
     trainer = Trainer(spec, training(), strat, PARITY, "cpu")
     found = checkpoint.latest(root, log=lambda *a: None)
     step = checkpoint.load(trainer, found.path, plan_of(strat))
@@ -81,6 +81,21 @@ def test_a_checkpoint_resumes_under_other_plans_with_the_uninterrupted_losses(sa
         assert out[-1]["losses"].tolist() == pytest.approx(reference[SAVED_AT:], rel=rtol), resumed
         state = out[0]["state"]
         for name, value in state.items():
+            torch.testing.assert_close(value, final[name], atol=atol, rtol=0, msg=f"{resumed}: {name}")
+
+
+def test_every_ranks_experts_are_saved_and_resume_under_another_ep(tmp_path):
+    """Experts sharded over ep (and over edp by ZeRO-2): the checkpoint holds every
+    rank's experts, and resumes with one process or ep 2 without ZeRO with the losses
+    and weights of an uninterrupted run."""
+    reference, final = reference_run("tiny-moe", config=PARITY)
+    rtol, atol = loss_rtol(PARITY.dtype), weight_atol(PARITY.dtype, PARITY.lr)
+    first = run_local(save_rank, 4, strategy(dp=4, ep=2, zero=2), str(tmp_path), "tiny-moe")
+    assert first[0].tolist() == pytest.approx(reference[:SAVED_AT], rel=rtol)
+    for resumed in (strategy(), strategy(dp=2, ep=2)):
+        out = run_local(resume_rank, resumed.num_gpus, resumed, str(tmp_path), "tiny-moe")
+        assert out[-1]["losses"].tolist() == pytest.approx(reference[SAVED_AT:], rel=rtol), resumed
+        for name, value in out[0]["state"].items():
             torch.testing.assert_close(value, final[name], atol=atol, rtol=0, msg=f"{resumed}: {name}")
 
 

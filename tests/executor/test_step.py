@@ -76,7 +76,12 @@ PLANS = {
 # Llama-style: the layouts where GQA, RoPE and SwiGLU meet tensor and pipeline splits.
 LLAMA_PLANS = ["tp2", "tp2-sp", "pp2-1f1b", "dp2-tp2", "zero3-tp2", "recompute-full", "recompute-selective",
                "recompute-selective-tp2-sp", "pp2-uneven"]
-MOE_PLANS = {"ep2": strategy(dp=2, ep=2), "ep2-zero3": strategy(dp=2, ep=2, zero=3), "ep2-pp2": strategy(dp=2, ep=2, pp=2)}
+# dp 4 with ep 2: two ranks (edp) hold each expert, so ZeRO shards the experts over them
+# and their gradients are summed over edp, divided by dp.
+MOE_PLANS = {"ep2": strategy(dp=2, ep=2), "ep2-zero3": strategy(dp=2, ep=2, zero=3), "ep2-pp2": strategy(dp=2, ep=2, pp=2),
+             "ep2-zero2": strategy(dp=2, ep=2, zero=2), "ep2-edp2": strategy(dp=4, ep=2),
+             "ep2-edp2-zero1": strategy(dp=4, ep=2, zero=1), "ep2-edp2-zero2": strategy(dp=4, ep=2, zero=2),
+             "ep2-edp2-zero3": strategy(dp=4, ep=2, zero=3)}
 
 # The production dtypes' loss checks: one layout of each kind of split, and ZeRO with
 # accumulation (where autocast's cache of weight casts once broke the gradients).
@@ -135,6 +140,19 @@ def test_production_precisions_keep_the_losses(plan, precision):
     for rank, (losses, params) in enumerate(results):
         assert losses == pytest.approx(ref_losses, rel=rtol), f"rank {rank}"
         assert all(p.dtype == torch.float32 for p in params.values())
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_moe_with_experts_sharded_over_edp_keeps_the_losses_in_production_precisions(precision):
+    """ZeRO-2 over experts held by two ranks each (dp 4, ep 2): FSDP2's own reduction
+    in float32 (gloo's ops, as NCCL's), the losses of one process within the bound."""
+    strat = MOE_PLANS["ep2-edp2-zero2"]
+    ref_losses, _ = cached_reference("tiny-moe", config=CONFIG, precision=precision)
+    results = run_local(parallel_run, strat.num_gpus, "tiny-moe", strat, "adamw", STEPS, GLOBAL_BATCH, CONFIG,
+                        precision)
+    rtol = bf16_loss_rtol() if precision == "bf16" else loss_rtol(torch.float32)
+    for rank, (losses, _) in enumerate(results):
+        assert losses == pytest.approx(ref_losses, rel=rtol), f"rank {rank}"
 
 
 def test_the_tolerances_are_the_bounds_their_derivations_state():
