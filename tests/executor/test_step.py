@@ -72,6 +72,16 @@ PLANS = {
     "recompute-full": strategy(pp=2, recompute="full"),
     "pp2-uneven": strategy(pp=2, stages=UNEVEN),
     "dp2-accumulate": strategy(dp=2, m=2),
+    # The other kinds the search makes on 2 and 4 ranks (tests/executor/test_plans_from_search.py).
+    "dp2-pp2-gpipe": strategy(dp=2, pp=2, schedule="gpipe"),
+    "dp2-pp2-interleaved": strategy(dp=2, pp=2, vpp=2, schedule="interleaved"),
+    "zero3-pp2-gpipe": strategy(dp=2, pp=2, zero=3, schedule="gpipe"),
+    "zero2-pp2-interleaved": strategy(dp=2, pp=2, vpp=2, zero=2, schedule="interleaved"),
+    "zero3-tp2-sp": strategy(dp=2, tp=2, zero=3, sp=True),
+    "dp2-tp2-sp": strategy(dp=2, tp=2, sp=True),
+    "tp2-pp2-1f1b": strategy(tp=2, pp=2),
+    "tp2-pp2-interleaved": strategy(tp=2, pp=2, vpp=2, schedule="interleaved"),
+    "tp2-sp-pp2-interleaved": strategy(tp=2, pp=2, vpp=2, schedule="interleaved", sp=True),
 }
 # Llama-style: the layouts where GQA, RoPE and SwiGLU meet tensor and pipeline splits.
 LLAMA_PLANS = ["tp2", "tp2-sp", "pp2-1f1b", "dp2-tp2", "zero3-tp2", "recompute-full", "recompute-selective",
@@ -81,7 +91,12 @@ LLAMA_PLANS = ["tp2", "tp2-sp", "pp2-1f1b", "dp2-tp2", "zero3-tp2", "recompute-f
 MOE_PLANS = {"ep2": strategy(dp=2, ep=2), "ep2-zero3": strategy(dp=2, ep=2, zero=3), "ep2-pp2": strategy(dp=2, ep=2, pp=2),
              "ep2-zero2": strategy(dp=2, ep=2, zero=2), "ep2-edp2": strategy(dp=4, ep=2),
              "ep2-edp2-zero1": strategy(dp=4, ep=2, zero=1), "ep2-edp2-zero2": strategy(dp=4, ep=2, zero=2),
-             "ep2-edp2-zero3": strategy(dp=4, ep=2, zero=3)}
+             "ep2-edp2-zero3": strategy(dp=4, ep=2, zero=3),
+             "ep2-pp2-gpipe": strategy(dp=2, ep=2, pp=2, schedule="gpipe"),
+             "ep2-pp2-interleaved": strategy(dp=2, ep=2, pp=2, vpp=2, schedule="interleaved"),
+             "ep2-pp2-zero3": strategy(dp=2, ep=2, pp=2, zero=3),
+             "ep2-pp2-zero2-gpipe": strategy(dp=2, ep=2, pp=2, zero=2, schedule="gpipe"),
+             "ep2-pp2-zero3-interleaved": strategy(dp=2, ep=2, pp=2, vpp=2, zero=3, schedule="interleaved")}
 
 # The production dtypes' loss checks: one layout of each kind of split, and ZeRO with
 # accumulation (where autocast's cache of weight casts once broke the gradients).
