@@ -1243,6 +1243,7 @@ class Outcome:
     timed_out: bool
     new_paths: list[str]
     traceback: str | None = None   # in-process: the exception's traceback
+    orphans: int = 0               # processes still running in the case's folder after it ended
 
 
 @dataclass
@@ -1303,12 +1304,34 @@ def run_subprocess(case: Case, folder: Path, timeout: float = TIMEOUT_S) -> Outc
             out, err = proc.communicate(timeout=3)
         except subprocess.TimeoutExpired:
             _signal_group(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
+            try:
+                out, err = proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:   # something outside the group holds the pipes
+                _kill_running_in(folder)
+                out, err = proc.communicate()
     seconds = time.perf_counter() - start
-    _signal_group(proc.pid, signal.SIGKILL)   # what the case started (torchrun's workers) ends with it
+    _signal_group(proc.pid, signal.SIGKILL)
+    time.sleep(0.5 if timed_out else 0.0)   # workers that die with torchrun take a moment
+    orphans = _kill_running_in(folder)   # torchrun's workers run in sessions of their own
     after = snapshot(folder)
     return Outcome(proc.returncode, out.decode("utf-8", "replace"), err.decode("utf-8", "replace"), seconds, timed_out,
-                   sorted(after - before))
+                   sorted(after - before), orphans=orphans)
+
+
+def _kill_running_in(folder: Path) -> int:
+    """SIGKILL every process whose working folder is `folder` (what a case started and
+    left running); how many there were."""
+    killed = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if Path(os.readlink(f"/proc/{entry}/cwd")) == folder.resolve():
+                os.kill(int(entry), signal.SIGKILL)
+                killed += 1
+        except OSError:
+            pass
+    return killed
 
 
 def _signal_group(pgid: int, sig: int) -> None:
@@ -1447,6 +1470,9 @@ def check(case: Case, outcome: Outcome) -> list[Failure]:
             elif code == 2 and not re.match(r"^error: [^:\s][^:]*: \S", last):
                 failures.append(Failure(f"format: {cmd}: exit 2 names no field: {normalize(last)}",
                                         f"last stderr line: {last[:200]!r}", stderr_lines[-3:]))
+    if outcome.orphans:
+        failures.append(Failure(f"orphans: {cmd} left processes running", f"{outcome.orphans} processes outlived "
+                                f"the case", []))
     tmp = [p for p in outcome.new_paths if p.endswith(".tmp")]
     if outcome.timed_out:
         pass   # interrupted: what it wrote so far is no verdict on its error handling

@@ -163,6 +163,25 @@ def _call_forwarding_signals(cmd: list[str], env: dict) -> tuple[int, int | None
     return code, (received[0] if received else None)
 
 
+def die_with_launcher() -> None:
+    """Have the kernel end this worker when torchrun, its parent, ends. torchrun starts
+    each worker in a session of its own, so a launcher killed outright (SIGKILL, the OOM
+    killer, a scheduler's hard stop) cannot stop it, and an orphan waits in a collective
+    for ever, holding its device. Linux only (prctl PR_SET_PDEATHSIG); elsewhere a no-op.
+    Called by executor.run under torchrun."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    parent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    # The launcher may have gone between reading its pid and the call: the kernel would
+    # not tell. (Not `parent == 1`: in a container torchrun itself may be pid 1.)
+    if os.getppid() != parent:
+        os._exit(128 + signal.SIGKILL)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -78,6 +78,7 @@ from costmodel.strategy import Strategy
 from costmodel.units import GIB
 from executor import checkpoint
 from executor.data import make_source
+from executor.launch import die_with_launcher
 from executor.parallelize import Overlap, UnsupportedPlan, check_supported
 from executor.train import TrainConfig, Trainer
 from planner.plan_file import (
@@ -226,6 +227,8 @@ def device_for_rank(device_type: str) -> torch.device:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        die_with_launcher()
     args = parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))

@@ -314,6 +314,34 @@ def test_sigterm_stops_torchrun_and_every_worker(plan_file, tmp_path):
     assert _alive(str(marker)) == []
 
 
+def test_workers_end_when_torchrun_is_killed_outright(plan_file, tmp_path):
+    """SIGKILL (the OOM killer, a hard stop) of the command and torchrun together: no
+    forwarding is possible, and the workers, in sessions of their own, end anyway."""
+    import signal
+    import time
+
+    marker = tmp_path / "sigkill-plan.json"
+    marker.write_text(plan_file.read_text())
+    cmd = [sys.executable, "-m", "planner.console.cli", "run", str(marker), "--steps", "100000"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={"OMP_NUM_THREADS": "1", **os.environ}, start_new_session=True)
+    for line in proc.stdout:   # wait until the ranks train
+        if line.startswith("step "):
+            break
+    try:
+        workers = [pid for pid in _alive(str(marker)) if os.getpgid(pid) != proc.pid]
+        assert len(workers) == 2, workers
+        os.killpg(proc.pid, signal.SIGKILL)   # the command and torchrun: their process group
+        proc.wait(timeout=30)
+        deadline = time.time() + 30
+        while _alive(str(marker)) and time.time() < deadline:
+            time.sleep(0.2)
+        assert _alive(str(marker)) == []
+    finally:   # a failure leaves no orphan behind
+        for pid in _alive(str(marker)):
+            os.kill(pid, signal.SIGKILL)
+
+
 def test_steps_is_the_step_to_train_to_after_a_resume_too(plan_file, tmp_path):
     """A run trained to step 2 and started again with --steps 2 has nothing to do; with
     --steps 1 it is bad input naming --steps (the checkpoint is past it)."""
