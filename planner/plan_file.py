@@ -39,6 +39,7 @@ from costmodel.specs.loading import (
 )
 from costmodel.specs.training import MIXED_PRECISION, OPTIMIZERS, PRECISIONS
 from costmodel.strategy import RECOMPUTE_MODES, SCHEDULES, Stage, Strategy
+from costmodel.terms.counts import active_parameters, total_parameters
 from planner.outputs import write_atomic
 from planner.search import Candidate, SearchResult
 
@@ -115,6 +116,15 @@ def cluster_dict(cluster: ClusterSpec | MixedClusterSpec) -> dict:
     return out
 
 
+def parameter_counts(problem) -> dict:
+    """The model's total parameters and those one token uses (costmodel.terms.counts;
+    a traced module: the parameters of its layers and root, all of them active)."""
+    if isinstance(problem, Problem):
+        return {"total_params": total_parameters(problem.model), "active_params": active_parameters(problem.model)}
+    total = problem.model.parameters
+    return {"total_params": total, "active_params": total}
+
+
 def plan_document(problem, rules_name: str, result: SearchResult) -> dict:
     """The plan as a JSON-ready dict (no wall-clock seconds: they would break determinism)."""
     stats = asdict(result.stats)
@@ -124,6 +134,7 @@ def plan_document(problem, rules_name: str, result: SearchResult) -> dict:
         "schema_version": SCHEMA_VERSION,
         "model": asdict(problem.model),
         "model_fingerprint": fingerprint(problem.model),
+        **parameter_counts(problem),
         "cluster": cluster_dict(problem.cluster),
         "training": asdict(problem.training),
         **({"runtime": runtime_dict(problem.runtime)} if isinstance(problem, Problem) else {}),

@@ -67,7 +67,7 @@ _FAMILY_OF = {
     "gpt": "gpt", "gpt2": "gpt", "gpt_neox": "gpt", "gptj": "gpt", "opt": "gpt", "phi": "gpt",
     "starcoder2": "gpt",
     "llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama", "gemma": "llama",
-    "mixtral": "mixtral", "qwen2_moe": "mixtral",
+    "mixtral": "mixtral", "qwen2_moe": "mixtral", "qwen3_moe": "mixtral",
 }
 # What each Hugging Face model_type builds beyond its family's defaults, read off the
 # modeling_*.py of transformers 5: (fixed fields, tie_word_embeddings when the config
@@ -96,6 +96,8 @@ _HF_ARCHITECTURE = {
     # Starcoder2: LayerNorm, GELU MLP (c_fc, c_proj), biases everywhere with use_bias.
     "starcoder2": ({"position_embedding": "rope"}, True),
     "mixtral": ({}, False),
+    # Qwen3MoeAttention: q_norm / k_norm as Qwen3; the experts' width is moe_intermediate_size.
+    "qwen3_moe": ({"qk_norm": True}, False),
 }
 # GPT-2 style key names -> Hugging Face Llama style key names.
 _ALIASES = {
@@ -129,6 +131,8 @@ def _hf_architecture(model_type: str, raw: dict, lenient: bool) -> dict:
             out["attention_bias"] = out["attention_out_bias"] = raw["attention_bias"]
     if model_type == "starcoder2" and raw.get("use_bias") is not None:
         out["attention_bias"] = out["attention_out_bias"] = out["mlp_bias"] = raw["use_bias"]
+    if model_type in ("qwen2_moe", "qwen3_moe"):
+        out.update(_qwen_moe(model_type, raw))
     if model_type == "phi" and raw.get("qk_layernorm"):
         raise SpecError("qk_layernorm", "Phi's per-head LayerNorm on q and k is not modelled (RMSNorm q/k norm is: qk_norm)")
     if lenient:
@@ -144,6 +148,30 @@ def _hf_architecture(model_type: str, raw: dict, lenient: bool) -> dict:
         out["resid_dropout"] = drop if drop is not None else 0.0
     if lenient and raw.get("tie_word_embeddings") is None:
         out["tie_word_embeddings"] = tie_default
+    return out
+
+
+def _qwen_moe(model_type: str, raw: dict) -> dict:
+    """Qwen2-MoE / Qwen3-MoE as transformers builds them (modeling_qwen3_moe.py): every
+    layer is sparse when decoder_sparse_step is 1 and mlp_only_layers is empty, each of
+    `num_experts` SwiGLU experts `moe_intermediate_size` wide, so that is the MLP width
+    the spec prices; the router's softmax over all experts, renormalised over the top k
+    (norm_topk_prob), equals Mixtral's softmax over the k chosen logits. Dense layers
+    among sparse ones, shared experts and unnormalised routing are refused by name."""
+    out: dict = {}
+    if raw.get("num_experts") is not None:
+        out["num_local_experts"] = raw["num_experts"]
+    if raw.get("moe_intermediate_size") is not None:
+        out["intermediate_size"] = raw["moe_intermediate_size"]
+    if raw.get("decoder_sparse_step", 1) != 1:
+        raise SpecError("decoder_sparse_step", f"{raw['decoder_sparse_step']}: dense layers between sparse ones are "
+                                               f"not modelled (every layer a mixture of experts: 1)")
+    if raw.get("mlp_only_layers"):
+        raise SpecError("mlp_only_layers", "dense layers among sparse ones are not modelled (an empty list is)")
+    if raw.get("shared_expert_intermediate_size"):
+        raise SpecError("shared_expert_intermediate_size", "shared experts are not modelled")
+    if model_type == "qwen3_moe" and raw.get("norm_topk_prob") is False:
+        raise SpecError("norm_topk_prob", "routing weights not renormalised over the top k are not modelled")
     return out
 
 

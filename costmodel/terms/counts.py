@@ -64,6 +64,16 @@ def total_parameters(model: ModelSpec) -> int:
     return embedding_parameters(model) + model.num_hidden_layers * (dense + experts) + head_parameters(model)
 
 
+def active_parameters(model: ModelSpec) -> int:
+    """Parameters one token's forward uses: every dense weight and the k experts it is
+    routed to in each layer (the "activated parameters" model cards quote, embedding and
+    head included: Mixtral 8x7B 12.9B of 46.7B, Jiang et al. 2024 §2; Qwen3-30B-A3B 3.3B
+    of 30.5B, Qwen3 technical report table 1). Dense models: every parameter."""
+    dense, experts = layer_parameters(model)
+    routed = experts // model.num_local_experts * model.num_experts_per_tok if model.is_moe else 0
+    return embedding_parameters(model) + model.num_hidden_layers * (dense + routed) + head_parameters(model)
+
+
 def layer_forward_flops(model: ModelSpec, seq_len: int) -> float:
     """Model FLOPs of one layer's forward pass for one sequence: 2 per multiply-add of
     every matmul, attention scores over the full s x s matrix (the convention of
@@ -93,7 +103,7 @@ def model_flops_per_step(model: ModelSpec, global_batch: int, seq_len: int) -> f
 def build_graph(model: ModelSpec, seq_len: int) -> nx.DiGraph:
     """Chain graph embedding -> layer.0 .. layer.{L-1} -> head; node attributes
     `parameters` and `forward_flops` (per sequence)."""
-    import networkx as nx   # only who draws or traces a layer graph pays for it
+    import networkx as nx  # only who draws or traces a layer graph pays for it
 
     graph = nx.DiGraph(name=model.name)
     dense, experts = layer_parameters(model)

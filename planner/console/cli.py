@@ -835,14 +835,16 @@ def models() -> None:
     """List the built-in models (configs/models/), one line each: family, parameters,
     layers, hidden size, heads, experts and context. Any of them is a `--model`."""
     from costmodel.specs.loading import builtin_names, load_model
-    from costmodel.terms.counts import total_parameters
+    from costmodel.terms.counts import active_parameters, total_parameters
+
+    def size(n: int) -> str:
+        return f"{n / 1e9:7.2f}B" if n >= 1e9 else f"{n / 1e6:7.2f}M"
 
     for name in builtin_names("models"):
         m = load_model(name)
-        experts = f", {m.num_local_experts} experts top-{m.num_experts_per_tok}" if m.is_moe else ""
-        n = total_parameters(m)
-        size = f"{n / 1e9:7.2f}B" if n >= 1e9 else f"{n / 1e6:7.2f}M"
-        click.echo(f"{name:16s} {m.model_type:8s} {size}  {m.num_hidden_layers:3d} layers, "
+        experts = (f", {m.num_local_experts} experts top-{m.num_experts_per_tok} "
+                   f"({size(active_parameters(m)).strip()} active)" if m.is_moe else "")
+        click.echo(f"{name:16s} {m.model_type:8s} {size(total_parameters(m))}  {m.num_hidden_layers:3d} layers, "
                    f"hidden {m.hidden_size}, {m.num_attention_heads} heads ({m.num_key_value_heads} kv){experts}, "
                    f"context {m.max_position_embeddings}")
 

@@ -140,7 +140,9 @@ def per_expert_loop(moe, x, counts):
 @pytest.mark.parametrize("dtype, grouped", [(torch.float32, True), (torch.float64, False)])
 def test_experts_in_one_call_equal_the_per_expert_loop(dtype, grouped):
     """fp32 takes torch._grouped_mm, fp64 the padded batched matmul; both give the loop's
-    output and gradients exactly, an expert without rows included."""
+    output and gradients, an expert without rows included: exactly, except the padded
+    path's weight gradients, which the batched matmul sums in its BLAS's order (bitwise
+    on one machine, 1 ulp apart on an AVX2 AMD EPYC)."""
     from executor.models import MoE, _grouped_mm_fits
     torch.manual_seed(0)
     moe = MoE(load_model("tiny-moe")).to(dtype)
@@ -157,8 +159,10 @@ def test_experts_in_one_call_equal_the_per_expert_loop(dtype, grouped):
     out = per_expert_loop(moe, x, counts)
     out.backward(upstream)
     assert torch.equal(moe.experts(x, counts), out)
-    for a, b in zip(mine, [x.grad] + [w.grad for w in (moe.w1, moe.w3, moe.w2)]):
-        assert torch.equal(a, b)
+    assert torch.equal(mine[0], x.grad)
+    for a, b in zip(mine[1:], [w.grad for w in (moe.w1, moe.w3, moe.w2)]):
+        ulps = 0 if grouped else 4
+        torch.testing.assert_close(a, b, rtol=0, atol=ulps * torch.finfo(dtype).eps * b.abs().max().item())
 
 
 def routed_per_token(moe, x, capacity):

@@ -104,3 +104,55 @@ def test_family_fields_read_from_published_configs():
     assert (gemma.head_dim, gemma.q_size, gemma.mlp, gemma.tie_word_embeddings) == (256, 2048, "geglu", True)
     assert (qwen2.attention_bias, qwen2.attention_out_bias, qwen2.mlp_bias) == (True, False, False)
     assert (phi.parallel_block, phi.norms_per_layer, phi.lm_head_bias, phi.position_embedding) == (True, 1, True, "rope")
+
+
+def _builtin_as_config_json(name: str, tmp_path, **changes):
+    """A built-in whose YAML is a released config.json, written back as one."""
+    from pathlib import Path
+
+    import yaml
+
+    import configs
+
+    data = yaml.safe_load((Path(configs.__file__).parent / "models" / f"{name}.yaml").read_text())
+    data.update(changes)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_qwen3_moe_loads_as_transformers_builds_it(tmp_path):
+    """Qwen3-30B-A3B's released config: 30,532,122,624 parameters (transformers' count on
+    the meta device; the model card's 30.5B), experts moe_intermediate_size wide."""
+    from costmodel.specs.hf import check_spec
+
+    path = _builtin_as_config_json("qwen3-30b-a3b", tmp_path)
+    spec = load_model(str(path))
+    assert (spec.intermediate_size, spec.num_local_experts, spec.num_experts_per_tok, spec.qk_norm,
+            spec.head_dim) == (768, 128, 8, True, 128)
+    assert total_parameters(spec) == 30_532_122_624 == total_parameters(load_model("qwen3-30b-a3b"))
+    check_spec(path, spec)
+
+
+def test_qwen3_moe_traces_to_the_spec_flops(tmp_path):
+    check(_builtin_as_config_json("qwen3-30b-a3b", tmp_path, num_hidden_layers=2, hidden_size=256, head_dim=32,
+                                  num_attention_heads=8, num_key_value_heads=2, moe_intermediate_size=64,
+                                  num_experts=8, num_experts_per_tok=2, vocab_size=1000), seq=64)
+
+
+@pytest.mark.parametrize("field, value, text", [
+    ("decoder_sparse_step", 2, "dense layers between sparse ones are not modelled"),
+    ("mlp_only_layers", [0, 5], "dense layers among sparse ones are not modelled"),
+    ("norm_topk_prob", False, "not renormalised over the top k are not modelled"),
+])
+def test_qwen3_moe_layouts_the_spec_cannot_describe_are_refused_by_name(tmp_path, field, value, text):
+    path = _builtin_as_config_json("qwen3-30b-a3b", tmp_path, **{field: value})
+    with pytest.raises(SpecError, match=f"^{field}: .*{text}"):
+        load_model(str(path))
+
+
+def test_qwen2_moe_shared_experts_are_refused_by_name(tmp_path):
+    path = _builtin_as_config_json("qwen3-30b-a3b", tmp_path, model_type="qwen2_moe",
+                                   shared_expert_intermediate_size=5632)
+    with pytest.raises(SpecError, match="^shared_expert_intermediate_size: shared experts are not modelled"):
+        load_model(str(path))

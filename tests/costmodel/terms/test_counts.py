@@ -12,6 +12,7 @@ from costmodel_test_helpers import HF_DIR
 
 from costmodel.specs.loading import load_model
 from costmodel.terms.counts import (
+    active_parameters,
     attention_parameters,
     build_graph,
     embedding_parameters,
@@ -68,6 +69,24 @@ def test_mixtral_parameter_count_by_hand():
     m = load_model("mixtral-8x7b")
     assert layer_parameters(m) == (dense, experts)
     assert L * (dense + experts) + 2 * V * h + h == 46_702_792_704
+
+
+def test_qwen3_235b_a22b_total_and_active_parameters_by_hand():
+    """Qwen3 technical report table 1: 235B total, 22B activated (8 of 128 experts)."""
+    h, q, kv, f, L, V, E, k = 4096, 64 * 128, 4 * 128, 1536, 94, 151936, 128, 8
+    dense = 2 * h * q + 2 * h * kv + 2 * 128 + 2 * h + h * E   # attention, q/k norms, two norms, router
+    expert = 3 * h * f
+    m = load_model("qwen3-235b-a22b")
+    assert total_parameters(m) == L * (dense + E * expert) + 2 * V * h + h == 235_093_634_560
+    assert active_parameters(m) == L * (dense + k * expert) + 2 * V * h + h
+    assert round(active_parameters(m) / 1e9) == 22
+
+
+def test_active_parameters_are_the_model_cards():
+    assert active_parameters(load_model("mixtral-8x7b")) / 1e9 == pytest.approx(12.9, abs=0.05)   # Jiang et al. 2024
+    assert active_parameters(load_model("qwen3-30b-a3b")) == 3_353_032_704   # the card: "3.3B"
+    dense = load_model("llama3-8b")
+    assert active_parameters(dense) == total_parameters(dense)
 
 
 def test_tinyllama_folder_parameter_count_by_hand():
