@@ -90,6 +90,7 @@ MEGATRON_INT_ARGS = (
     "--expert-tensor-parallel-size",          # ModelParallelConfig.expert_tensor_parallel_size
     "--num-layers", "--hidden-size", "--ffn-hidden-size", "--num-attention-heads",   # TransformerConfig
     "--num-query-groups",                     # TransformerConfig.num_query_groups
+    "--kv-channels",                          # TransformerConfig.kv_channels (head_dim)
     "--seq-length", "--max-position-embeddings",   # arguments.py
     "--num-experts", "--moe-router-topk",     # TransformerConfig.num_moe_experts, moe_router_topk
 )
@@ -126,6 +127,7 @@ MEGATRON_FLAGS = (
     "--bf16", "--fp16",                       # ModelParallelConfig.bf16 / fp16
     "--untie-embeddings-and-output-weights", "--swiglu", "--disable-bias-linear",   # model shape, arguments.py
     "--moe-pad-expert-input-to-capacity",     # TransformerConfig.moe_pad_expert_input_to_capacity
+    "--qk-layernorm",                         # TransformerConfig.qk_layernorm (Qwen3's q/k norm)
 )
 
 
@@ -216,6 +218,7 @@ def read_megatron(text: str, model: ModelSpec, num_gpus: int) -> Imported:
                   ("--num-attention-heads", args.num_attention_heads, model.num_attention_heads),
                   ("--num-query-groups", args.num_query_groups if args.group_query_attention else None,
                    model.num_key_value_heads),
+                  ("--kv-channels", args.kv_channels, model.head_dim),
                   ("--num-experts", args.num_experts, model.num_local_experts if model.is_moe else None),
                   ("--moe-router-topk", args.moe_router_topk, model.num_experts_per_tok if model.is_moe else None)],
                  model)
@@ -223,6 +226,13 @@ def read_megatron(text: str, model: ModelSpec, num_gpus: int) -> Imported:
         _check_capacity(args, model, warnings)
     if kv is not None and not args.group_query_attention and args.num_attention_heads is not None:
         raise SpecError("--group-query-attention", f"missing: {model.name} has {kv} KV heads")
+    # Megatron-LM's kv_channels defaults to hidden / heads, and q/k are not normalised unless asked.
+    if args.kv_channels is None and args.hidden_size is not None and \
+            model.head_dim != model.hidden_size // model.num_attention_heads:
+        raise SpecError("--kv-channels", f"missing: {model.name} has head_dim {model.head_dim}, not "
+                                         f"hidden / heads = {model.hidden_size // model.num_attention_heads}")
+    if model.qk_norm and not args.qk_layernorm and args.hidden_size is not None:
+        raise SpecError("--qk-layernorm", f"missing: {model.name} normalises q and k per head")
     tp = args.tensor_model_parallel_size or 1
     pp = args.pipeline_model_parallel_size or 1
     cp = args.context_parallel_size or 1
@@ -375,6 +385,10 @@ def export_megatron(strategy: Strategy, model: ModelSpec, training: TrainingSpec
              "--ffn-hidden-size", str(model.intermediate_size), "--num-attention-heads", str(model.num_attention_heads)]
     if model.num_key_value_heads != model.num_attention_heads:
         args += ["--group-query-attention", "--num-query-groups", str(model.num_key_value_heads)]
+    if model.head_dim != model.hidden_size // model.num_attention_heads:
+        args += ["--kv-channels", str(model.head_dim)]
+    if model.qk_norm:
+        args.append("--qk-layernorm")
     if model.is_moe:
         args += ["--num-experts", str(model.num_local_experts), "--moe-router-topk", str(model.num_experts_per_tok)]
         if model.moe_capacity_factor is not None:

@@ -45,6 +45,9 @@ CASES = {
     "moe-ep-zero3-pp": dict(model="tiny-moe", gpus=8, batch=32, seq=64,
                             fix="dp=4,tp=1,pp=2,ep=2,mbs=1,zero=3,recompute=none,schedule=1f1b"),
     "zero2-full": dict(model="llama2-7b", gpus=8, batch=64, seq=4096, fix="dp=8,tp=1,pp=1,mbs=1,zero=2,recompute=full"),
+    # Qwen3-MoE: head_dim 128 with hidden 2048 / 32 heads (--kv-channels), q/k norm (--qk-layernorm).
+    "qwen3-moe-ep": dict(model="qwen3-30b-a3b", gpus=16, batch=64, seq=4096,
+                         fix="dp=16,tp=1,pp=1,ep=16,mbs=1,zero=1,recompute=full"),
     "moe-capacity-ep": dict(model="tiny-moe", gpus=8, batch=32, seq=64, overrides={"moe_capacity_factor": "1.25"},
                             fix="dp=8,tp=1,pp=1,ep=4,mbs=1,zero=3,recompute=none"),
 }
@@ -58,6 +61,7 @@ EXACT = {
     ("zero2-full", "torchtitan"), ("zero2-full", "torchtitan-toml"), ("zero2-full", "megatron"),
     ("zero2-full", "deepspeed"),
     ("moe-capacity-ep", "megatron"),   # torchtitan routes dropless; DeepSpeed sets experts in code
+    ("qwen3-moe-ep", "megatron"),
 }
 
 
@@ -220,8 +224,8 @@ def megatron_mirror() -> argparse.ArgumentParser:
                  "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers", "--micro-batch-size",
                  "--global-batch-size", "--recompute-num-layers", "--context-parallel-size",
                  "--expert-model-parallel-size", "--num-layers", "--hidden-size", "--ffn-hidden-size",
-                 "--num-attention-heads", "--num-query-groups", "--seq-length", "--max-position-embeddings",
-                 "--num-experts", "--moe-router-topk"):
+                 "--num-attention-heads", "--num-query-groups", "--kv-channels", "--seq-length",
+                 "--max-position-embeddings", "--num-experts", "--moe-router-topk"):
         parser.add_argument(name, type=int)
     parser.add_argument("--recompute-granularity", choices=["full", "selective"])
     parser.add_argument("--recompute-method", choices=["uniform", "block"])
@@ -235,7 +239,7 @@ def megatron_mirror() -> argparse.ArgumentParser:
     for flag in ("--sequence-parallel", "--use-distributed-optimizer", "--use-megatron-fsdp", "--group-query-attention",
                  "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split", "--bf16", "--fp16",
                  "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
-                 "--moe-pad-expert-input-to-capacity"):
+                 "--moe-pad-expert-input-to-capacity", "--qk-layernorm"):
         parser.add_argument(flag, action="store_true")
     return parser
 
@@ -253,6 +257,17 @@ def test_megatron_arguments_parse_with_a_mirror_of_megatron_lm(case):
     assert args.use_distributed_optimizer == (s.zero_stage == 1)
     if doc["model"]["num_key_value_heads"] != doc["model"]["num_attention_heads"]:
         assert args.group_query_attention and args.num_query_groups == doc["model"]["num_key_value_heads"]
+    model = model_of(doc)
+    assert (args.kv_channels or model.hidden_size // model.num_attention_heads) == model.head_dim
+    assert args.qk_layernorm == model.qk_norm
+
+
+@pytest.mark.parametrize("drop, field", [("--kv-channels 128", "--kv-channels"), ("--qk-layernorm", "--qk-layernorm")])
+def test_megatron_arguments_missing_qwen3s_head_dim_or_qk_norm_are_refused(drop, field):
+    doc = _doc("qwen3-moe-ep")
+    text = export_plan(doc, "megatron").text.replace("\\\n", " ").replace(drop, "")
+    with pytest.raises(SpecError, match=f"^{field}: missing"):
+        read_text("megatron", text, model_of(doc), 16)
 
 
 def test_megatron_capacity_factor_is_the_model_s():
