@@ -43,8 +43,9 @@ def cluster_line(cluster: dict) -> str:
 def print_plan(doc: dict, seconds: float, console: Console | None = None) -> None:
     console = console or Console()
     model, cluster = doc["model"], doc["cluster"]
-    console.print(f"[bold]{model['name']}[/] on {cluster_line(cluster)}, global batch {doc['training']['global_batch']} "
-                  f"x {doc['training']['seq_len']} tokens, {doc['training']['precision']}")
+    console.print(f"[bold]{model['name']}[/]{parameters_note(doc)} on {cluster_line(cluster)}, global batch "
+                  f"{doc['training']['global_batch']} x {doc['training']['seq_len']} tokens, "
+                  f"{doc['training']['precision']}")
     banded = "band" in doc   # plans from before runtime profiles carry none
     docs = [doc] + [{**doc, **alternative} for alternative in doc["alternatives"]]
     _print_side_by_side(docs, [f"#{i + 1}" for i in range(len(docs))], "Plans, best first", console)
@@ -54,6 +55,17 @@ def print_plan(doc: dict, seconds: float, console: Console | None = None) -> Non
     console.print(f"search: {st['candidates']} candidates, {st['pruned_memory']} pruned by memory, "
                   f"{st['pruned_bound']} by bound, {st['ilp_solves']} ILP solves, gap {st['gap']:.2%}"
                   f"{_timeouts(st)}, {seconds:.2f} s")
+
+
+def parameters_note(doc: dict) -> str:
+    """" (30.53B parameters, 3.35B active)"; plans written before the counts: ""."""
+    if "total_params" not in doc:
+        return ""
+    def size(n: int) -> str:
+        return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+    total, active = doc["total_params"], doc["active_params"]
+    return f" ({size(total)} parameters{f', {size(active)} active' if active != total else ''})"
 
 
 def _timeouts(stats: dict) -> str:

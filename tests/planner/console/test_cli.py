@@ -271,7 +271,9 @@ def test_plan_top_k_shows_the_compare_table_of_the_k_best():
     doc = json.loads(CliRunner().invoke(main, [*args, "--format", "json"]).output)
     out = CliRunner().invoke(main, args, terminal_width=200).output
     docs = [doc] + [{**doc, **alt} for alt in doc["alternatives"]]
-    assert len(docs) == 3 and "Plans, best first" in out
+    assert len(docs) == 3 and "Plans, best first" in out and out.startswith("gpt3-1.3b (1.32B parameters) on ")
+    h = 2048   # 24 GPT layers of 12h^2 + 13h, vocabulary 51200 and 2048 learned positions, the final norm
+    assert doc["total_params"] == doc["active_params"] == 24 * (12 * h * h + 13 * h) + 51200 * h + 2048 * h + 2 * h
     header = next(line for line in out.splitlines() if "#1" in line)
     assert "#2" in header and "#3" in header
     step_row = next(line for line in out.splitlines() if line.startswith("│ step s "))
