@@ -64,7 +64,7 @@ def step_collectives(problem: Problem, strategy: Strategy, pp_rank: int) -> tupl
     else:
         add("all_reduce", "tp", message, m * (2 * (layers + full) + 2 * layers), "layer TP")
     if model.is_moe:
-        add("all_to_all", "ep", message * model.routed_rows_per_token / s.tp, m * (2 * (layers + full) + 2 * layers),
+        add("all_to_all", "ep", message * model.busiest_rank_rows_per_token(s.ep) / s.tp, m * (2 * (layers + full) + 2 * layers),
             "MoE dispatch and combine")
     if s.zero_stage == 3:
         dense, experts = units.layer_dense_parameters, units.layer_expert_parameters

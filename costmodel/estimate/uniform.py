@@ -103,10 +103,11 @@ def unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
         # (Korthikanti et al. §4.2.2): two more all-gathers, exposed (but for async TP).
         tp_backward += async_exposed(2 * coll("all_gather", message, where["tp"]))
     # MoE: dispatch and combine all-to-alls forward, the same two backward (Lepikhin et
-    # al. 2020, GShard §2.2), of the k copies of each token's hidden vector.
+    # al. 2020, GShard §2.2), of the k copies of each token's hidden vector; the busiest
+    # rank receives moe_load_imbalance times the mean, and the exchange waits for it.
     ep_one_way = 0.0
     if model.is_moe:
-        ep_one_way = 2 * coll("all_to_all", message * model.routed_rows_per_token / tp, where["ep"])
+        ep_one_way = 2 * coll("all_to_all", message * model.busiest_rank_rows_per_token(ep) / tp, where["ep"])
 
     dense, experts = layer_parameters(model)
     dense_local, expert_local = dense / tp, experts / (tp * ep)

@@ -14,6 +14,7 @@ bias (Phi).
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, fields
 
 FAMILIES = ("gpt", "llama", "mixtral")
@@ -55,6 +56,9 @@ class ModelSpec:
     num_local_experts: int = 1
     num_experts_per_tok: int = 1
     moe_capacity_factor: float | None = None   # None: dropless; c: an expert takes at most c x its balanced share
+    # How routing is priced, not what is built: the busiest expert-parallel rank's rows
+    # over the mean (1: balanced). Not in the fingerprint (canonical_dict).
+    moe_load_imbalance: float = 1.0
     head_dim: int | None = None
     mlp: str | None = None                  # "gelu" | "geglu" | "swiglu"
     norm: str | None = None                 # "layernorm" (weight + bias) | "rmsnorm" (weight)
@@ -90,6 +94,7 @@ class ModelSpec:
         for key, default in defaults.items():
             if out[key] == default:
                 del out[key]
+        del out["moe_load_imbalance"]   # a pricing assumption: the same model, the same checkpoints
         return out
 
     @property
@@ -108,6 +113,20 @@ class ModelSpec:
         2022 §2.1). Dropless routing and c >= 1 keep them all."""
         c = self.moe_capacity_factor
         return self.num_experts_per_tok * (1.0 if c is None else min(1.0, c))
+
+    def busiest_rank_rows_per_token(self, ep: int) -> float:
+        """Expert rows per local token that the busiest rank of an ep group computes and
+        receives: k x min(imbalance, c, ep), where `moe_load_imbalance` is the busiest
+        rank's share over the mean (routers trained with a balancing loss still run
+        uneven: Fedus et al. 2022 §2.2; DeepSeek-AI 2024 §2.1.2), a capacity factor c
+        drops what an expert takes beyond c x its share, and a rank cannot receive more
+        than every ep rank sends. Balanced routing (1, the default) gives
+        `routed_rows_per_token`; with every expert on the rank (ep 1) the rows are the
+        routed rows whatever the routing."""
+        if ep == 1:
+            return self.routed_rows_per_token
+        c = self.moe_capacity_factor
+        return self.num_experts_per_tok * min(self.moe_load_imbalance, ep, math.inf if c is None else c)
 
     @property
     def gated_mlp(self) -> bool:

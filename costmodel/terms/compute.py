@@ -107,11 +107,13 @@ def layer_compute(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
 
     gemm = gemm_s(tokens, qkv_width, h) + gemm_s(tokens, h, model.q_size / tp)
     if model.is_moe:
-        # Balanced routing: each rank's experts see tokens * k * ep / E tokens each
+        # Each rank's experts see tokens * k * ep / E tokens each under balanced routing
         # (the all-to-all gathers them from the ep group), E / ep experts per rank; a
-        # capacity factor below 1 drops the rest (ModelSpec.routed_rows_per_token).
+        # capacity factor below 1 drops the rest, and the busiest rank, whose time the
+        # others wait for, takes `moe_load_imbalance` times the mean
+        # (ModelSpec.busiest_rank_rows_per_token).
         local_experts = model.num_local_experts / ep
-        tokens_per_expert = tokens * model.routed_rows_per_token * ep / model.num_local_experts
+        tokens_per_expert = tokens * model.busiest_rank_rows_per_token(ep) * ep / model.num_local_experts
         per_expert = gemm_s(tokens_per_expert, 2 * f / tp, h) + gemm_s(tokens_per_expert, h, f / tp)
         gemm += local_experts * per_expert + gemm_s(tokens, model.num_local_experts, h)
     elif not model.gated_mlp:
@@ -136,7 +138,7 @@ def layer_compute(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
     per_h = 2 * (2 * value) + 2 * (3 * value) + (2 if model.is_gpt else 0)
     replicated = per_h * tokens * h / (tp if sequence_parallel else 1)
     # GELU reads and writes f values; SwiGLU reads two and writes one; sharded by tp.
-    act_values = (3 if model.gated_mlp else 2) * f * model.routed_rows_per_token
+    act_values = (3 if model.gated_mlp else 2) * f * model.busiest_rank_rows_per_token(ep)
     activation = value * act_values * tokens / tp
     one_kernel_each = model.norm == "layernorm" and not model.gated_mlp and model.position_embedding == "learned"
     if one_kernel_each and not (runtime is not None and runtime.torch_compile):

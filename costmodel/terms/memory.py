@@ -145,10 +145,11 @@ def expert_rows_held_per_token(model: ModelSpec, ep: int) -> float:
     of the ep ranks, c x k rows per local token (never more than all ep ranks' rows), and
     memory is priced at that bound, since a low figure runs a plan out of memory. With
     every expert on the rank (ep 1) the rows are the routed rows whatever the routing.
-    Dropless routing under ep is priced balanced: its busiest rank has no bound."""
+    Dropless routing under ep has no bound: it is priced at the model's
+    `moe_load_imbalance` (ModelSpec.busiest_rank_rows_per_token; 1, balanced, unless set)."""
     c = model.moe_capacity_factor
     if c is None or ep == 1:
-        return model.routed_rows_per_token
+        return model.busiest_rank_rows_per_token(ep)
     return model.num_experts_per_tok * min(c, ep)
 
 

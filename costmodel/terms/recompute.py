@@ -61,10 +61,11 @@ def layer_matmuls(model: ModelSpec, tp: int, ep: int = 1) -> tuple[Matmul, ...]:
 
     if not model.is_moe:
         return tuple(attention + mlp(1.0))
-    # Balanced routing (costmodel.terms.compute.layer_compute): each of the rank's E/ep
-    # experts runs its MLP on tokens * k * ep / E tokens, one after another.
+    # As costmodel.terms.compute.layer_compute: each of the rank's E/ep experts runs its
+    # MLP on tokens * k * ep / E tokens (balanced; the busiest rank's share under
+    # moe_load_imbalance), one after another.
     local = model.num_local_experts // ep
-    share = model.routed_rows_per_token * ep / model.num_local_experts
+    share = model.busiest_rank_rows_per_token(ep) * ep / model.num_local_experts
     experts = [m for _ in range(local) for m in mlp(share)]
     return tuple(attention + [Matmul("router", model.num_local_experts, h)] + experts)
 

@@ -73,7 +73,7 @@ def test_every_builtin_model_loads(name):
 
 
 def test_builtin_lists_are_the_config_files():
-    assert len(builtin_names("models")) == 19
+    assert len(builtin_names("models")) == 21
     assert builtin_names("clusters") == ["cpu", "dgx-a100-40gb", "dgx-a100-80gb", "dgx-h100", "dgx-h200", "dgx-v100",
                                           "grand-teton-h100", "mixed-a100-v100", "mixed-h100-a100",
                                           "mixed-h200-a100-40gb"]
@@ -121,6 +121,24 @@ def test_moe_capacity_factor_rejects(model, value, message):
     with pytest.raises(SpecError, match=message) as err:
         load_model(model, {"moe_capacity_factor": value})
     assert err.value.field == "moe_capacity_factor"
+
+
+def test_moe_load_imbalance_reads_and_leaves_the_fingerprint():
+    """A pricing assumption, not the model: the same fingerprint, so checkpoints resume."""
+    m = load_model("mixtral-8x7b", {"moe_load_imbalance": "1.3"})
+    assert m.moe_load_imbalance == 1.3
+    assert m.canonical_dict() == load_model("mixtral-8x7b").canonical_dict()   # what the fingerprint hashes
+
+
+@pytest.mark.parametrize("model, value, message", [
+    ("mixtral-8x7b", "0.9", "at least 1, got 0.9"),
+    ("mixtral-8x7b", "inf", "expected a finite number"),
+    ("llama3-8b", "1.2", "without experts"),
+])
+def test_moe_load_imbalance_rejects(model, value, message):
+    with pytest.raises(SpecError, match=message) as err:
+        load_model(model, {"moe_load_imbalance": value})
+    assert err.value.field == "moe_load_imbalance"
 
 
 @pytest.mark.parametrize("name", builtin_names("clusters"))

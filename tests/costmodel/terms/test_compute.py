@@ -155,6 +155,29 @@ def test_moe_capacity_below_one_drops_expert_rows(dgx, capacity_factor, kept):
     assert lc.elementwise_s == pytest.approx(hbm_seconds((2 * 4 + 2 * 6) * tokens * h + act), rel=1e-12)
 
 
+@pytest.mark.parametrize("imbalance, capacity_factor, ep, busiest", [
+    (1.5, None, 2, 1.5),    # the busiest rank takes 1.5 x the mean
+    (3.0, None, 2, 2.0),    # never more than every ep rank sends
+    (3.0, 1.25, 4, 1.25),   # a capacity factor drops what goes beyond it
+    (1.5, None, 1, 1.0),    # every expert on the rank: the rows are the routed rows
+])
+def test_moe_load_imbalance_prices_the_busiest_rank(dgx, imbalance, capacity_factor, ep, busiest):
+    """The layer time is the busiest rank's: its experts compute `busiest` x k rows per
+    local token (ModelSpec.busiest_rank_rows_per_token)."""
+    m = dataclasses.replace(load_model("tiny-moe"), moe_load_imbalance=imbalance, moe_capacity_factor=capacity_factor)
+    b, s, h, kv, f, E, k = 2, 64, 64, 32, 128, 4, 2
+    tokens = b * s
+    assert m.busiest_rank_rows_per_token(ep) == k * busiest
+    attention = gemm_seconds(tokens, h + 2 * kv, h, PEAK) + gemm_seconds(tokens, h, h, PEAK)
+    tokens_per_expert = tokens * k * busiest * ep / E
+    per_expert = gemm_seconds(tokens_per_expert, 2 * f, h, PEAK) + gemm_seconds(tokens_per_expert, h, f, PEAK)
+    router = gemm_seconds(tokens, E, h, PEAK)
+    lc = layer_compute(m, dgx, training(m, dgx), b, 1, False, ep=ep)
+    assert lc.gemm_s == pytest.approx(attention + (E / ep) * per_expert + router, rel=1e-12)
+    act = 2 * (3 * f * k * busiest) * tokens
+    assert lc.elementwise_s == pytest.approx(hbm_seconds((2 * 4 + 2 * 6) * tokens * h + act), rel=1e-12)
+
+
 def test_flash_halves_the_attention_core_gemms(dgx):
     m = load_model("gpt-22b")
     b, tp = 4, 8

@@ -207,6 +207,26 @@ def test_moe_capacity_bounds_the_rows_the_experts_hold(dgx, capacity_factor, ep,
         replicated + attention + mlp + router, rel=1e-12)
 
 
+@pytest.mark.parametrize("imbalance, capacity_factor, ep, rows_per_token", [
+    (1.5, None, 4, 3.0),     # dropless: the busiest rank holds 1.5 x k
+    (6.0, None, 4, 8.0),     # at most the ep group's rows: ep x k
+    (1.5, None, 1, 2.0),     # one rank holds every row whatever the routing
+    (1.1, 1.25, 4, 2.5),     # a capacity factor is a bound: memory is priced at it
+])
+def test_moe_load_imbalance_sets_the_rows_dropless_experts_hold(dgx, imbalance, capacity_factor, ep, rows_per_token):
+    m = dataclasses.replace(load_model("mixtral-8x7b"), moe_load_imbalance=imbalance,
+                            moe_capacity_factor=capacity_factor)
+    t = training(m, dgx, flash=True, seq=4096)
+    s, b, h, f, E = 4096, 1, 4096, 14336, 8
+    replicated = 8 * s * b * h
+    attention = 2 * (1 + 2 * 8 / 32) * s * b * h + 2 * s * b * h
+    mlp = 2 * 3 * f * s * b * rows_per_token
+    router = 4 * s * b * E
+    assert memory.expert_rows_held_per_token(m, ep) == rows_per_token
+    assert layer_activation_bytes(m, t, b, 1, False, "none", ep=ep) == pytest.approx(
+        replicated + attention + mlp + router, rel=1e-12)
+
+
 def test_recompute_modes_are_ordered(gpt22):
     m, t = gpt22
     for tp, sp in ((1, False), (8, False), (8, True)):
