@@ -374,7 +374,7 @@ def model_from_dict(data: dict, name: str, overrides: dict[str, str] | None = No
         if values["moe_load_imbalance"] < 1:
             raise SpecError("moe_load_imbalance", f"the busiest rank's rows over the mean: at least 1, "
                                                   f"got {values['moe_load_imbalance']:g}")
-        if values["num_local_experts"] < 2:
+        if values["num_local_experts"] < 2 and values["moe_load_imbalance"] != 1:
             raise SpecError("moe_load_imbalance", "set on a model without experts (num_local_experts 1)")
     if raw.get("head_dim") is not None:
         values["head_dim"] = as_int(raw["head_dim"], "head_dim")
