@@ -115,6 +115,24 @@ def test_higher_zero_stage_never_holds_more_memory(shape, pp):
 
 
 @FEW
+@given(name=st.sampled_from(["tiny-moe", "mixtral-8x7b"]), dp=st.sampled_from([2, 4, 8]), ep=st.sampled_from([1, 2, 4]),
+       zero=st.integers(0, 3), low=st.floats(1.0, 3.0), more=st.floats(0.01, 3.0))
+def test_a_busier_expert_rank_never_costs_less(name, dp, ep, zero, low, more):
+    """moe_load_imbalance: step time and peak memory never fall as the busiest ep rank's
+    share grows, and the step slows while the share stays within ep."""
+    assume(dp % ep == 0)
+    base = model(name, 2)
+    cc = cluster(dp)
+    s = Strategy(dp=dp, tp=1, pp=1, micro_batch_size=1, num_microbatches=2, ep=ep, zero_stage=zero)
+    s = s.with_stages(even_stages(2, 1, 1, "none"))
+    a, b = (estimate(Problem(m, cc, make_training(m, cc, 2 * dp, 512)), s)
+            for m in (dataclasses.replace(base, moe_load_imbalance=x) for x in (low, low + more)))
+    assert b.step_time_s >= a.step_time_s and b.peak_memory_bytes >= a.peak_memory_bytes
+    if ep > 1 and low < ep:
+        assert b.step_time_s > a.step_time_s
+
+
+@FEW
 @given(shape=shapes, pp=st.sampled_from([1, 2]), layers=st.integers(2, 12), more=st.integers(1, 12))
 def test_more_layers_cost_more_time_and_memory(shape, pp, layers, more):
     a = estimate_for(pp=pp, layers=layers, **shape)
