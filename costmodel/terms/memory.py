@@ -153,6 +153,21 @@ def expert_rows_held_per_token(model: ModelSpec, ep: int) -> float:
     return model.num_experts_per_tok * min(c, ep)
 
 
+def moe_rows_saved_bytes(model: ModelSpec, ep: int, value_bytes: float) -> float:
+    """Per local token, what an MoE layer keeps beyond its experts' MLP tensors
+    (executor.models.MoE, measured: `tests/costmodel/terms/test_memory.py` counts its
+    saved tensors): the experts' input rows, for their weight gradients, where the
+    experts run (`expert_rows_held_per_token`); on the token's rank the rows that come
+    back, which the router weights multiply, and that product, which the combine's
+    index_add keeps; four int64 index vectors of k entries (the top-k choices, the sort
+    order, the gather and the combine) and the softmax weights twice."""
+    if not model.is_moe:
+        return 0.0
+    h, k = model.hidden_size, model.num_experts_per_tok
+    rows = value_bytes * h * (expert_rows_held_per_token(model, ep) + 2 * model.routed_rows_per_token)
+    return rows + 4 * 8.0 * k + 2 * value_bytes * k
+
+
 def pytorch_layer_activation_bytes(model: ModelSpec, training: TrainingSpec, micro_batch_size: int,
                                    tp: int, sequence_parallel: bool, recompute: str, ep: int = 1) -> float:
     """Activations one layer keeps for backward in 16-bit PyTorch training (eager
@@ -188,7 +203,9 @@ def pytorch_layer_activation_bytes(model: ModelSpec, training: TrainingSpec, mic
     v, q, kv, hd = 2.0, model.q_size, model.kv_size, model.head_dim
     gated = model.gated_mlp
     attention_consumers = 3 if autocast else 1
-    mlp_consumers = (2 if gated else 1) if autocast else 1
+    # An MoE layer's norm output feeds the router; its experts cast the rows they take
+    # (moe_rows_saved_bytes).
+    mlp_consumers = (1 if model.is_moe else 2 if gated else 1) if autocast else 1
     if model.norms_per_layer == 1:
         # One norm feeds attention and MLP (Phi, GPT-J).
         norm_h, norm_t = norm_saved_bytes(model, training, attention_consumers + mlp_consumers)
@@ -232,11 +249,13 @@ def pytorch_layer_activation_bytes(model: ModelSpec, training: TrainingSpec, mic
         mlp_tensors += 3
     mlp = v * mlp_tensors * f * expert_rows_held_per_token(model, ep)
     split = (attention + mlp) * tokens / tp + rope_tables * tokens
-    router = 4 * tokens * model.num_local_experts if model.is_moe else 0
+    router = moe_rows_saved_bytes(model, ep, v) * tokens
     weight_copies = 0.0
     if autocast:
         from costmodel.terms.counts import attention_parameters, expert_parameters
-        matmuls = attention_parameters(model) + expert_parameters(model) * (model.num_local_experts if model.is_moe else 1)
+        experts = model.num_local_experts if model.is_moe else 1
+        router_weights = model.hidden_size * model.num_local_experts if model.is_moe else 0
+        matmuls = attention_parameters(model) + expert_parameters(model) * experts + router_weights
         weight_copies = 2.0 * matmuls / tp
     scores = 0.0
     if not training.flash_attention and recompute != "selective":
@@ -280,7 +299,8 @@ def layer_activation_bytes(model: ModelSpec, training: TrainingSpec, micro_batch
     full recompute keeps the layer input only (2sbh). Generalised here term by term:
     K and V scale with num_key_value_heads (GQA), the MLP with intermediate_size and its
     matrices (GELU: 2 tensors of f, SwiGLU: 3), MoE MLP tensors by the k experts each
-    token visits (`expert_rows_held_per_token`), dropout masks only in GPT models, and FlashAttention keeps its output
+    token visits (`expert_rows_held_per_token`) and the routing's rows
+    (`moe_rows_saved_bytes`), dropout masks only in GPT models, and FlashAttention keeps its output
     instead of the s x s scores (Dao et al. 2022 §3.1). `saved_tensors` adds what eager
     PyTorch modules keep beyond Megatron-LM's fused kernels. Under the op-level
     selective policy (`selective_policy`, the runtime's) see `op_level_activation_bytes`.
@@ -306,7 +326,7 @@ def layer_activation_bytes(model: ModelSpec, training: TrainingSpec, micro_batch
         attention += v * tokens_q
     mlp_tensors = saved.gated_mlp_tensors if model.gated_mlp else 2
     mlp = v * mlp_tensors * f * b * s * expert_rows_held_per_token(model, ep)
-    router = 4 * b * s * model.num_local_experts if model.is_moe else 0
+    router = moe_rows_saved_bytes(model, ep, v) * b * s
     split = (attention + mlp) / tp + replicated / seq_split + router
     scores = 0.0
     if not training.flash_attention and recompute != "selective":

@@ -178,13 +178,16 @@ def test_llama_gqa_activations(dgx):
 def test_moe_activations(dgx):
     m = load_model("mixtral-8x7b")
     t = training(m, dgx, flash=True, seq=4096)
-    s, b, h, f, k, E = 4096, 1, 4096, 14336, 2, 8
+    s, b, h, f, k = 4096, 1, 4096, 14336, 2
     replicated = 8 * s * b * h
     attention = 2 * (1 + 2 * 8 / 32) * s * b * h + 2 * s * b * h
     mlp = 2 * 3 * f * s * b * k       # each token's k experts keep their tensors
-    router = 4 * s * b * E            # fp32 router logits
+    # The experts' input rows, the rows that come back and their weighted copy (k each),
+    # four int64 index vectors and two bf16 weight vectors of k entries
+    # (costmodel.terms.memory.moe_rows_saved_bytes, measured in test_memory_tracker.py).
+    routing = (2 * h * 3 * k + 4 * 8 * k + 2 * 2 * k) * s * b
     assert layer_activation_bytes(m, t, b, 1, False, "none") == pytest.approx(
-        replicated + attention + mlp + router, rel=1e-12)
+        replicated + attention + mlp + routing, rel=1e-12)
 
 
 @pytest.mark.parametrize("capacity_factor, ep, rows_per_token", [
@@ -197,14 +200,15 @@ def test_moe_activations(dgx):
 def test_moe_capacity_bounds_the_rows_the_experts_hold(dgx, capacity_factor, ep, rows_per_token):
     m = dataclasses.replace(load_model("mixtral-8x7b"), moe_capacity_factor=capacity_factor)
     t = training(m, dgx, flash=True, seq=4096)
-    s, b, h, f, E = 4096, 1, 4096, 14336, 8
+    s, b, h, f = 4096, 1, 4096, 14336
     replicated = 8 * s * b * h
     attention = 2 * (1 + 2 * 8 / 32) * s * b * h + 2 * s * b * h
     mlp = 2 * 3 * f * s * b * rows_per_token
-    router = 4 * s * b * E
+    routed = 2 * min(1.0, capacity_factor or 1.0)   # rows a token sends: k x min(1, c)
+    routing = (2 * h * (rows_per_token + 2 * routed) + 4 * 8 * 2 + 2 * 2 * 2) * s * b
     assert memory.expert_rows_held_per_token(m, ep) == rows_per_token
     assert layer_activation_bytes(m, t, b, 1, False, "none", ep=ep) == pytest.approx(
-        replicated + attention + mlp + router, rel=1e-12)
+        replicated + attention + mlp + routing, rel=1e-12)
 
 
 @pytest.mark.parametrize("imbalance, capacity_factor, ep, rows_per_token", [
@@ -217,14 +221,15 @@ def test_moe_load_imbalance_sets_the_rows_dropless_experts_hold(dgx, imbalance, 
     m = dataclasses.replace(load_model("mixtral-8x7b"), moe_load_imbalance=imbalance,
                             moe_capacity_factor=capacity_factor)
     t = training(m, dgx, flash=True, seq=4096)
-    s, b, h, f, E = 4096, 1, 4096, 14336, 8
+    s, b, h, f = 4096, 1, 4096, 14336
     replicated = 8 * s * b * h
     attention = 2 * (1 + 2 * 8 / 32) * s * b * h + 2 * s * b * h
     mlp = 2 * 3 * f * s * b * rows_per_token
-    router = 4 * s * b * E
+    routed = 2 * min(1.0, capacity_factor or 1.0)   # rows a token sends: k x min(1, c)
+    routing = (2 * h * (rows_per_token + 2 * routed) + 4 * 8 * 2 + 2 * 2 * 2) * s * b
     assert memory.expert_rows_held_per_token(m, ep) == rows_per_token
     assert layer_activation_bytes(m, t, b, 1, False, "none", ep=ep) == pytest.approx(
-        replicated + attention + mlp + router, rel=1e-12)
+        replicated + attention + mlp + routing, rel=1e-12)
 
 
 def test_recompute_modes_are_ordered(gpt22):

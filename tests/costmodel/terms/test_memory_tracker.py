@@ -138,3 +138,54 @@ def test_op_level_selective_recompute_keeps_what_the_policy_saves(name, seq):
     tracked = (four["tracker"]["total"] - two["tracker"]["total"]) / 2
     predicted = (four["predicted"]["total"] - two["predicted"]["total"]) / 2
     assert predicted == pytest.approx(tracked, rel=1e-3)
+
+
+def _layer_saved_bytes(model_name: str, overrides: dict, autocast: bool, seq_len: int = 256) -> float:
+    """What autograd saves for one of the executor's layers (2 layers less 1, real
+    tensors: MoE routing needs values), its parameters left out (autocast's bf16 weight
+    copies are in, as the count has them)."""
+    from contextlib import nullcontext
+
+    import torch
+
+    from costmodel.specs.loading import load_model
+    from executor.models import build_model, materialize
+
+    def saved(layers: int) -> int:
+        spec = load_model(model_name, {**overrides, "num_hidden_layers": str(layers)})
+        model = materialize(build_model(spec, seq_len), "cpu", 0)
+        own = {t.untyped_storage()._cdata for t in (*model.parameters(), *model.buffers())}
+        seen: dict[int, int] = {}
+
+        def pack(t):
+            seen[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+            return t
+        context = torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False) if autocast else nullcontext()
+        with context, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(torch.randint(0, spec.vocab_size, (1, seq_len)))
+        return sum(n for k, n in seen.items() if k not in own)
+    return saved(2) - saved(1)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_moe_layers_save_what_the_count_adds_to_a_dense_layer(precision):
+    """The executor's MoE layer against the same layer with a dense SwiGLU MLP: what
+    autograd saves beyond it (the experts' f-wide tensors for k rows a token, their input
+    and output rows, the router-weighted rows, indices and weights) is what
+    costmodel.terms.memory counts beyond it, to the byte."""
+    from costmodel.specs.loading import load_cluster, load_model, make_training
+    from costmodel.terms.memory import layer_activation_bytes
+
+    shape = {"hidden_size": "256", "intermediate_size": "512", "num_attention_heads": "8", "num_key_value_heads": "2",
+             "vocab_size": "1000", "max_position_embeddings": "1024"}
+    moe = {**shape, "num_local_experts": "8", "num_experts_per_tok": "2"}
+    autocast = precision == "bf16"
+    measured = (_layer_saved_bytes("tiny-moe", moe, autocast) - _layer_saved_bytes("tiny-llama", shape, autocast))
+    cluster = load_cluster("dgx-h100", gpus=1)
+
+    def counted(name, overrides):
+        spec = load_model(name, {**overrides, "num_hidden_layers": "1"})
+        training = make_training(spec, cluster, 1, 256, precision=precision)
+        return layer_activation_bytes(spec, training, 1, 1, False, "none")
+    # Beyond the count: torch._grouped_mm's int32 row offsets, 4 bytes an expert.
+    assert measured == counted("tiny-moe", moe) - counted("tiny-llama", shape) + 4 * 8
