@@ -190,15 +190,10 @@ def test_moe_activations(dgx):
         replicated + attention + mlp + routing, rel=1e-12)
 
 
-@pytest.mark.parametrize("capacity_factor, ep, rows_per_token", [
-    (None, 1, 2), (None, 4, 2),        # dropless: balanced, k rows
-    (0.5, 1, 1), (0.5, 4, 1),          # every expert capped at half its share: k / 2
-    (1.25, 1, 2),                      # one rank holds every row whatever the routing
-    (1.25, 4, 2.5),                    # the rank's experts full from every ep rank: c x k
-    (8.0, 2, 4),                       # never more than the ep group's rows: ep x k
-])
-def test_moe_capacity_bounds_the_rows_the_experts_hold(dgx, capacity_factor, ep, rows_per_token):
-    m = dataclasses.replace(load_model("mixtral-8x7b"), moe_capacity_factor=capacity_factor)
+def assert_mixtral_layer_holds(dgx, m, ep, rows_per_token):
+    """A Mixtral-8x7B layer (seq 4096, micro-batch 1) whose experts hold
+    `rows_per_token` rows per local token: its activation bytes by hand."""
+    capacity_factor = m.moe_capacity_factor
     t = training(m, dgx, flash=True, seq=4096)
     s, b, h, f = 4096, 1, 4096, 14336
     replicated = 8 * s * b * h
@@ -209,6 +204,18 @@ def test_moe_capacity_bounds_the_rows_the_experts_hold(dgx, capacity_factor, ep,
     assert memory.expert_rows_held_per_token(m, ep) == rows_per_token
     assert layer_activation_bytes(m, t, b, 1, False, "none", ep=ep) == pytest.approx(
         replicated + attention + mlp + routing, rel=1e-12)
+
+
+@pytest.mark.parametrize("capacity_factor, ep, rows_per_token", [
+    (None, 1, 2), (None, 4, 2),        # dropless: balanced, k rows
+    (0.5, 1, 1), (0.5, 4, 1),          # every expert capped at half its share: k / 2
+    (1.25, 1, 2),                      # one rank holds every row whatever the routing
+    (1.25, 4, 2.5),                    # the rank's experts full from every ep rank: c x k
+    (8.0, 2, 4),                       # never more than the ep group's rows: ep x k
+])
+def test_moe_capacity_bounds_the_rows_the_experts_hold(dgx, capacity_factor, ep, rows_per_token):
+    m = dataclasses.replace(load_model("mixtral-8x7b"), moe_capacity_factor=capacity_factor)
+    assert_mixtral_layer_holds(dgx, m, ep, rows_per_token)
 
 
 @pytest.mark.parametrize("imbalance, capacity_factor, ep, rows_per_token", [
@@ -220,16 +227,7 @@ def test_moe_capacity_bounds_the_rows_the_experts_hold(dgx, capacity_factor, ep,
 def test_moe_load_imbalance_sets_the_rows_dropless_experts_hold(dgx, imbalance, capacity_factor, ep, rows_per_token):
     m = dataclasses.replace(load_model("mixtral-8x7b"), moe_load_imbalance=imbalance,
                             moe_capacity_factor=capacity_factor)
-    t = training(m, dgx, flash=True, seq=4096)
-    s, b, h, f = 4096, 1, 4096, 14336
-    replicated = 8 * s * b * h
-    attention = 2 * (1 + 2 * 8 / 32) * s * b * h + 2 * s * b * h
-    mlp = 2 * 3 * f * s * b * rows_per_token
-    routed = 2 * min(1.0, capacity_factor or 1.0)   # rows a token sends: k x min(1, c)
-    routing = (2 * h * (rows_per_token + 2 * routed) + 4 * 8 * 2 + 2 * 2 * 2) * s * b
-    assert memory.expert_rows_held_per_token(m, ep) == rows_per_token
-    assert layer_activation_bytes(m, t, b, 1, False, "none", ep=ep) == pytest.approx(
-        replicated + attention + mlp + routing, rel=1e-12)
+    assert_mixtral_layer_holds(dgx, m, ep, rows_per_token)
 
 
 def test_recompute_modes_are_ordered(gpt22):
