@@ -28,6 +28,7 @@ from typing import Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from costmodel.specs.loading import path_kind
 from costmodel.strategy import Strategy
 
 BUILTIN_CORPUS = Path(__file__).parent / "corpus" / "python_reference.txt"
@@ -203,7 +204,7 @@ def make_source(name: str, vocab_size: int, seed: int = 0) -> TokenSource:
     """The token source called `name`: "synthetic", "corpus" (the built-in corpus) or the path to a .txt file."""
     if name == "synthetic":
         return SyntheticTokens(vocab_size, seed)
-    if name != "corpus" and not Path(name).is_file():
+    if name != "corpus" and path_kind(name) != "file":
         raise ValueError(f"data: unknown data source {name!r}: expected 'synthetic', 'corpus' or the path to a text file")
     # Byte ids go up to 255, so a smaller embedding table would index out of range.
     if vocab_size < BYTE_VOCAB:

@@ -220,7 +220,7 @@ def check_plan(doc: dict) -> dict:
     if not isinstance(cluster, MixedClusterSpec) and strategy.num_gpus != gpus:   # a mixed plan places its groups
         raise SpecError("plan.strategy", f"dp {strategy.dp} x tp {strategy.tp} x pp {strategy.pp} = "
                                          f"{strategy.num_gpus} ranks, but the plan's cluster has {gpus} GPUs")
-    _check_estimate(doc["estimate"])
+    _check_estimate(doc["estimate"], strategy)
     return doc
 
 
@@ -236,8 +236,9 @@ def _check_training(data: dict) -> None:
             raise SpecError(f"plan.training.{key}", f"expected true or false, got {data[key]!r}")
 
 
-def _check_estimate(data: dict) -> None:
-    """Every figure the estimate needs is there and is a finite number."""
+def _check_estimate(data: dict, strategy: Strategy) -> None:
+    """Every figure the estimate needs is there and is a finite number; the per-rank
+    figures have one entry per pipeline rank (and per replica), the ranks they name exist."""
     for f in fields(Estimate):
         if f.name == "replica_time_s" and f.name not in data:
             continue
@@ -256,6 +257,17 @@ def _check_estimate(data: dict) -> None:
             name = f"plan.estimate.{f.name}" + (f".{key}" if key is not None else "")
             if isinstance(item, bool) or not isinstance(item, (int, float)) or item != item or abs(item) == float("inf"):
                 raise SpecError(name, f"expected a finite number, got {item!r}")
+    lengths = {"rank_time_s": strategy.pp, "rank_memory_bytes": strategy.pp}
+    if "replica_time_s" in data:
+        lengths["replica_time_s"] = len(strategy.replica_groups)
+    for key, length in lengths.items():
+        if not isinstance(data[key], list) or len(data[key]) != length:
+            what = "replica" if key == "replica_time_s" else "pipeline rank"
+            got = f"{len(data[key])}" if isinstance(data[key], list) else repr(data[key])
+            raise SpecError(f"plan.estimate.{key}", f"expected one number per {what} ({length}), got {got}")
+    for key in ("peak_memory_rank", "bottleneck_rank"):
+        if not isinstance(data[key], int) or isinstance(data[key], bool) or data[key] not in range(strategy.pp):
+            raise SpecError(f"plan.estimate.{key}", f"expected a pipeline rank, 0 to {strategy.pp - 1}, got {data[key]!r}")
 
 
 def training_of(doc: dict) -> TrainingSpec:

@@ -13,15 +13,15 @@ import networkx as nx
 import torch
 from torch import nn
 
-from costmodel.specs.loading import SpecError
+from costmodel.specs.loading import SpecError, path_kind
 from costmodel.trace import trace_module
 
 
 def config_file(source: str | Path) -> Path:
     path = Path(source)
-    if path.is_dir():
+    if path_kind(path) == "dir":
         path = path / "config.json"
-    if not path.is_file():
+    if path_kind(path) != "file":
         raise SpecError("--model", f"no Hugging Face config.json at {source}")
     return path
 

@@ -183,20 +183,26 @@ def builtin_names(kind: str) -> list[str]:
     return sorted(p.stem for p in configs_dir(kind).glob("*.yaml"))
 
 
-def _exists(path: Path) -> bool:
-    """Path.exists, False for a name the system refuses (too long, a NUL byte)."""
+def path_kind(source: str | Path) -> str:
+    """"file", "dir", "other" or "missing"; "missing" also for a name the system refuses
+    (too long, a NUL byte), where Path.exists and is_file raise on Python 3.11."""
     try:
-        return path.exists()
+        path = Path(source)
+        if path.is_dir():
+            return "dir"
+        if path.is_file():
+            return "file"
+        return "other" if path.exists() else "missing"
     except (OSError, ValueError):
-        return False
+        return "missing"
 
 
 def read_document(source: str | Path, kind: str, field: str) -> tuple[dict, str]:
     """The mapping in a built-in name or a YAML/JSON path, and a display name."""
     path = Path(source)
-    if not _exists(path):
+    if path_kind(path) == "missing":
         builtin = configs_dir(kind) / f"{source}.yaml"
-        if not _exists(builtin):
+        if path_kind(builtin) == "missing":
             known = ", ".join(builtin_names(kind))
             what = {"hardware": "GPU", "rules": "rule set"}.get(kind, kind.removesuffix("s"))
             raise SpecError(field, f"unknown {what} {str(source)!r} (built-ins: {known})")
@@ -630,7 +636,7 @@ def load_runtime(source: str | Path | None = None) -> RuntimeSpec:
     """A runtime profile by built-in name (configs/runtimes/) or a YAML/JSON path; None:
     the default, pytorch-native. SpecError naming `--runtime` when unknown or bad."""
     source = DEFAULT_RUNTIME if source is None else source
-    if not Path(source).exists():
+    if path_kind(source) == "missing":
         return _builtin_runtime(str(source))
     data, stem = read_document(source, "runtimes", "--runtime")
     return runtime_from_dict(data, stem)

@@ -12,10 +12,8 @@ from; files are read with tomllib and json only.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from costmodel.specs import ModelSpec
-from costmodel.specs.loading import SpecError
+from costmodel.specs.loading import SpecError, path_kind
 from planner.interop.common import Imported, read_file
 from planner.interop.deepspeed import read_deepspeed
 from planner.interop.megatron import read_megatron
@@ -61,7 +59,7 @@ def read_config(source_kind: str, source: str, model: ModelSpec, num_gpus: int,
             return read_torchtitan(read_file(source, "TOML"), model, num_gpus, toml=True)
         return read_torchtitan(source, model, num_gpus, global_batch=global_batch)
     if source_kind == "megatron":
-        is_file = not source.lstrip().startswith("-") and Path(source).is_file()
+        is_file = not source.lstrip().startswith("-") and path_kind(source) == "file"
         return read_megatron(read_file(source, "text") if is_file else source, model, num_gpus)
     if source_kind == "deepspeed":
         return read_deepspeed(read_file(source, "JSON"), model, num_gpus)

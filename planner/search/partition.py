@@ -31,7 +31,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 
-
 from costmodel.estimate.uniform import (
     UnitCosts,
     dp_sync_s,
@@ -199,7 +198,9 @@ def solve_partition(problem: Problem, units: UnitCosts, strategy: Strategy, mode
     def b(x: float) -> int:
         return math.floor(x / MEMORY_UNIT_BYTES)
 
-    from ortools.sat.python import cp_model   # imported on first solve: it takes pandas with it
+    from ortools.sat.python import (
+        cp_model,  # imported on first solve: it takes pandas with it
+    )
 
     model = cp_model.CpModel()
     # A safe upper bound for every time variable, with slack for per-term rounding.
@@ -290,17 +291,20 @@ def _solve(model, n_vars: list, objective: str, peak_mem, time_objective):
     solver.parameters.num_workers = 1
     solver.parameters.random_seed = 0
     solver.parameters.max_deterministic_time = DETERMINISTIC_TIME_LIMIT
-    extra = []
     if objective == "memory":
         model.Minimize(peak_mem)
         status = solver.Solve(model)
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             return "infeasible" if status == cp_model.INFEASIBLE else "timeout"
-        extra.append(model.Add(peak_mem <= int(solver.Value(peak_mem))))
+        # The cap holds only under an assumption, so a later solve (after a memory cut)
+        # starts from the full program. Deleting the constraint instead needs the proto
+        # API, which ortools 9.15 no longer has (ConstraintProto.Clear is gone).
+        capped = model.NewBoolVar("peak_memory_capped")
+        model.Add(peak_mem <= int(solver.Value(peak_mem))).OnlyEnforceIf(capped)
+        model.AddAssumptions([capped])
     model.Minimize(time_objective)
     status = solver.Solve(model)
-    for constraint in extra:   # a later solve (after a memory cut) starts from the full program
-        constraint.Proto().Clear()
+    model.ClearAssumptions()
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return "infeasible" if status == cp_model.INFEASIBLE else "timeout"
     counts = [tuple(solver.Value(x) for x in triple) for triple in n_vars]

@@ -41,6 +41,11 @@ def test_tampered_plan_is_rejected(tmp_path):
     ("plan.training", lambda d: d["training"].update(warmup=3), "unexpected keyword argument 'warmup'"),
     ("plan.cluster.gpus_per_node", lambda d: d["cluster"].update(gpus_per_node=0), ""),
     ("plan.strategy.dp", lambda d: d["strategy"].update(dp="two"), "expected a non-negative integer"),
+    # Found by bench/fuzz_cli.py: explain indexed the per-rank lists by stage.
+    ("plan.estimate.rank_time_s", lambda d: d["estimate"].update(rank_time_s=[]),
+     "expected one number per pipeline rank (1), got 0"),
+    ("plan.estimate.peak_memory_rank", lambda d: d["estimate"].update(peak_memory_rank=1),
+     "expected a pipeline rank, 0 to 0, got 1"),
 ])
 def test_every_reader_refuses_a_hand_edited_plan_the_same_way(tmp_path, field, edit, message):
     """check_plan is the one validation: run, explain, replan and export refuse the same

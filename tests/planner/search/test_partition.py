@@ -143,3 +143,28 @@ def test_usable_memory_is_capacity_less_headroom_over_the_margin():
     assert usable_memory_bytes(p, replace(load_rules(), memory_margin=0.0)) == pytest.approx(76 * gib)
     assert usable_memory_bytes(p, replace(load_rules(), memory_margin=0.25)) == pytest.approx(76 * gib / 1.25)
     assert usable_memory_bytes(p, load_rules()) == pytest.approx(76 * gib / 1.08)
+
+
+def test_memory_objective_finds_the_least_peak_then_the_fastest_at_it():
+    """`--objective memory`: over every split of 24 layers on 4 ranks, the program's has
+    the least peak memory, and no split with that peak is faster. The cap it solves the
+    second time under is lifted after, so a second call answers the same."""
+    p = problem(batch=32)
+    strategy = Strategy(dp=1, tp=2, pp=4, micro_batch_size=4, num_microbatches=8, schedule="1f1b")
+    units = unit_costs(p, strategy)
+    rules = replace(load_rules(), max_stage_imbalance=10.0, memory_margin=0.0)
+    layers = p.model.num_hidden_layers
+    splits = []
+    for split in itertools.product(range(1, layers), repeat=3):
+        if layers - sum(split) >= 1:
+            s = strategy.with_stages(layout(strategy, [(n, 0, 0) for n in (*split, layers - sum(split))]))
+            e = estimate(p, s, units)
+            splits.append((e.peak_memory_bytes, e.step_time_s))
+    least = min(m for m, _ in splits)
+    fastest_at_least = min(t for m, t in splits if m <= least * (1 + 1e-6))
+    for _ in range(2):
+        sol = solve_partition(p, units, strategy, ("none",), rules, "memory")
+        e = estimate(p, sol.strategy, units)
+        assert e.peak_memory_bytes == pytest.approx(least, rel=1e-4)
+        assert e.step_time_s == pytest.approx(fastest_at_least, rel=1e-3)
+    assert least < estimate(p, solve_partition(p, units, strategy, ("none",), rules).strategy, units).peak_memory_bytes
