@@ -27,6 +27,7 @@ from executor_test_helpers import (
     training,
 )
 
+from costmodel.estimate import estimate
 from costmodel.specs.loading import load_cluster, load_model
 from costmodel.strategy import Stage, Strategy, even_stages
 from executor.collective_log import CommCounter
@@ -37,7 +38,14 @@ from executor.run import is_cpu_hardware, rank_group
 from executor.train import Trainer
 from planner.api import plan
 from planner.console.cli import main as cli
-from planner.plan_file import cluster_dict, strategy_dict, write_plan
+from planner.plan_file import (
+    candidate_dict,
+    cluster_dict,
+    problem_of,
+    strategy_dict,
+    write_plan,
+)
+from planner.search import Candidate
 
 STEPS = 3
 BATCH = 4          # replica shares 3 + 1 micro-batches of one sequence
@@ -170,10 +178,12 @@ def cpu_plan():
 
 
 def mixed_plan(cpu_plan, cluster, strat: Strategy, path):
-    """The CPU plan moved onto the mixed cluster with `strat`'s group fields."""
+    """The CPU plan moved onto the mixed cluster with `strat`'s group fields, and the
+    estimate of that strategy there (a plan's per-rank figures must match its pp)."""
     doc = json.loads(json.dumps(cpu_plan))
     doc["cluster"] = cluster_dict(cluster)
     doc["strategy"] = strategy_dict(strat)
+    doc["estimate"] = candidate_dict(Candidate(strat, estimate(problem_of(doc), strat), 0.0))["estimate"]
     write_plan(doc, path)
     return path
 
