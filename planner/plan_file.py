@@ -99,7 +99,7 @@ def candidate_dict(candidate: Candidate, cluster: ClusterSpec | None = None, run
 # Optional cluster fields a plan carries only when set, so plans of clusters without
 # them keep their bytes.
 _OPTIONAL_GPU_FIELDS = ("busy_power_w", "idle_power_w", "host_overheads")
-_OPTIONAL_CLUSTER_FIELDS = ("gpu_hour_price_usd",)
+_OPTIONAL_CLUSTER_FIELDS = ("gpu_hour_price_usd", "nvlink_domain_gpus")
 
 
 def cluster_dict(cluster: ClusterSpec | MixedClusterSpec) -> dict:
@@ -400,6 +400,8 @@ def cluster_of(doc: dict) -> ClusterSpec | MixedClusterSpec:
                                                  exclusive=False),
                            gpu_hour_price_usd=(as_float(data["gpu_hour_price_usd"], "plan.cluster.gpu_hour_price_usd")
                                                if data.get("gpu_hour_price_usd") is not None else None),
+                           nvlink_domain_gpus=(as_int(data["nvlink_domain_gpus"], "plan.cluster.nvlink_domain_gpus")
+                                               if data.get("nvlink_domain_gpus") is not None else None),
                            **links)
     except SpecError:
         raise

@@ -115,7 +115,7 @@ def replica_sync_problem(problem: Problem, strategy: Strategy, group: ClusterSpe
     for name in set(names):
         link = slower(link, cluster.group(name).inter_node)
     per_node = min(group.gpus_per_node, strategy.tp * fewest)
-    return group_problem(problem, replace(group, inter_node=link, gpus_per_node=per_node))
+    return group_problem(problem, replace(group, inter_node=link, gpus_per_node=per_node, nvlink_domain_gpus=None))
 
 
 def replica_microbatch_s(problem: Problem, strategy: Strategy) -> dict[str, float]:

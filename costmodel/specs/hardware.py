@@ -96,10 +96,19 @@ class ClusterSpec:
     comm_overlap: float = 1.0
     # On-demand price of one GPU for one hour, USD (costmodel.estimate.energy); None: unpriced.
     gpu_hour_price_usd: float | None = None
+    # GPUs that share one NVLink domain where it spans hosts (GB200 NVL72: 72 GPUs over
+    # 18 hosts of 4); None: the domain is the node. `intra_node` is the domain's link.
+    nvlink_domain_gpus: int | None = None
 
     @property
     def num_gpus(self) -> int:
         return self.gpus_per_node * self.num_nodes
+
+    @property
+    def fast_domain_gpus(self) -> int:
+        """GPUs reached over `intra_node`: the NVLink domain, at most the cluster. Process
+        groups within it are priced on `intra_node`, those across it on `inter_node`."""
+        return min(self.nvlink_domain_gpus or self.gpus_per_node, self.num_gpus)
 
 
 @dataclass(frozen=True)

@@ -45,6 +45,7 @@ from costmodel.specs.runtime import (
     RuntimeSpec,
 )
 from costmodel.specs.training import (
+    DATA_SHEET_PRECISIONS,
     MIXED_PRECISION,
     OPTIMIZERS,
     PRECISIONS,
@@ -416,8 +417,9 @@ def gpu_from_dict(data: dict, field: str = "gpu") -> GPUSpec:
     if not isinstance(peaks, dict) or not peaks:
         raise SpecError(f"{field}.peak_flops_per_s", "expected a mapping of precision to FLOP/s")
     for p in peaks:
-        if p not in PRECISIONS:
-            raise SpecError(f"{field}.peak_flops_per_s.{p}", f"unknown precision (known: {', '.join(PRECISIONS)})")
+        if p not in DATA_SHEET_PRECISIONS:
+            raise SpecError(f"{field}.peak_flops_per_s.{p}",
+                            f"unknown precision (known: {', '.join(DATA_SHEET_PRECISIONS)})")
     busy = _optional_number(data, "busy_power_w", field)
     idle = _optional_number(data, "idle_power_w", field, exclusive=False)
     if busy is not None and idle is not None and idle > busy:
@@ -501,7 +503,7 @@ def load_cluster(source: str | Path, nodes: int | None = None,
                             f"{name} is a mixed cluster: its size is its groups' num_nodes (edit the cluster file)")
         return mixed_cluster_from_dict(data, name)
     _check_keys(data, {"name", "gpu", "gpus_per_node", "num_nodes", "intra_node", "inter_node", "comm_overlap",
-                       "gpu_hour_price_usd"}, "cluster")
+                       "gpu_hour_price_usd", "nvlink_domain_gpus"}, "cluster")
     gpu_data = data.get("gpu")
     if isinstance(gpu_data, str):
         gpu_data, _ = read_document(gpu_data, "hardware", "cluster.gpu")
@@ -509,6 +511,12 @@ def load_cluster(source: str | Path, nodes: int | None = None,
         raise SpecError("cluster.gpu", "expected a built-in GPU name or a mapping")
     gpus_per_node = as_int(data.get("gpus_per_node"), "cluster.gpus_per_node")
     num_nodes = as_int(data.get("num_nodes", 1), "cluster.num_nodes")
+    domain = None
+    if data.get("nvlink_domain_gpus") is not None:
+        domain = as_int(data["nvlink_domain_gpus"], "cluster.nvlink_domain_gpus")
+        if domain % gpus_per_node:
+            raise SpecError("cluster.nvlink_domain_gpus", f"{domain} is not a whole number of "
+                                                          f"{gpus_per_node}-GPU nodes")
     if nodes is not None and gpus is not None:
         raise SpecError("--gpus", "give --nodes or --gpus, not both")
     if nodes is not None:
@@ -530,6 +538,7 @@ def load_cluster(source: str | Path, nodes: int | None = None,
         inter_node=link_from_dict(data.get("inter_node", data.get("intra_node")), "cluster.inter_node"),
         comm_overlap=_optional_fraction(data, "comm_overlap", "cluster") if "comm_overlap" in data else 1.0,
         gpu_hour_price_usd=_optional_number(data, "gpu_hour_price_usd", "cluster"),
+        nvlink_domain_gpus=domain,
     )
 
 
@@ -651,7 +660,7 @@ def make_training(model: ModelSpec, cluster: ClusterSpec | MixedClusterSpec, glo
         raise SpecError("--precision", f"unknown {precision!r} (known: {', '.join(PRECISIONS)})")
     for group in getattr(cluster, "groups", (cluster,)):
         if precision not in group.gpu.peak_flops_per_s:
-            have = ", ".join(group.gpu.peak_flops_per_s)
+            have = ", ".join(p for p in group.gpu.peak_flops_per_s if p in PRECISIONS) or "none a plan can use"
             raise SpecError("--precision", f"{group.gpu.name} has no {precision} peak (has: {have}; pass one of those)")
     if optimizer not in OPTIMIZERS:
         raise SpecError("--optimizer", f"unknown {optimizer!r} (known: {', '.join(OPTIMIZERS)})")

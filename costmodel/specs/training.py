@@ -6,6 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 PRECISIONS = ("bf16", "fp16", "fp32")
+# Peaks a hardware file may record from its data sheet: the training precisions, and fp8 and
+# fp4, which no plan uses yet (the cost model prices no FP8 training recipe).
+DATA_SHEET_PRECISIONS = PRECISIONS + ("fp8", "fp4")
 # How a 16-bit run holds its weights (PyTorch): "autocast" keeps fp32 weights and casts
 # each matmul's operands (torch.autocast: the executor, DDP); "param_dtype" gathers the
 # weights in the compute dtype (FSDP2 MixedPrecisionPolicy(param_dtype=bf16,

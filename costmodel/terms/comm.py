@@ -129,7 +129,7 @@ def fsdp_copies_s(kind: str, total_bytes: float, group_size: int, cluster) -> fl
 
 def groups(problem: Problem, strategy: Strategy) -> dict[str, Placement]:
     """Where each kind of process group sits (rank order tp, dp, pp; ep inside dp)."""
-    g = problem.cluster.gpus_per_node
+    g = problem.cluster.fast_domain_gpus
     tp, dp = strategy.tp, strategy.dp
     return {
         "tp": placement(tp, 1, g),

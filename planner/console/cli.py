@@ -858,10 +858,12 @@ def clusters() -> None:
 
     def node(c) -> str:
         g = c.gpu
-        precision, peak = max(g.peak_flops_per_s.items(), key=lambda item: item[1])
-        return (f"{g.name} x {c.gpus_per_node}/node, {g.memory_bytes / GIB:.0f} GiB, "
-                f"{peak / 1e12:.3g} TFLOP/s {precision}, links "
-                f"{c.intra_node.bandwidth_bytes_per_s / 1e9:.0f} GB/s in node, "
+        precision = "bf16" if "bf16" in g.peak_flops_per_s else max(g.peak_flops_per_s, key=g.peak_flops_per_s.get)
+        peak = g.peak_flops_per_s[precision]
+        domain = f" ({c.nvlink_domain_gpus}-GPU NVLink domain)" if c.nvlink_domain_gpus else ""
+        return (f"{g.name} x {c.gpus_per_node}/node{domain}, {g.memory_bytes / GIB:.0f} GiB, "
+                f"{peak / 1e12:.4g} TFLOP/s {precision}, links "
+                f"{c.intra_node.bandwidth_bytes_per_s / 1e9:.0f} GB/s in {'domain' if domain else 'node'}, "
                 f"{c.inter_node.bandwidth_bytes_per_s / 1e9:.1f} GB/s across")
 
     for name in builtin_names("clusters"):

@@ -79,7 +79,7 @@ def stand_in(groups: tuple[ClusterSpec, ...]) -> ClusterSpec:
     per_node = min(g.gpus_per_node for g in groups)
     total = sum(g.num_gpus for g in groups)
     return replace(groups[0], name="+".join(g.name for g in groups), gpus_per_node=per_node,
-                   num_nodes=total // per_node)
+                   num_nodes=total // per_node, nvlink_domain_gpus=None)
 
 
 def group_sets(cluster: MixedClusterSpec) -> list[tuple[ClusterSpec, ...]]:

@@ -128,7 +128,7 @@ def check_fix_spec(problem: Problem, fix: dict) -> None:
 
 
 def _tp_options(problem: Problem, rules: Rules, degrees: list[int], why: Exclusions) -> list[int]:
-    model, g = problem.model, problem.cluster.gpus_per_node
+    model, g = problem.model, problem.cluster.fast_domain_gpus
     out = []
     for tp in degrees:
         if not admits(rules, why, "tp", tp):
@@ -136,7 +136,8 @@ def _tp_options(problem: Problem, rules: Rules, degrees: list[int], why: Exclusi
         if model.hidden_size % tp:
             why.add("tp", f"{tp} does not divide hidden_size {model.hidden_size}")
         elif rules.tp_within_node and tp > g:
-            why.add("tp", f"tp_within_node: {tp} is more than the {g} GPUs of a node")
+            why.add("tp", f"tp_within_node: {tp} is more than the {g} GPUs of a node"
+                                 + (" (its NVLink domain)" if problem.cluster.nvlink_domain_gpus else ""))
         elif rules.tp_divides_heads and (model.num_attention_heads % tp or model.num_key_value_heads % tp):
             why.add("tp", f"tp_divides_heads: {tp} does not divide {model.num_attention_heads} attention "
                           f"and {model.num_key_value_heads} KV heads")

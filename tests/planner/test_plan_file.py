@@ -8,9 +8,10 @@ import json
 
 import pytest
 
-from costmodel.specs.loading import SpecError
+from costmodel.specs.loading import SpecError, load_cluster
 from planner.api import plan
-from planner.plan_file import read_plan, strategy_of, write_plan
+from planner.plan_file import cluster_of, read_plan, strategy_of, write_plan
+from planner.search import Infeasible
 
 
 def test_returned_plan_fits_memory_and_round_trips(tmp_path):
@@ -23,6 +24,19 @@ def test_returned_plan_fits_memory_and_round_trips(tmp_path):
     s = strategy_of(back)
     assert s.dp * s.tp * s.pp == 16 and sum(st.num_layers for st in s.stages) == 40
 
+
+
+def test_a_plan_keeps_the_nvlink_domain_its_tensor_parallel_group_spans(tmp_path):
+    """tp 16 fits the 72-GPU NVLink domain of a GB200 NVL72 (trays of 4), not an 8-GPU
+    DGX node; the plan file carries the domain, and plans of other clusters keep their bytes."""
+    doc = plan("llama2-7b", "gb200-nvl72", 64, gpus=16, seq_len=4096, fix={"tp": 16})
+    assert doc["strategy"]["tp"] == 16 and doc["cluster"]["nvlink_domain_gpus"] == 72
+    path = tmp_path / "plan.json"
+    write_plan(doc, path)
+    assert cluster_of(read_plan(path)) == load_cluster("gb200-nvl72", gpus=16)
+    with pytest.raises(Infeasible, match="tp_within_node: 16 is more than the 8 GPUs of a node"):
+        plan("llama2-7b", "dgx-h100", 64, gpus=16, seq_len=4096, fix={"tp": 16})
+    assert "nvlink_domain_gpus" not in plan("tiny-llama", "cpu", 8, gpus=2)["cluster"]
 
 
 def test_tampered_plan_is_rejected(tmp_path):

@@ -74,9 +74,9 @@ def test_every_builtin_model_loads(name):
 
 def test_builtin_lists_are_the_config_files():
     assert len(builtin_names("models")) == 21
-    assert builtin_names("clusters") == ["cpu", "dgx-a100-40gb", "dgx-a100-80gb", "dgx-h100", "dgx-h200", "dgx-v100",
-                                          "grand-teton-h100", "mixed-a100-v100", "mixed-h100-a100",
-                                          "mixed-h200-a100-40gb"]
+    assert builtin_names("clusters") == ["cpu", "dgx-a100-40gb", "dgx-a100-80gb", "dgx-b200", "dgx-h100", "dgx-h200",
+                                          "dgx-v100", "gb200-nvl72", "grand-teton-h100", "mi300x", "mixed-a100-v100",
+                                          "mixed-h100-a100", "mixed-h200-a100-40gb"]
     assert "a100-80gb" in builtin_names("hardware") and "h100-hbm2e-500w" in builtin_names("hardware")
     assert builtin_names("runtimes") == ["deepspeed-zero", "megatron", "pytorch-native"]
 
@@ -148,6 +148,36 @@ def test_every_builtin_cluster_loads(name):
         assert g.num_gpus == g.gpus_per_node * g.num_nodes
         assert 0 < g.intra_node.efficiency <= 1 and 0 < g.inter_node.efficiency <= 1
     assert c.num_gpus == sum(g.num_gpus for g in getattr(c, "groups", (c,)))
+
+
+def test_an_nvlink_domain_spans_hosts_and_never_the_cluster():
+    nvl72 = load_cluster("gb200-nvl72")
+    assert (nvl72.gpus_per_node, nvl72.num_nodes, nvl72.nvlink_domain_gpus, nvl72.fast_domain_gpus) == (4, 18, 72, 72)
+    assert load_cluster("gb200-nvl72", gpus=8).fast_domain_gpus == 8          # two trays: the domain is the cluster
+    assert load_cluster("gb200-nvl72", nodes=36).fast_domain_gpus == 72       # two racks: two domains
+    dgx = load_cluster("dgx-h100", nodes=4)
+    assert (dgx.nvlink_domain_gpus, dgx.fast_domain_gpus) == (None, 8)        # the node is the domain
+
+
+@pytest.mark.parametrize("domain, message", [(6, "not a whole number of 4-GPU nodes"), (0, "at least 1"),
+                                             ("rack", "expected an integer")])
+def test_an_nvlink_domain_is_whole_nodes(tmp_path, domain, message):
+    path = tmp_path / "c.yaml"
+    path.write_text(json.dumps({"name": "c", "gpu": "h100-sxm", "gpus_per_node": 4, "num_nodes": 4,
+                                "nvlink_domain_gpus": domain, "intra_node": {"bandwidth_bytes_per_s": 9e11}}))
+    with pytest.raises(SpecError) as err:
+        load_cluster(str(path))
+    assert err.value.field == "cluster.nvlink_domain_gpus" and message in str(err.value)
+
+
+def test_data_sheet_fp8_and_fp4_peaks_load_but_plan_no_run():
+    b200 = load_cluster("dgx-b200").gpu
+    assert (b200.peak_for("bf16"), b200.peak_for("fp8"), b200.peak_for("fp4")) == (2.25e15, 4.5e15, 9.0e15)
+    model = load_model("llama2-7b")
+    with pytest.raises(SpecError, match="unknown 'fp8'"):
+        make_training(model, load_cluster("dgx-b200"), 64, precision="fp8")
+    with pytest.raises(SpecError, match=r"B200 has no fp32 peak \(has: bf16, fp16;"):
+        make_training(model, load_cluster("dgx-b200"), 64, precision="fp32")
 
 
 def test_dgx_a100_80gb_figures():

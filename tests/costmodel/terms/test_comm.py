@@ -3,19 +3,23 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from costmodel_test_helpers import (
     IB_BW,
     IB_LAT,
     NVLINK_BW,
     NVLINK_LAT,
+    problem,
     ring_all_reduce,
     ring_gather,
+    strategy,
 )
 
 from costmodel.specs import LinkSpec
 from costmodel.specs.loading import SpecError, load_cluster
-from costmodel.terms.comm import Placement, collective_time_s, placement
+from costmodel.terms.comm import Placement, collective_time_s, groups, placement
 
 MB = 1e6
 
@@ -130,6 +134,27 @@ def test_crossing_nodes_costs_more(dgx):
     B = 100 * MB
     assert collective_time_s("all_reduce", B, Placement(16, 8, 2), dgx) > collective_time_s(
         "all_reduce", B, Placement(8, 8, 1), dgx)
+
+
+def test_groups_inside_an_nvlink_domain_that_spans_hosts_are_priced_on_nvlink():
+    # GB200 NVL72: 72 GPUs in one NVLink domain over trays of 4. tp 16 x dp 4 sits in the
+    # domain: tp is one NVLink ring, dp (stride 16) 4 members in it; pp 2 crosses to a
+    # second rack. Without the domain the same ranks span 4 trays over the network.
+    nvl72 = load_cluster("gb200-nvl72", nodes=32)
+    prob = problem("llama3-70b", nvl72, global_batch=64, seq_len=4096)
+    placed = groups(prob, strategy(prob, dp=4, tp=16, pp=2))
+    assert (placed["tp"], placed["dp"], placed["pp"]) == (Placement(16, 16, 1), Placement(4, 4, 1), Placement(2, 1, 2))
+    B = 100 * MB
+    link = nvl72.intra_node
+    assert collective_time_s("all_reduce", B, placed["tp"], nvl72) == pytest.approx(
+        ring_all_reduce(B, 16, link.bandwidth_bytes_per_s * link.efficiency, link.latency_s), rel=1e-12)
+    trays = replace(nvl72, nvlink_domain_gpus=None)
+    split = groups(problem("llama3-70b", trays, global_batch=64, seq_len=4096), strategy(prob, dp=4, tp=16, pp=2))
+    assert split["tp"] == Placement(16, 4, 4)
+    ib = trays.inter_node
+    over_trays = (ring_all_reduce(B, 4, link.bandwidth_bytes_per_s * link.efficiency, link.latency_s)
+                  + ring_all_reduce(B / 4, 4, ib.bandwidth_bytes_per_s * ib.efficiency, ib.latency_s))
+    assert collective_time_s("all_reduce", B, split["tp"], trays) == pytest.approx(over_trays, rel=1e-12)
 
 
 # ------------------------------------------------------------------ p2p and all-to-all

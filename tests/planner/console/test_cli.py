@@ -214,6 +214,8 @@ def test_models_and_clusters_list_the_built_ins_one_line_each():
     lines = out.output.strip().splitlines()
     assert out.exit_code == 0 and [line.split()[0] for line in lines] == builtin_names("clusters")
     assert any(line.startswith("dgx-h100") and "H100-SXM x 8/node, 80 GiB, 989 TFLOP/s bf16" in line for line in lines)
+    assert any(line.startswith("gb200-nvl72") and "GB200 x 4/node (72-GPU NVLink domain), 173 GiB, 2500 TFLOP/s bf16, "
+               "links 900 GB/s in domain" in line for line in lines)
 
 
 def test_a_plan_file_is_a_model_spec(tmp_path):
