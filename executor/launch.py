@@ -88,12 +88,20 @@ def check_machine(launch: Launch, device_type: str, rank_memory_bytes: float) ->
 
 
 def check_endpoint(endpoint: str | None) -> None:
-    """host:port with a port in 1..65535 (torchrun's own message comes after a traceback)."""
+    """host:port with a port in 1..65535 and a host this machine can resolve (torchrun's
+    own message comes after a traceback, and for a host it cannot resolve it retries
+    until its rendezvous timeout, silently)."""
     if endpoint is None:
         return
     host, sep, port = endpoint.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise SpecError("--rdzv-endpoint", f"expected HOST:PORT (port 1..65535), got {endpoint!r}")
+    try:
+        socket.getaddrinfo(host.removeprefix("[").removesuffix("]"), int(port))
+    except (OSError, UnicodeError) as err:
+        reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+        raise SpecError("--rdzv-endpoint", f"cannot resolve host {host!r} ({reason}); "
+                                           "give node 0's name or address as this node sees it") from None
 
 
 def torchrun_command(launch: Launch, worker_args: list[str]) -> list[str]:

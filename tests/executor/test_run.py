@@ -256,6 +256,9 @@ def test_bad_data_is_refused_before_any_rank_starts(plan_file, tmp_path, make, t
     ("--checkpoint-dir", "afile", "--checkpoint-dir: afile is a file"),
     ("--checkpoint-dir", "/proc/shardwise-ckpt", "--checkpoint-dir: cannot write under /proc/shardwise-ckpt"),
     ("--rdzv-endpoint", "nohost", "--rdzv-endpoint: expected HOST:PORT"),
+    # Found by bench/fuzz_cli.py: torchrun retried an unresolvable host until its timeout.
+    ("--rdzv-endpoint", "ü:29500", "--rdzv-endpoint: cannot resolve host 'ü'"),
+    ("--rdzv-endpoint", "no-such-host.invalid:29500", "--rdzv-endpoint: cannot resolve host 'no-such-host.invalid'"),
 ])
 def test_unusable_outputs_and_endpoints_are_refused_before_launch(plan_file, tmp_path, monkeypatch, option, value,
                                                                    text):
