@@ -65,9 +65,10 @@ from costmodel.specs import ModelSpec, TrainingSpec
 from costmodel.specs.loading import load_runtime
 from costmodel.strategy import Strategy
 from costmodel.trace import split_role
+from executor.launch import UnsupportedPlan
 from executor.mesh import RankMesh, tied_ends_group
 from executor.models import op_level_context
-from executor.parallelize import BuiltinModel, UnsupportedPlan, wrap_ddp
+from executor.parallelize import BuiltinModel, wrap_ddp
 from executor.step import Accumulation, ModelParts, StageShapes, TiedEmbedding
 from executor.train import TrainConfig, Trainer
 

@@ -1,14 +1,21 @@
-"""Starting a run: the torchrun command line for a plan, on one machine (standalone
-rendezvous) or across nodes (static rendezvous at an endpoint every node can reach, nodes numbered by --node-rank);
-each node runs the same command with its own --node-rank. And `run_local`, the
-in-process launcher that tests and benchmarks use (fork, gloo over loopback TCP:
-0.06 s for two ranks against ~3 s for torchrun)."""
+"""Starting a run: a plan read and checked for running (`load_job`; `check_supported`,
+what this executor can build; `rank_group`, where a plan puts a rank), the checks of the
+process layout, the endpoint and this machine, and the torchrun command line, on one
+machine (standalone rendezvous) or across nodes (static rendezvous at an endpoint every
+node can reach, nodes numbered by --node-rank; each node runs the same command with its
+own --node-rank), and torchrun's entry point. Also `run_local`, the in-process launcher
+that tests and benchmarks use.
+
+No torch at module level: `shardwise run` checks a plan, and torchrun's launcher process
+starts the ranks, without torch's start-up (1.6 s of the 6 s a one-step run of a tiny
+plan takes here); the functions that need torch import it."""
 
 from __future__ import annotations
 
 import datetime
 import io
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -18,15 +25,174 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-
-from costmodel.specs.loading import SpecError
+from costmodel.specs import ModelSpec, TrainingSpec
+from costmodel.specs.loading import SpecError, load_model
+from costmodel.strategy import Strategy
+from planner.plan_file import (
+    fingerprint,
+    is_traced,
+    read_plan,
+    strategy_of,
+    training_of,
+)
 
 # Worker exit codes a restart cannot cure: bad input (2), a non-finite step (4).
 FINAL_EXIT_CODES = (2, 4)
 
+
+# -- the plan: read, checked against what this executor can build --------------------
+
+class UnsupportedPlan(ValueError):
+    """The plan asks for something this executor cannot build; the message says what."""
+
+
+def check_supported(spec: ModelSpec, strategy: Strategy, seq_len: int) -> None:
+    """Refuse, before any weights exist, what cannot be built."""
+    if strategy.sequence_parallel and seq_len % strategy.tp:
+        raise UnsupportedPlan(f"strategy.sequence_parallel: tp {strategy.tp} does not divide the sequence "
+                              f"of {seq_len} tokens")
+    if strategy.pp > 1 and strategy.schedule != "gpipe" and strategy.num_microbatches < strategy.pp:
+        raise UnsupportedPlan(f"strategy.num_microbatches: {strategy.schedule} needs at least pp {strategy.pp} "
+                              f"micro-batches, the plan has {strategy.num_microbatches}")
+    if strategy.vpp > 1 and strategy.schedule != "interleaved":
+        raise UnsupportedPlan(f"strategy.vpp: {strategy.vpp} virtual stages need the interleaved schedule, "
+                              f"the plan says {strategy.schedule}")
+    if spec.is_moe and strategy.tp > 1:
+        raise UnsupportedPlan("strategy.tp: tensor parallelism inside the experts of an MoE model is not supported; plan with --fix tp=1")
+    if spec.num_attention_heads % strategy.tp or spec.num_key_value_heads % strategy.tp:
+        raise UnsupportedPlan(f"strategy.tp: {strategy.tp} does not divide the {spec.num_attention_heads} heads "
+                              f"and {spec.num_key_value_heads} kv heads")
+    if spec.is_moe and spec.num_local_experts % strategy.ep:
+        raise UnsupportedPlan(f"strategy.ep: {strategy.ep} does not divide the {spec.num_local_experts} experts")
+    if strategy.stage_groups and len(strategy.stage_groups) != strategy.pp:
+        raise UnsupportedPlan(f"plan.strategy.stage_groups: expected one group per pipeline rank ({strategy.pp}), "
+                              f"got {len(strategy.stage_groups)}")
+    if strategy.replica_groups or strategy.replica_microbatches:
+        check_replica_shares(strategy)
+
+
+def check_replica_shares(strategy: Strategy) -> None:
+    """Replica groups (a mixed cluster's data-parallel replicas, each running its own
+    number of micro-batches): every replica must issue the same collectives whatever
+    its count. DDP, `replicate` and ZeRO-2's FSDP do (gradients are reduced once, on
+    the last micro-batch; ZeRO-2 gathers each weight once, on the first); what gathers
+    or exchanges per micro-batch does not."""
+    s, field = strategy, "plan.strategy.replica_groups"
+    counts = s.replica_microbatches
+    if len(counts) != s.dp or any(not isinstance(m, int) or m < 1 for m in counts):
+        raise UnsupportedPlan(f"plan.strategy.replica_microbatches: expected {s.dp} positive micro-batch counts "
+                              f"(one per dp replica), got {list(counts)}")
+    if len(s.replica_groups) != s.dp:
+        raise UnsupportedPlan(f"{field}: expected {s.dp} group names (one per dp replica), got {len(s.replica_groups)}")
+    if s.pp > 1:
+        raise UnsupportedPlan(f"{field}: replica shares need pp 1 (a pipeline schedule runs one micro-batch count "
+                              f"on every stage), the plan has pp {s.pp}; plan with stage groups")
+    if s.zero_stage >= 3:
+        raise UnsupportedPlan(f"{field}: ZeRO-3 gathers every layer's weights in each micro-batch's forward and "
+                              f"backward, so replicas running {list(counts)} micro-batches would issue different "
+                              f"collectives; plan with zero_stage <= 2")
+    if s.ep > 1:
+        raise UnsupportedPlan(f"{field}: expert parallelism exchanges tokens across replicas in each micro-batch, "
+                              f"so replicas running {list(counts)} micro-batches cannot meet; plan with ep 1")
+
+
+
+@dataclass(frozen=True)
+class RunJob:
+    """A plan file read, checked and turned into what a trainer needs."""
+
+    plan: dict
+    model: ModelSpec
+    training: TrainingSpec
+    strategy: Strategy
+
+
+def load_job(plan_path: str, model_name: str | None = None, world_size: int | None = None) -> RunJob:
+    """Read and check a plan for running; raises SpecError naming the field."""
+    doc = read_plan(plan_path)
+    if is_traced(doc):
+        raise SpecError("plan.model", f"a plan of the traced module {doc['model']['name']}: shardwise run trains "
+                                      f"models given by a spec (built-in, YAML or a config.json)")
+    model = ModelSpec(**doc["model"])
+    if model_name is not None:
+        given = load_model(model_name)
+        if fingerprint(given) != doc["model_fingerprint"]:
+            raise SpecError("--model", f"{model_name} is not the model this plan was made for ({model.name}; "
+                                       f"fingerprints {fingerprint(given)[:19]} vs {doc['model_fingerprint'][:19]})")
+    training = training_of(doc)
+    strategy = strategy_of(doc)
+    if world_size is not None and world_size != strategy.num_gpus:
+        raise SpecError("--nproc-per-node", f"the plan needs {strategy.num_gpus} processes "
+                                            f"(dp {strategy.dp} x tp {strategy.tp} x pp {strategy.pp}), "
+                                            f"{world_size} would be started")
+    try:
+        check_supported(model, strategy, training.seq_len)
+    except UnsupportedPlan as err:
+        raise SpecError(*str(err).split(": ", 1)) from None
+    job_device_type(doc)
+    return RunJob(doc, model, training, strategy)
+
+
+@dataclass(frozen=True)
+class RankGroup:
+    """Where a plan puts one global rank: its group of the cluster (the cluster itself
+    when it is not mixed), the group's hardware and the device type that runs it."""
+
+    group: str
+    gpu: str
+    device_type: str   # "cpu" or "cuda"
+
+
+def is_cpu_hardware(name: str) -> bool:
+    """Hardware the executor runs on CPU: configs/hardware/cpu.yaml is named "CPU", and
+    its copies keep the word first ("cpu-slow", "CPU 2x")."""
+    return re.split(r"[^a-z0-9]", name.strip().lower(), maxsplit=1)[0] == "cpu"
+
+
+def rank_group(doc: dict, rank: int) -> RankGroup:
+    """The group of global `rank` in plan `doc`. Ranks run tp innermost, then dp, then
+    pp (costmodel.strategy): with stage groups a rank's group is its pipeline rank's,
+    rank // (dp x tp); with replica groups its dp replica's, (rank // tp) % dp; any other
+    plan on a mixed cluster fills the groups in the cluster file's order."""
+    s, cluster = strategy_of(doc), doc["cluster"]
+    if not 0 <= rank < s.num_gpus:
+        raise SpecError("RANK", f"rank {rank} is not one of the plan's {s.num_gpus} ranks")
+    if "groups" not in cluster:
+        gpu = cluster["gpu"]["name"]
+        return RankGroup(cluster["name"], gpu, "cpu" if is_cpu_hardware(gpu) else "cuda")
+    groups = cluster["groups"]
+    if s.stage_groups:
+        name = s.stage_groups[rank // (s.dp * s.tp)]
+    elif s.replica_groups:
+        name = s.replica_groups[(rank // s.tp) % s.dp]
+    else:
+        first = 0
+        for g in groups:
+            first += g["gpus_per_node"] * g["num_nodes"]
+            if rank < first:
+                name = g["name"]
+                break
+        else:
+            raise SpecError("plan.cluster.groups", f"the groups hold fewer than the plan's {s.num_gpus} ranks")
+    group = next(g for g in groups if g["name"] == name)   # strategy_of checked the names
+    gpu = group["gpu"]["name"]
+    return RankGroup(name, gpu, "cpu" if is_cpu_hardware(gpu) else "cuda")
+
+
+def job_device_type(doc: dict) -> str:
+    """The device type of every rank of the plan; SpecError when its groups need both
+    CPU and CUDA (one job joins one process group: gloo or NCCL)."""
+    placed = [rank_group(doc, r) for r in range(strategy_of(doc).num_gpus)]
+    kinds = {p.device_type: p for p in placed}
+    if len(kinds) > 1:
+        cpu, cuda = kinds["cpu"], kinds["cuda"]
+        raise SpecError("plan.cluster.groups", f"group {cpu.group} ({cpu.gpu}) runs on CPU and group {cuda.group} "
+                                               f"({cuda.gpu}) on CUDA: one job runs one backend (gloo or NCCL); "
+                                               f"plan the GPU groups alone")
+    return placed[0].device_type
+
+
+# -- the launch ---------------------------------------------------------------------
 
 @dataclass(frozen=True)
 class Launch:
@@ -69,6 +235,8 @@ def check_machine(launch: Launch, device_type: str, rank_memory_bytes: float) ->
     against what the machine has."""
     n = launch.nproc_per_node
     if device_type == "cuda":
+        import torch
+
         have = torch.cuda.device_count()
         if n > have:
             raise SpecError("--nproc-per-node", f"the plan starts {n} ranks on this node, one per GPU; "
@@ -190,6 +358,9 @@ def die_with_launcher() -> None:
         os._exit(128 + signal.SIGKILL)
 
 
+# -- the in-process launcher of tests and benchmarks (fork, gloo over loopback TCP: 0.06 s
+# for two ranks against ~3 s for torchrun) -----------------------------------------------
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -197,6 +368,9 @@ def free_port() -> int:
 
 
 def _worker(rank, world, port, queue, fn, args, backend):
+    import torch
+    import torch.distributed as dist
+
     # One intra-op thread per forked rank, whatever OMP_NUM_THREADS says: GNU OpenMP's
     # thread pool does not survive fork, and a forked rank running two threads after
     # its parent had used two hung in its first parallel kernel.
@@ -220,6 +394,9 @@ def _worker(rank, world, port, queue, fn, args, backend):
 def run_local(fn, world: int, *args, backend: str = "gloo") -> list:
     """Run fn(rank, world, *args) on `world` forked ranks of this machine (gloo, or
     nccl with one GPU per rank); their return values by rank."""
+    import torch
+    import torch.multiprocessing as mp
+
     ctx = mp.get_context("spawn" if backend == "nccl" else "fork")   # CUDA cannot be forked
     queue = ctx.SimpleQueue()
     port = free_port()

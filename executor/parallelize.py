@@ -36,6 +36,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from costmodel.specs import ModelSpec, RuntimeSpec, TrainingSpec
 from costmodel.specs.runtime import DDP_BUCKET_MB
 from costmodel.strategy import Stage, Strategy
+from executor.launch import check_supported
 from executor.mesh import RankMesh, tied_ends_group
 from executor.models import (
     MoE,
@@ -64,60 +65,6 @@ class Overlap:
     @classmethod
     def of(cls, runtime: RuntimeSpec) -> Overlap:
         return cls(runtime.fsdp_prefetch, runtime.fsdp_kept_gathered, runtime.ddp_bucket_mb, runtime.async_tp)
-
-
-class UnsupportedPlan(ValueError):
-    """The plan asks for something this executor cannot build; the message says what."""
-
-
-def check_supported(spec: ModelSpec, strategy: Strategy, seq_len: int) -> None:
-    """Refuse, before any weights exist, what cannot be built."""
-    if strategy.sequence_parallel and seq_len % strategy.tp:
-        raise UnsupportedPlan(f"strategy.sequence_parallel: tp {strategy.tp} does not divide the sequence "
-                              f"of {seq_len} tokens")
-    if strategy.pp > 1 and strategy.schedule != "gpipe" and strategy.num_microbatches < strategy.pp:
-        raise UnsupportedPlan(f"strategy.num_microbatches: {strategy.schedule} needs at least pp {strategy.pp} "
-                              f"micro-batches, the plan has {strategy.num_microbatches}")
-    if strategy.vpp > 1 and strategy.schedule != "interleaved":
-        raise UnsupportedPlan(f"strategy.vpp: {strategy.vpp} virtual stages need the interleaved schedule, "
-                              f"the plan says {strategy.schedule}")
-    if spec.is_moe and strategy.tp > 1:
-        raise UnsupportedPlan("strategy.tp: tensor parallelism inside the experts of an MoE model is not supported; plan with --fix tp=1")
-    if spec.num_attention_heads % strategy.tp or spec.num_key_value_heads % strategy.tp:
-        raise UnsupportedPlan(f"strategy.tp: {strategy.tp} does not divide the {spec.num_attention_heads} heads "
-                              f"and {spec.num_key_value_heads} kv heads")
-    if spec.is_moe and spec.num_local_experts % strategy.ep:
-        raise UnsupportedPlan(f"strategy.ep: {strategy.ep} does not divide the {spec.num_local_experts} experts")
-    if strategy.stage_groups and len(strategy.stage_groups) != strategy.pp:
-        raise UnsupportedPlan(f"plan.strategy.stage_groups: expected one group per pipeline rank ({strategy.pp}), "
-                              f"got {len(strategy.stage_groups)}")
-    if strategy.replica_groups or strategy.replica_microbatches:
-        check_replica_shares(strategy)
-
-
-def check_replica_shares(strategy: Strategy) -> None:
-    """Replica groups (a mixed cluster's data-parallel replicas, each running its own
-    number of micro-batches): every replica must issue the same collectives whatever
-    its count. DDP, `replicate` and ZeRO-2's FSDP do (gradients are reduced once, on
-    the last micro-batch; ZeRO-2 gathers each weight once, on the first); what gathers
-    or exchanges per micro-batch does not."""
-    s, field = strategy, "plan.strategy.replica_groups"
-    counts = s.replica_microbatches
-    if len(counts) != s.dp or any(not isinstance(m, int) or m < 1 for m in counts):
-        raise UnsupportedPlan(f"plan.strategy.replica_microbatches: expected {s.dp} positive micro-batch counts "
-                              f"(one per dp replica), got {list(counts)}")
-    if len(s.replica_groups) != s.dp:
-        raise UnsupportedPlan(f"{field}: expected {s.dp} group names (one per dp replica), got {len(s.replica_groups)}")
-    if s.pp > 1:
-        raise UnsupportedPlan(f"{field}: replica shares need pp 1 (a pipeline schedule runs one micro-batch count "
-                              f"on every stage), the plan has pp {s.pp}; plan with stage groups")
-    if s.zero_stage >= 3:
-        raise UnsupportedPlan(f"{field}: ZeRO-3 gathers every layer's weights in each micro-batch's forward and "
-                              f"backward, so replicas running {list(counts)} micro-batches would issue different "
-                              f"collectives; plan with zero_stage <= 2")
-    if s.ep > 1:
-        raise UnsupportedPlan(f"{field}: expert parallelism exchanges tokens across replicas in each micro-batch, "
-                              f"so replicas running {list(counts)} micro-batches cannot meet; plan with ep 1")
 
 
 def stage_module(spec: ModelSpec, seq_len: int, stage: Stage | None, num_stages: int,

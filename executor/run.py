@@ -57,7 +57,6 @@ import functools
 import json
 import math
 import os
-import re
 import resource
 import signal
 import statistics
@@ -72,122 +71,21 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.table import Table
 
-from costmodel.specs import ModelSpec, TrainingSpec
-from costmodel.specs.loading import SpecError, load_model
-from costmodel.strategy import Strategy
+from costmodel.specs import TrainingSpec
+from costmodel.specs.loading import SpecError
 from costmodel.units import GIB
 from executor import checkpoint
 from executor.data import make_source
-from executor.launch import die_with_launcher
-from executor.parallelize import Overlap, UnsupportedPlan, check_supported
+from executor.launch import RankGroup, RunJob, die_with_launcher, load_job, rank_group
+from executor.parallelize import Overlap
 from executor.train import TrainConfig, Trainer
 from planner.plan_file import (
-    fingerprint,
-    is_traced,
-    read_plan,
     runtime_of,
-    strategy_of,
-    training_of,
 )
 
 EXIT_BAD_INPUT = 2
 EXIT_NONFINITE = 4
 EXIT_COLLECTIVE = 5
-
-
-@dataclass(frozen=True)
-class RunJob:
-    """A plan file read, checked and turned into what a trainer needs."""
-
-    plan: dict
-    model: ModelSpec
-    training: TrainingSpec
-    strategy: Strategy
-
-
-def load_job(plan_path: str, model_name: str | None = None, world_size: int | None = None) -> RunJob:
-    """Read and check a plan for running; raises SpecError naming the field."""
-    doc = read_plan(plan_path)
-    if is_traced(doc):
-        raise SpecError("plan.model", f"a plan of the traced module {doc['model']['name']}: shardwise run trains "
-                                      f"models given by a spec (built-in, YAML or a config.json)")
-    model = ModelSpec(**doc["model"])
-    if model_name is not None:
-        given = load_model(model_name)
-        if fingerprint(given) != doc["model_fingerprint"]:
-            raise SpecError("--model", f"{model_name} is not the model this plan was made for ({model.name}; "
-                                       f"fingerprints {fingerprint(given)[:19]} vs {doc['model_fingerprint'][:19]})")
-    training = training_of(doc)
-    strategy = strategy_of(doc)
-    if world_size is not None and world_size != strategy.num_gpus:
-        raise SpecError("--nproc-per-node", f"the plan needs {strategy.num_gpus} processes "
-                                            f"(dp {strategy.dp} x tp {strategy.tp} x pp {strategy.pp}), "
-                                            f"{world_size} would be started")
-    try:
-        check_supported(model, strategy, training.seq_len)
-    except UnsupportedPlan as err:
-        raise SpecError(*str(err).split(": ", 1)) from None
-    job_device_type(doc)
-    return RunJob(doc, model, training, strategy)
-
-
-@dataclass(frozen=True)
-class RankGroup:
-    """Where a plan puts one global rank: its group of the cluster (the cluster itself
-    when it is not mixed), the group's hardware and the device type that runs it."""
-
-    group: str
-    gpu: str
-    device_type: str   # "cpu" or "cuda"
-
-
-def is_cpu_hardware(name: str) -> bool:
-    """Hardware the executor runs on CPU: configs/hardware/cpu.yaml is named "CPU", and
-    its copies keep the word first ("cpu-slow", "CPU 2x")."""
-    return re.split(r"[^a-z0-9]", name.strip().lower(), maxsplit=1)[0] == "cpu"
-
-
-def rank_group(doc: dict, rank: int) -> RankGroup:
-    """The group of global `rank` in plan `doc`. Ranks run tp innermost, then dp, then
-    pp (costmodel.strategy): with stage groups a rank's group is its pipeline rank's,
-    rank // (dp x tp); with replica groups its dp replica's, (rank // tp) % dp; any other
-    plan on a mixed cluster fills the groups in the cluster file's order."""
-    s, cluster = strategy_of(doc), doc["cluster"]
-    if not 0 <= rank < s.num_gpus:
-        raise SpecError("RANK", f"rank {rank} is not one of the plan's {s.num_gpus} ranks")
-    if "groups" not in cluster:
-        gpu = cluster["gpu"]["name"]
-        return RankGroup(cluster["name"], gpu, "cpu" if is_cpu_hardware(gpu) else "cuda")
-    groups = cluster["groups"]
-    if s.stage_groups:
-        name = s.stage_groups[rank // (s.dp * s.tp)]
-    elif s.replica_groups:
-        name = s.replica_groups[(rank // s.tp) % s.dp]
-    else:
-        first = 0
-        for g in groups:
-            first += g["gpus_per_node"] * g["num_nodes"]
-            if rank < first:
-                name = g["name"]
-                break
-        else:
-            raise SpecError("plan.cluster.groups", f"the groups hold fewer than the plan's {s.num_gpus} ranks")
-    group = next(g for g in groups if g["name"] == name)   # strategy_of checked the names
-    gpu = group["gpu"]["name"]
-    return RankGroup(name, gpu, "cpu" if is_cpu_hardware(gpu) else "cuda")
-
-
-def job_device_type(doc: dict) -> str:
-    """The device type of every rank of the plan; SpecError when its groups need both
-    CPU and CUDA (one job joins one process group: gloo or NCCL)."""
-    placed = [rank_group(doc, r) for r in range(strategy_of(doc).num_gpus)]
-    kinds = {p.device_type: p for p in placed}
-    if len(kinds) > 1:
-        cpu, cuda = kinds["cpu"], kinds["cuda"]
-        raise SpecError("plan.cluster.groups", f"group {cpu.group} ({cpu.gpu}) runs on CPU and group {cuda.group} "
-                                               f"({cuda.gpu}) on CUDA: one job runs one backend (gloo or NCCL); "
-                                               f"plan the GPU groups alone")
-    return placed[0].device_type
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -22,11 +22,11 @@ from torch.distributed.tensor import DTensor
 
 from costmodel.specs import ModelSpec, TrainingSpec
 from costmodel.strategy import Strategy
+from executor.launch import UnsupportedPlan
 from executor.mesh import RankMesh, build_mesh
 from executor.parallelize import (
     BuiltinModel,
     Overlap,
-    UnsupportedPlan,
     data_parallel_kind,
 )
 from executor.step import ModelParts, TrainStep, autocast_dtype

@@ -56,7 +56,7 @@ def test_load_state_dict_gives_back_the_same_weights_and_trains_from_them(family
 
 def unsplittable_rank(rank, world):
     from executor import auto_parallelize
-    from executor.parallelize import UnsupportedPlan
+    from executor.launch import UnsupportedPlan
 
     model = hf_model("llama")
     mlp = model.model.layers[0].mlp
@@ -77,7 +77,7 @@ def test_a_model_it_cannot_split_names_the_module():
 
 def planned_rank(rank, world, plan):
     from executor import auto_parallelize
-    from executor.parallelize import UnsupportedPlan
+    from executor.launch import UnsupportedPlan
 
     try:
         trainer = auto_parallelize(hf_model("gpt2"), plan, loss_fn=causal_lm_loss,

@@ -32,9 +32,13 @@ from costmodel.specs.loading import load_cluster, load_model
 from costmodel.strategy import Stage, Strategy, even_stages
 from executor.collective_log import CommCounter
 from executor.data import SyntheticTokens, replica_shard
-from executor.launch import run_local
-from executor.parallelize import UnsupportedPlan, check_supported
-from executor.run import is_cpu_hardware, rank_group
+from executor.launch import (
+    UnsupportedPlan,
+    check_supported,
+    is_cpu_hardware,
+    rank_group,
+    run_local,
+)
 from executor.train import Trainer
 from planner.api import plan
 from planner.console.cli import main as cli

@@ -1,6 +1,6 @@
 """Every plan the search returns, the executor runs: random small problems (dense,
 MoE, mixed clusters, each rule set) planned by planner.api and read back by `shardwise
-run`'s own check (executor.run.load_job: the plan file, the model, the strategy against
+run`'s own check (executor.launch.load_job: the plan file, the model, the strategy against
 what executor.parallelize builds, one backend for every rank); and each kind of plan the
 search makes for the executor's models is one that tests/executor/test_step.py trains."""
 
@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from executor.launch import load_job
 from executor.parallelize import data_parallel_kind
-from executor.run import load_job
 from planner.api import plan
 from planner.plan_file import strategy_of, write_plan
 from planner.search import Infeasible
@@ -56,7 +56,7 @@ def test_the_best_mixtral_plan_on_16_h100s_runs():
     for doc in docs:
         s = strategy_of(doc)
         assert s.tp == 1   # the executor keeps experts whole: the pytorch-native runtime says so
-        from executor.parallelize import check_supported
+        from executor.launch import check_supported
         from planner.plan_file import model_of, training_of
 
         check_supported(model_of(doc), s, training_of(doc).seq_len)

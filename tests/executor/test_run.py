@@ -72,6 +72,20 @@ def test_world_size_mismatch_is_refused(plan_file, monkeypatch):
     assert worker_main([str(plan_file), "--steps", "1"]) == 2
 
 
+def test_the_checks_before_launch_and_the_launcher_import_no_torch(plan_file):
+    """`shardwise run` checks a plan, and torchrun's launcher process starts the ranks,
+    without torch's start-up (1.6 s of the 6 s a one-step tiny run takes here): the
+    checks live in executor.launch."""
+    script = ("import sys\n"
+              "from click.testing import CliRunner\n"
+              "from planner.console.cli import main\n"
+              f"out = CliRunner().invoke(main, ['run', {str(plan_file)!r}, '--nproc-per-node', '3'])\n"
+              "import executor.launch\n"
+              "print(out.exit_code, sorted(m for m in ('torch', 'numpy') if m in sys.modules))\n")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.stdout.split("\n")[0] == "2 []", done.stdout + done.stderr
+
+
 def test_torchrun_command_for_nodes():
     one = torchrun_command(plan_launch(8, None, 1, 0, None), ["p.json"])
     assert one[one.index("--nproc-per-node") + 1] == "8" and "--standalone" in one

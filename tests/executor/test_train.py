@@ -7,9 +7,8 @@ import torch
 from executor_test_helpers import CONFIG, SEQ_LEN, batches, strategy, training
 
 from costmodel.specs.loading import load_model
-from executor.launch import run_local
+from executor.launch import UnsupportedPlan, run_local
 from executor.models import build_model, materialize
-from executor.parallelize import UnsupportedPlan
 from executor.train import Trainer, lr_factor
 
 

@@ -66,7 +66,7 @@ def test_every_reader_refuses_a_hand_edited_plan_the_same_way(tmp_path, field, e
     edit with the same one-line message (exit code 2)."""
     from click.testing import CliRunner
 
-    from executor.run import load_job
+    from executor.launch import load_job
     from planner.console.cli import main
 
     doc = plan("tiny-llama", "cpu", 8, gpus=2, precision="fp32")
