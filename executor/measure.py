@@ -195,7 +195,7 @@ def _forward_backward(layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin:
     return run
 
 
-def _host_overheads(rank: int, world: int, reps: int) -> dict:
+def _host_overheads(rank: int, world: int, reps: int, micro_batch_sizes: tuple[int, ...]) -> dict:
     """One rank's thread seconds of the reference block's forward + backward: its plain
     layer, its TP shard, under DTensor TP over all ranks (with and without sequence
     parallelism), under FSDP2 with and without resharding after forward, and of the bare
@@ -215,7 +215,7 @@ def _host_overheads(rank: int, world: int, reps: int) -> dict:
     mesh = init_device_mesh("cpu", (world,))
     generator = torch.Generator().manual_seed(0)
     rows = []
-    for b in HOST_MICRO_BATCH_SIZES:
+    for b in micro_batch_sizes:
         x = torch.randn(b, seq, h, generator=generator).requires_grad_()
         row = {"micro_batch_size": b, "activation_bytes": x.numel() * 4,
                "tp_shard_s": _thread_s(_forward_backward(shard_block(spec, world), x, cos, sin), reps)}
@@ -229,7 +229,7 @@ def _host_overheads(rank: int, world: int, reps: int) -> dict:
         row["all_gather_s"] = _thread_s(lambda: dist.all_gather_into_tensor(message, shard), reps)
         row["reduce_scatter_s"] = _thread_s(lambda: dist.reduce_scatter_tensor(shard, message), reps)
         rows.append(row)
-    x = torch.randn(HOST_MICRO_BATCH_SIZES[0], seq, h, generator=generator).requires_grad_()
+    x = torch.randn(micro_batch_sizes[0], seq, h, generator=generator).requires_grad_()
     plain = shard_block(spec, 1)
     parameters = sum(p.numel() for p in plain.parameters())
     out = {"block": HOST_BLOCK, "ranks": world, "tp": rows, "layer_bytes": parameters * 4,
@@ -245,10 +245,16 @@ def _host_overheads(rank: int, world: int, reps: int) -> dict:
     return out
 
 
-def measure_host_overheads(nproc: int, reps: int = HOST_REPS) -> dict:
+def measure_host_overheads(nproc: int, reps: int = HOST_REPS,
+                           micro_batch_sizes: tuple[int, ...] = HOST_MICRO_BATCH_SIZES) -> dict:
     """What DTensor TP and FSDP2 add on the host, measured on `nproc` CPU ranks (rank 0's
-    figures; costmodel.calibrate turns them into HostOverheads)."""
-    return run_local(_host_overheads, nproc, reps)[0]
+    figures; costmodel.calibrate turns them into HostOverheads, a line in the activation
+    bytes: two micro-batch sizes fix it, three check it)."""
+    # Imported before the fork, so the ranks do not each import them (1 s per rank here).
+    import executor.models  # noqa: F401
+    import executor.parallelize  # noqa: F401
+
+    return run_local(_host_overheads, nproc, reps, micro_batch_sizes)[0]
 
 
 # --- layer kinds --------------------------------------------------------------------
@@ -456,7 +462,8 @@ def profile(device_type: str = "cpu", nproc: int = 2, precision: str = "fp32", q
     if device_type == "cpu" and nproc > 1:
         # On a GPU the host runs ahead of the kernels: nothing to add (HostOverheads).
         progress(f"host overheads of DTensor TP and FSDP2 on {nproc} processes")
-        host_overheads = measure_host_overheads(nproc, 3 if quick else HOST_REPS)
+        host_overheads = (measure_host_overheads(nproc, 2, HOST_MICRO_BATCH_SIZES[:2]) if quick
+                          else measure_host_overheads(nproc))
     layers = []
     if model is not None:
         mbs = list(micro_batch_sizes or (QUICK_MICRO_BATCH_SIZES if quick else DEFAULT_MICRO_BATCH_SIZES))

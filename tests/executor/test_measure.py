@@ -30,7 +30,7 @@ def test_quick_profile_fits_a_loadable_cluster(tmp_path):
     assert "&id" not in spec.read_text()               # plain YAML, no anchors
     # Two CPU ranks: DTensor's and FSDP2's host time is measured and fitted.
     host = profile["host_overheads"]
-    assert [r["micro_batch_size"] for r in host["tp"]] == [1, 2, 4]
+    assert [r["micro_batch_size"] for r in host["tp"]] == [1, 2]   # --quick: the two that fix the line
     keys = {"tp_s", "tp_sp_s", "tp_shard_s", "all_reduce_s", "all_gather_s", "reduce_scatter_s"}
     assert all(keys <= set(r) and all(r[k] > 0 for k in keys) for r in host["tp"])
     # The spec carries the fit of these very measurements (timings themselves are noise
