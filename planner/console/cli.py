@@ -12,6 +12,7 @@ binding constraint with its numbers and a relaxation that would make a plan exis
 
 from __future__ import annotations
 
+import os
 import sys
 
 import click
@@ -712,6 +713,19 @@ def run(plan_file, steps, model_name, data, seed, lr, metrics_out, nproc_per_nod
     sys.exit(run_torchrun(launch, worker))
 
 
+def _check_profile_ranks(device: str, ranks: int) -> None:
+    """One rank per GPU, or per CPU core: a CPU rank runs one thread, and more ranks than
+    cores would measure their contention for the cores, not the machine."""
+    if device == "cuda":
+        have, what = __import__("torch").cuda.device_count(), "GPUs"
+    else:
+        have = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        what = "CPU cores"
+    if ranks > have:
+        raise SpecError("--nproc", f"{ranks} processes, one per {what[:-1]}, and this machine has {have} {what}; "
+                                   f"use --nproc {have} or fewer")
+
+
 @main.command()
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True,
               help="Where to measure: this machine's CPU (one thread per process, gloo) or its GPUs (NCCL).")
@@ -789,6 +803,7 @@ def profile(device, nproc, precision, model_name, overrides, seq, micro_batch_si
                 raise SpecError("--extend", "can only extend a profile of the same device, precision and process count")
         if device == "cuda" and not __import__("torch").cuda.is_available():
             raise SpecError("--device", "cuda is not available on this machine")
+        _check_profile_ranks(device, ranks)
     except SpecError as err:
         _fail(EXIT_BAD_INPUT, str(err))
     result = measure(device, ranks, precision, quick, progress=lambda line: click.echo(f"measuring {line}", err=True),

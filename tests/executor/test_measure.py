@@ -3,6 +3,7 @@ cluster spec the planner loads, a quick layer profile measures a model's layer k
 that `plan --profile` then uses, and --extend merges measurements by shape."""
 
 import json
+import os
 
 import pytest
 from click.testing import CliRunner
@@ -86,6 +87,16 @@ def test_a_tp_that_does_not_shard_the_model_is_refused(tmp_path):
     result = CliRunner().invoke(cli, ["profile", "--nproc", "1", "--model", "tiny-llama", "--tp", "4",
                                       "-o", str(tmp_path / "p.json"), "--quick"])
     assert result.exit_code == 2 and "--tp: 4 does not divide num_key_value_heads 2" in result.output
+
+
+def test_more_cpu_ranks_than_cores_are_refused(tmp_path, monkeypatch):
+    """Found by bench/fuzz_cli.py: `--nproc 8` on two cores measured for 11 s, the ranks'
+    contention for the cores rather than the machine."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    result = CliRunner().invoke(cli, ["profile", "--nproc", "3", "-o", str(tmp_path / "p.json"), "--quick"])
+    assert result.exit_code == 2 and result.output.strip() == (
+        "error: --nproc: 3 processes, one per CPU core, and this machine has 2 CPU cores; use --nproc 2 or fewer")
+    assert not (tmp_path / "p.json").exists()
 
 
 def test_extend_merges_layer_kinds_by_key():

@@ -168,11 +168,21 @@ def shardwise_run(plan_file, checkpoints, *extra, crash=None):
                           capture_output=True, text=True, timeout=300, env=env)
 
 
-def assert_final_checkpoints_bitwise_equal(tmp_path):
-    """The clean and the crashed run's last checkpoints: the same weights and optimizer
-    states, bit for bit."""
+@pytest.fixture(scope="module")
+def clean_run(plan_file, tmp_path_factory):
+    """The uninterrupted run the recovery tests compare with: its checkpoint folder and
+    its process (one run for the module; tests copy the folder before they write to it)."""
+    folder = tmp_path_factory.mktemp("clean") / "ckpt"
+    done = shardwise_run(plan_file, folder)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return folder, done
+
+
+def assert_final_checkpoints_bitwise_equal(clean_dir, tmp_path):
+    """The clean run's and the crashed run's (tmp_path / "crashed") last checkpoints: the
+    same weights and optimizer states, bit for bit."""
     final = f"step-{RESTART_STEPS:08d}"
-    a = tensors(tmp_path / "clean" / final, tmp_path, "a")
+    a = tensors(clean_dir / final, tmp_path, "a")
     b = tensors(tmp_path / "crashed" / final, tmp_path, "b")
     assert set(a) == set(b) and any(k.startswith("optim.") for k in a)
     for key in a:
@@ -186,13 +196,11 @@ def tensors(checkpoint_dir, tmp_path, name):
     return {k: v for k, v in state.items() if k.startswith(("model.", "optim."))}
 
 
-def test_a_killed_rank_is_restarted_and_ends_bitwise_equal(plan_file, tmp_path):
-    clean = shardwise_run(plan_file, tmp_path / "clean")
-    assert clean.returncode == 0, clean.stderr[-2000:]
+def test_a_killed_rank_is_restarted_and_ends_bitwise_equal(plan_file, clean_run, tmp_path):
     crashed = shardwise_run(plan_file, tmp_path / "crashed", "--max-restarts", "1", crash="1:3")
     assert crashed.returncode == 0, crashed.stderr[-2000:]
     assert "checkpoint: resumed from" in crashed.stdout and "(step 2)" in crashed.stdout
-    assert_final_checkpoints_bitwise_equal(tmp_path)
+    assert_final_checkpoints_bitwise_equal(clean_run[0], tmp_path)
 
 
 def test_a_save_killed_halfway_leaves_the_previous_checkpoint(plan_file, tmp_path):
@@ -225,31 +233,27 @@ def test_a_non_finite_loss_stops_the_run_or_is_skipped(plan_file, tmp_path):
     assert "not finite, skipped (no update)" in skipped.stdout
 
 
-def test_a_new_plan_resumes_a_checkpoint_of_the_old_one(plan_file, tmp_path):
-    import re
-
+def test_a_new_plan_resumes_a_checkpoint_of_the_old_one(clean_run, tmp_path):
     doc = plan("tiny-gpt", "cpu", GLOBAL_BATCH, gpus=2, seq_len=SEQ_LEN, precision="fp32", fix={"dp": 1, "tp": 2})
     write_plan(doc, tmp_path / "tp2.json")
-    whole = shardwise_run(plan_file, tmp_path / "dp2")
+    clean_dir, whole = clean_run
     # Resume from step 4 of the same run (the schedule spans its 6 steps).
-    shutil.rmtree(tmp_path / "dp2" / f"step-{RESTART_STEPS:08d}")
+    shutil.copytree(clean_dir, tmp_path / "dp2", ignore=shutil.ignore_patterns(f"step-{RESTART_STEPS:08d}"))
     second = shardwise_run(tmp_path / "tp2.json", tmp_path / "tp2", "--resume", str(tmp_path / "dp2"))
-    assert whole.returncode == second.returncode == 0, second.stderr[-2000:]
+    assert second.returncode == 0, second.stderr[-2000:]
     assert f"checkpoint: resumed from {tmp_path / 'dp2' / 'step-00000004'} (step 4)" in second.stdout
     losses = lambda out: re.findall(r"step (\d)/6  loss ([0-9.]+)", out)  # noqa: E731
     assert losses(second.stdout) == losses(whole.stdout)[4:]
 
 
-def test_a_rank_killed_mid_backward_is_restarted_and_ends_bitwise_equal(plan_file, tmp_path):
+def test_a_rank_killed_mid_backward_is_restarted_and_ends_bitwise_equal(plan_file, clean_run, tmp_path):
     """SHARDWISE_TEST_CRASH_AT's in-step points: rank 1 SIGKILLed as the gradient
     reaches its middle layer in step 3 (0-based); the restart resumes from step 2."""
-    clean = shardwise_run(plan_file, tmp_path / "clean")
-    assert clean.returncode == 0, clean.stderr[-2000:]
     crashed = shardwise_run(plan_file, tmp_path / "crashed", "--max-restarts", "1", crash="backward:1:3")
     assert crashed.returncode == 0, crashed.stderr[-2000:]
     assert "SHARDWISE_TEST_CRASH: rank 1 killed at backward, step 3, attempt 0" in crashed.stderr
     assert "restart 1 of 1" in crashed.stdout and "(step 2)" in crashed.stdout
-    assert_final_checkpoints_bitwise_equal(tmp_path)
+    assert_final_checkpoints_bitwise_equal(clean_run[0], tmp_path)
 
 
 # -- refused before launch: the data, the outputs, the endpoint, the machine ----------------
@@ -359,16 +363,15 @@ def test_workers_end_when_torchrun_is_killed_outright(plan_file, tmp_path):
             os.kill(pid, signal.SIGKILL)
 
 
-def test_steps_is_the_step_to_train_to_after_a_resume_too(plan_file, tmp_path):
-    """A run trained to step 2 and started again with --steps 2 has nothing to do; with
-    --steps 1 it is bad input naming --steps (the checkpoint is past it)."""
-    first = shardwise_run(plan_file, tmp_path / "ckpt", "--steps", "2")
-    assert first.returncode == 0, first.stderr[-2000:]
-    again = shardwise_run(plan_file, tmp_path / "ckpt", "--steps", "2")
-    assert again.returncode == 0 and "all 2 steps are trained, nothing to do" in again.stdout, again.stderr[-2000:]
-    back = shardwise_run(plan_file, tmp_path / "ckpt", "--steps", "1")
+def test_steps_is_the_step_to_train_to_after_a_resume_too(plan_file, clean_run, tmp_path):
+    """A run trained to step 6 and started again with --steps 6 has nothing to do; with
+    --steps 5 it is bad input naming --steps (the checkpoint is past it)."""
+    shutil.copytree(clean_run[0], tmp_path / "ckpt")
+    again = shardwise_run(plan_file, tmp_path / "ckpt", "--steps", str(RESTART_STEPS))
+    assert again.returncode == 0 and "all 6 steps are trained, nothing to do" in again.stdout, again.stderr[-2000:]
+    back = shardwise_run(plan_file, tmp_path / "ckpt", "--steps", str(RESTART_STEPS - 1))
     assert back.returncode == 2
-    assert "--steps: 1 is the step to train to, and the checkpoint is already at step 2" in back.stdout + back.stderr
+    assert "--steps: 5 is the step to train to, and the checkpoint is already at step 6" in back.stdout + back.stderr
 
 
 def test_resume_from_another_model_or_a_tampered_checkpoint_is_refused_before_launch(plan_file, tmp_path):
