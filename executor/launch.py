@@ -437,4 +437,7 @@ def torchrun_main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":   # what torchrun_command starts
-    sys.exit(torchrun_main(sys.argv[1:]))
+    code = torchrun_main(sys.argv[1:])
+    sys.stdout.flush()   # torchrun has reaped its workers; skip the interpreter's slow teardown
+    sys.stderr.flush()
+    os._exit(code)
