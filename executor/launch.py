@@ -31,6 +31,7 @@ from costmodel.strategy import Strategy
 from planner.plan_file import (
     fingerprint,
     is_traced,
+    model_of,
     read_plan,
     strategy_of,
     training_of,
@@ -113,7 +114,7 @@ def load_job(plan_path: str, model_name: str | None = None, world_size: int | No
     if is_traced(doc):
         raise SpecError("plan.model", f"a plan of the traced module {doc['model']['name']}: shardwise run trains "
                                       f"models given by a spec (built-in, YAML or a config.json)")
-    model = ModelSpec(**doc["model"])
+    model = model_of(doc)   # read as a model file is: a field left out takes its default
     if model_name is not None:
         given = load_model(model_name)
         if fingerprint(given) != doc["model_fingerprint"]:

@@ -49,6 +49,20 @@ def test_tampered_plan_is_rejected(tmp_path):
     assert err.value.field == "plan.model_fingerprint"
 
 
+def test_run_reads_a_plan_model_block_as_a_model_file(tmp_path):
+    """Found by bench/fuzz_cli.py: a model block without a field its model file may leave
+    out (intermediate_size: 4h for GPT) passed every reader but run's, which built the
+    spec field by field and raised TypeError."""
+    from executor.launch import load_job
+
+    doc = plan("tiny-gpt", "cpu", 8, gpus=2, seq_len=16, precision="fp32", fix={"pp": 2})
+    whole = doc["model"]["intermediate_size"]
+    del doc["model"]["intermediate_size"]
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(doc))
+    assert load_job(str(path)).model.intermediate_size == whole == 4 * doc["model"]["hidden_size"]
+
+
 @pytest.mark.parametrize("field, edit, message", [
     ("plan.strategy", lambda d: d["strategy"].update(num_microbatches=d["strategy"]["num_microbatches"] + 1),
      "dp x micro_batch_size x num_microbatches does not equal the global batch"),
