@@ -97,7 +97,6 @@ def check_replica_shares(strategy: Strategy) -> None:
                               f"so replicas running {list(counts)} micro-batches cannot meet; plan with ep 1")
 
 
-
 @dataclass(frozen=True)
 class RunJob:
     """A plan file read, checked and turned into what a trainer needs."""
