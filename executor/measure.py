@@ -110,7 +110,8 @@ def measure_elementwise(device: torch.device, dtype: torch.dtype, sizes=ELEMENTW
     CPU pays the page faults of a new mapping)."""
     out = []
     for size in sizes:
-        x = torch.randn(size // torch.tensor([], dtype=dtype).element_size(), device=device, dtype=dtype)
+        # Values do not change a pass's time; drawing 256 MiB of random ones would take a second.
+        x = torch.ones(size // torch.tensor([], dtype=dtype).element_size(), device=device, dtype=dtype)
         y = torch.empty_like(x)
         seconds = _best_s((lambda: x.mul(2.0)) if fresh else (lambda: torch.mul(x, 2.0, out=y)), device, reps)
         out.append({"bytes": 2 * size, "seconds": seconds})
@@ -195,7 +196,7 @@ def _forward_backward(layer: nn.Module, x: torch.Tensor, cos: torch.Tensor, sin:
     return run
 
 
-def _host_overheads(rank: int, world: int, reps: int, micro_batch_sizes: tuple[int, ...]) -> dict:
+def _host_overheads(rank: int, world: int, reps: int, micro_batch_sizes: tuple[int, ...], block: dict) -> dict:
     """One rank's thread seconds of the reference block's forward + backward: its plain
     layer, its TP shard, under DTensor TP over all ranks (with and without sequence
     parallelism), under FSDP2 with and without resharding after forward, and of the bare
@@ -209,21 +210,25 @@ def _host_overheads(rank: int, world: int, reps: int, micro_batch_sizes: tuple[i
 
     warnings.filterwarnings("ignore", category=FutureWarning)
     torch.set_num_threads(1)
-    spec = model_from_dict(HOST_BLOCK, "host-overhead-block")
+    spec = model_from_dict(block, "host-overhead-block")
     seq, h = spec.max_position_embeddings, spec.hidden_size
     cos, sin = rope_tables(seq, spec.head_dim)
     mesh = init_device_mesh("cpu", (world,))
     generator = torch.Generator().manual_seed(0)
+    shard_layer = shard_block(spec, world)
+    tp_layers = {}
+    for sp in (False, True):
+        model = materialize(build_model(spec, seq), "cpu")
+        apply_tensor_parallel(model, mesh, sp)
+        tp_layers[sp] = model.layers["0"]
     rows = []
     for b in micro_batch_sizes:
         x = torch.randn(b, seq, h, generator=generator).requires_grad_()
         row = {"micro_batch_size": b, "activation_bytes": x.numel() * 4,
-               "tp_shard_s": _thread_s(_forward_backward(shard_block(spec, world), x, cos, sin), reps)}
+               "tp_shard_s": _thread_s(_forward_backward(shard_layer, x, cos, sin), reps)}
         for sp in (False, True):
-            model = materialize(build_model(spec, seq), "cpu")
-            apply_tensor_parallel(model, mesh, sp)
             local = x.detach().chunk(world, dim=1)[rank].requires_grad_() if sp else x
-            row["tp_sp_s" if sp else "tp_s"] = _thread_s(_forward_backward(model.layers["0"], local, cos, sin), reps)
+            row["tp_sp_s" if sp else "tp_s"] = _thread_s(_forward_backward(tp_layers[sp], local, cos, sin), reps)
         message, shard = torch.ones(x.numel()), torch.ones(x.numel() // world)
         row["all_reduce_s"] = _thread_s(lambda: dist.all_reduce(message), reps)
         row["all_gather_s"] = _thread_s(lambda: dist.all_gather_into_tensor(message, shard), reps)
@@ -232,7 +237,7 @@ def _host_overheads(rank: int, world: int, reps: int, micro_batch_sizes: tuple[i
     x = torch.randn(micro_batch_sizes[0], seq, h, generator=generator).requires_grad_()
     plain = shard_block(spec, 1)
     parameters = sum(p.numel() for p in plain.parameters())
-    out = {"block": HOST_BLOCK, "ranks": world, "tp": rows, "layer_bytes": parameters * 4,
+    out = {"block": block, "ranks": world, "tp": rows, "layer_bytes": parameters * 4,
            "plain_s": _thread_s(_forward_backward(plain, x, cos, sin), reps)}
     for reshard in (False, True):
         model = materialize(build_model(spec, seq), "cpu")
@@ -246,15 +251,21 @@ def _host_overheads(rank: int, world: int, reps: int, micro_batch_sizes: tuple[i
 
 
 def measure_host_overheads(nproc: int, reps: int = HOST_REPS,
-                           micro_batch_sizes: tuple[int, ...] = HOST_MICRO_BATCH_SIZES) -> dict:
+                           micro_batch_sizes: tuple[int, ...] = HOST_MICRO_BATCH_SIZES,
+                           seq_len: int = HOST_BLOCK["max_position_embeddings"]) -> dict:
     """What DTensor TP and FSDP2 add on the host, measured on `nproc` CPU ranks (rank 0's
     figures; costmodel.calibrate turns them into HostOverheads, a line in the activation
-    bytes: two micro-batch sizes fix it, three check it)."""
+    bytes: two micro-batch sizes fix it, three check it). A shorter `seq_len` measures
+    the same line over smaller activations (profile --quick)."""
     # Imported before the fork, so the ranks do not each import them (1 s per rank here).
+    # torch._dynamo too: the first module built on the meta device imports it (0.7 s).
+    import torch._dynamo  # noqa: F401
+
     import executor.models  # noqa: F401
     import executor.parallelize  # noqa: F401
 
-    return run_local(_host_overheads, nproc, reps, micro_batch_sizes)[0]
+    block = dict(HOST_BLOCK, max_position_embeddings=seq_len)
+    return run_local(_host_overheads, nproc, reps, micro_batch_sizes, block)[0]
 
 
 # --- layer kinds --------------------------------------------------------------------
@@ -462,7 +473,7 @@ def profile(device_type: str = "cpu", nproc: int = 2, precision: str = "fp32", q
     if device_type == "cpu" and nproc > 1:
         # On a GPU the host runs ahead of the kernels: nothing to add (HostOverheads).
         progress(f"host overheads of DTensor TP and FSDP2 on {nproc} processes")
-        host_overheads = (measure_host_overheads(nproc, 2, HOST_MICRO_BATCH_SIZES[:2]) if quick
+        host_overheads = (measure_host_overheads(nproc, 1, HOST_MICRO_BATCH_SIZES[:2], seq_len=64) if quick
                           else measure_host_overheads(nproc))
     layers = []
     if model is not None:

@@ -908,5 +908,27 @@ def _int_list(text: str | None, field: str) -> list[int] | None:
     return values
 
 
+def run_main() -> None:
+    """The `shardwise` program: main, then an exit that skips torch's teardown (its
+    thread pools and gloo's objects destroyed one by one: a second or more after a
+    profile here) once a command has imported it. Everything a command writes is
+    closed before it returns."""
+    try:
+        main()
+    except SystemExit as done:
+        code = done.code
+    else:
+        code = 0
+    if not isinstance(code, int):
+        if code is not None:
+            print(code, file=sys.stderr)
+        code = 0 if code is None else 1
+    if "torch" in sys.modules:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    main()
+    run_main()
