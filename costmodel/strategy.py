@@ -10,8 +10,67 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-interleaved", "zbv")
+# Zero-bubble schedules (Qi et al. 2024, "Zero Bubble Pipeline Parallelism"): backward
+# split into input and weight gradients, the weight gradients filling the bubble.
+# torch.distributed.pipelining's ScheduleInterleavedZeroBubble (ZB1P, vpp chunks per rank
+# placed round-robin) and ScheduleZBVZeroBubble (two chunks per rank in a V).
+ZERO_BUBBLE_SCHEDULES = ("zb-interleaved", "zbv")
 RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+def schedule_vpp_error(schedule: str, vpp: int, pp: int) -> str | None:
+    """Why `schedule` cannot run `vpp` model chunks per rank on `pp` ranks (None if it
+    can): interleaved needs two or more chunks, zbv exactly two, gpipe and 1f1b one;
+    each chunked schedule needs a pipeline."""
+    if schedule == "interleaved" and vpp < 2:
+        return "interleaved needs vpp of 2 or more"
+    if schedule == "zbv" and vpp != 2:
+        return f"zbv runs two model chunks per rank in a V: vpp 2, not {vpp}"
+    if schedule in ("gpipe", "1f1b") and vpp > 1:
+        return f"vpp {vpp} needs schedule interleaved, zb-interleaved or zbv, not {schedule}"
+    if schedule in ("interleaved", "zbv") and pp < 2:
+        return f"{schedule} needs pp of 2 or more"
+    return None
+
+
+def schedule_microbatch_error(schedule: str, pp: int, num_microbatches: int) -> str | None:
+    """Why `schedule` cannot run `num_microbatches` micro-batches on `pp` ranks (None if
+    it can). torch.distributed.pipelining's 1F1B-family schedules need one per stage;
+    Megatron-LM's interleaved schedule whole rounds of pp; ScheduleInterleavedZeroBubble
+    runs rounds of m // pp and refuses a count that is not a whole number of them."""
+    m = num_microbatches
+    if pp == 1 or schedule == "gpipe":
+        return None
+    if m < pp:
+        return f"{schedule} needs at least pp {pp} micro-batches, there are {m}"
+    if schedule == "interleaved" and m % pp:
+        return f"interleaved needs the {m} micro-batches to be a multiple of pp {pp}"
+    rounds = m // pp
+    if schedule == "zb-interleaved" and m % rounds:
+        return f"zb-interleaved runs {rounds} rounds of micro-batches (m // pp), which do not divide the {m} micro-batches"
+    return None
+
+
+def schedule_zero_error(schedule: str, pp: int, dp: int, zero_stage: int) -> str | None:
+    """Why `schedule` cannot run with this ZeRO stage (None if it can). Measured on CPU
+    with torch 2.13 (tests/executor/test_step.py): under ZeRO-3, FSDP2 units that
+    reshard after forward, torch.distributed.pipelining's zero-bubble schedules leave
+    the last stage's weight gradients unreduced (None), and the step hangs."""
+    if pp > 1 and dp > 1 and zero_stage == 3 and schedule in ZERO_BUBBLE_SCHEDULES:
+        return (f"{schedule} with ZeRO-3 leaves the last stage's weight gradients unreduced in "
+                f"torch.distributed.pipelining; plan ZeRO-2 or another schedule")
+    return None
+
+
+def stage_rank(index: int, pp: int, schedule: str) -> int:
+    """The pipeline rank of virtual stage `index`: round-robin (Megatron's interleaved
+    layout, torch's "loop" style), or for zbv a V, rank r holding stages r and
+    2pp - 1 - r (torch.distributed.pipelining's "v" style), so the first and last
+    stages share rank 0."""
+    if schedule == "zbv":
+        return index if index < pp else 2 * pp - 1 - index
+    return index % pp
 
 
 @dataclass(frozen=True)
@@ -107,10 +166,23 @@ def summarize_recompute(stages: tuple[Stage, ...]) -> str:
     return "mixed"
 
 
-def even_stages(num_layers: int, pp: int, vpp: int = 1, recompute: str = "none") -> tuple[Stage, ...]:
+def ends_apart(strategy: Strategy) -> bool:
+    """Whether the first and the last virtual stage are on different pipeline ranks (a
+    tied embedding's two copies then sum their gradients over the network)."""
+    last = strategy.num_virtual_stages - 1
+    return stage_rank(0, strategy.pp, strategy.schedule) != stage_rank(last, strategy.pp, strategy.schedule)
+
+
+def rank_stage_indices(pp_rank: int, pp: int, vpp: int, schedule: str) -> tuple[int, ...]:
+    """The virtual stages rank `pp_rank` holds, in the order it first runs them."""
+    return tuple(sorted(i for i in range(pp * vpp) if stage_rank(i, pp, schedule) == pp_rank))
+
+
+def even_stages(num_layers: int, pp: int, vpp: int = 1, recompute: str = "none",
+                schedule: str = "1f1b") -> tuple[Stage, ...]:
     """Layers spread as evenly as possible over pp * vpp virtual stages (earlier stages
-    take the remainder), virtual stage i on pipeline rank i mod pp (Megatron's
-    interleaved layout), every layer recomputed as `recompute` says."""
+    take the remainder), virtual stage i on the rank `stage_rank` gives it, every layer
+    recomputed as `recompute` says."""
     count = pp * vpp
     base, extra = divmod(num_layers, count)
     stages, first = [], 0
@@ -118,6 +190,6 @@ def even_stages(num_layers: int, pp: int, vpp: int = 1, recompute: str = "none")
         n = base + (1 if i < extra else 0)
         full = n if recompute == "full" else 0
         selective = n if recompute == "selective" else 0
-        stages.append(Stage(i, i % pp, first, n, full, selective))
+        stages.append(Stage(i, stage_rank(i, pp, schedule), first, n, full, selective))
         first += n
     return tuple(stages)

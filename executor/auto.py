@@ -116,7 +116,8 @@ def auto_parallelize(model: nn.Module, plan: dict | str | None = None, *, cluste
         else:
             # A Hugging Face model trains on its own loss (or the user's): F.cross_entropy over
             # upcast logits, not the built-in models' chunked one.
-            runtime = replace(load_runtime(), chunked_loss=False)
+            # Its stages run gpipe or 1f1b (refuse_unsupported): no zero-bubble schedules.
+            runtime = replace(load_runtime(), chunked_loss=False, zero_bubble_schedules=False)
             plan = plan_spec(_decoder_spec(model), cluster, global_batch, seq, gpus=dist.get_world_size(),
                              precision=precision, rules=rules, fix=pins, top=1, runtime=runtime)
     elif not isinstance(plan, dict):
@@ -201,11 +202,11 @@ WRAPPED = "_checkpoint_wrapped_module."
 def refuse_unsupported(strategy: Strategy) -> None:
     """Refuse what a Hugging Face model cannot be split into, naming the plan's field."""
     for knob, ok in (("sequence_parallel", not strategy.sequence_parallel), ("vpp", strategy.vpp == 1),
-                     ("ep", strategy.ep == 1), ("schedule", strategy.schedule != "interleaved")):
+                     ("ep", strategy.ep == 1), ("schedule", strategy.schedule in ("gpipe", "1f1b"))):
         if not ok:
             raise UnsupportedPlan(f"plan.strategy.{knob}: auto_parallelize on a Hugging Face model runs tp, "
                                   f"pp (gpipe, 1f1b), dp, ZeRO and recompute; plan with --fix "
-                                  f"sp=off,vpp=1,ep=1")
+                                  f"sp=off,vpp=1,ep=1,schedule=1f1b")
     if len(set(strategy.replica_microbatches)) > 1:
         raise UnsupportedPlan(f"plan.strategy.replica_groups: auto_parallelize on a Hugging Face model gives "
                               f"every replica an equal share, the plan's are "

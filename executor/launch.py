@@ -27,7 +27,14 @@ from pathlib import Path
 
 from costmodel.specs import ModelSpec, TrainingSpec
 from costmodel.specs.loading import SpecError, load_model
-from costmodel.strategy import Strategy
+from costmodel.strategy import (
+    ZERO_BUBBLE_SCHEDULES,
+    Strategy,
+    schedule_microbatch_error,
+    schedule_vpp_error,
+    schedule_zero_error,
+    stage_rank,
+)
 from planner.plan_file import (
     fingerprint,
     is_traced,
@@ -52,12 +59,18 @@ def check_supported(spec: ModelSpec, strategy: Strategy, seq_len: int) -> None:
     if strategy.sequence_parallel and seq_len % strategy.tp:
         raise UnsupportedPlan(f"strategy.sequence_parallel: tp {strategy.tp} does not divide the sequence "
                               f"of {seq_len} tokens")
-    if strategy.pp > 1 and strategy.schedule != "gpipe" and strategy.num_microbatches < strategy.pp:
-        raise UnsupportedPlan(f"strategy.num_microbatches: {strategy.schedule} needs at least pp {strategy.pp} "
-                              f"micro-batches, the plan has {strategy.num_microbatches}")
-    if strategy.vpp > 1 and strategy.schedule != "interleaved":
-        raise UnsupportedPlan(f"strategy.vpp: {strategy.vpp} virtual stages need the interleaved schedule, "
-                              f"the plan says {strategy.schedule}")
+    if why := schedule_microbatch_error(strategy.schedule, strategy.pp, strategy.num_microbatches):
+        raise UnsupportedPlan(f"strategy.num_microbatches: {why}")
+    if (strategy.pp > 1 or strategy.vpp > 1) and (why := schedule_vpp_error(strategy.schedule, strategy.vpp,
+                                                                           strategy.pp)):
+        raise UnsupportedPlan(f"strategy.vpp: {why}")
+    if why := schedule_zero_error(strategy.schedule, strategy.pp, strategy.dp, strategy.zero_stage):
+        raise UnsupportedPlan(f"strategy.zero_stage: {why}")
+    misplaced = [st.index for st in strategy.stages
+                 if st.pp_rank != stage_rank(st.index, strategy.pp, strategy.schedule)]
+    if strategy.pp > 1 and misplaced:
+        raise UnsupportedPlan(f"strategy.stages: virtual stage {misplaced[0]} is not on the pipeline rank "
+                              f"{strategy.schedule} runs it on ({stage_rank(misplaced[0], strategy.pp, strategy.schedule)})")
     if spec.is_moe and strategy.tp > 1:
         raise UnsupportedPlan("strategy.tp: tensor parallelism inside the experts of an MoE model is not supported; plan with --fix tp=1")
     if spec.num_attention_heads % strategy.tp or spec.num_key_value_heads % strategy.tp:
@@ -70,6 +83,15 @@ def check_supported(spec: ModelSpec, strategy: Strategy, seq_len: int) -> None:
                               f"got {len(strategy.stage_groups)}")
     if strategy.replica_groups or strategy.replica_microbatches:
         check_replica_shares(strategy)
+
+
+def check_compile(strategy: Strategy, compiled: bool) -> None:
+    """torch.distributed.pipelining's zero-bubble schedules split each backward into
+    input and weight gradients, which they cannot do through torch.compile (they raise)."""
+    if compiled and strategy.pp > 1 and strategy.schedule in ZERO_BUBBLE_SCHEDULES:
+        raise SpecError("--compile", f"the {strategy.schedule} schedule does not run compiled blocks "
+                                     f"(torch.distributed.pipelining splits their backward); run with --no-compile "
+                                     f"or plan another schedule")
 
 
 def check_replica_shares(strategy: Strategy) -> None:

@@ -35,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from costmodel.specs import ModelSpec, RuntimeSpec, TrainingSpec
 from costmodel.specs.runtime import DDP_BUCKET_MB
-from costmodel.strategy import Stage, Strategy
+from costmodel.strategy import ZERO_BUBBLE_SCHEDULES, Stage, Strategy, ends_apart
 from executor.launch import check_supported
 from executor.mesh import RankMesh, tied_ends_group
 from executor.models import (
@@ -229,9 +229,13 @@ def data_parallel_kind(strategy: Strategy) -> str:
     planned; ZeroRedundancyOptimizer would broadcast one rank's experts to all)."""
     if strategy.dp == 1:
         return "none"
-    if strategy.zero_stage >= 2 or (strategy.zero_stage == 1 and (strategy.tp > 1 or strategy.ep > 1)):
+    # A zero-bubble schedule computes weight gradients apart from the backward that DDP's
+    # hooks follow (its losses then left one process's); torch.distributed.pipelining
+    # reduces FSDP2's and `replicate`'s itself once every weight gradient is in.
+    zero_bubble = strategy.pp > 1 and strategy.schedule in ZERO_BUBBLE_SCHEDULES
+    if strategy.zero_stage >= 2 or (strategy.zero_stage == 1 and (strategy.tp > 1 or strategy.ep > 1 or zero_bubble)):
         return "fsdp"
-    return "replicate" if strategy.tp > 1 else "ddp"
+    return "replicate" if strategy.tp > 1 or zero_bubble else "ddp"
 
 
 def apply_replicate(model: Transformer, dp_mesh: DeviceMesh, ignored: set[nn.Parameter]) -> None:
@@ -328,7 +332,7 @@ class BuiltinModel:
                                async_tp=overlap.async_tp and strategy.tp > 1
                                and async_tp_supported(device, compile_backend))
         # A tied embedding whose two copies sit on the pipeline's ends sums over this group.
-        ends_group = tied_ends_group(mesh) if spec.tie_word_embeddings and strategy.pp > 1 else None
+        ends_group = tied_ends_group(mesh) if spec.tie_word_embeddings and ends_apart(strategy) else None
         self.data_parallel = data_parallel_kind(strategy)
         zero_2 = self.data_parallel == "fsdp" and strategy.zero_stage < 3
         # ZeRO over experts needs two ranks holding them (edp > 1): on one there is

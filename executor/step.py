@@ -57,8 +57,8 @@ class Accumulation:
 @dataclass(frozen=True, eq=False)   # eq=False: comparing parameters with == is elementwise, not a bool
 class TiedEmbedding:
     """This rank's copies of an input embedding tied to the LM head, when the two are
-    separate parameters (tensor parallelism splits them, or the pipeline's ends sit on
-    different ranks): their gradients are summed each step, here when both are here,
+    separate parameters (tensor parallelism splits them, or the pipeline's ends are
+    separate stages): their gradients are summed each step, here when both are here,
     over `ends_group` (the first and last stage's ranks) otherwise (Megatron-LM)."""
 
     embedding: nn.Parameter | None
@@ -119,7 +119,9 @@ class TrainStep:
         self.parts, self.strategy, self.mesh, self.device = parts, strategy, mesh, device
         self.optimizer, self.scheduler, self.grad_clip = optimizer, scheduler, grad_clip
         self.autocast_dtype = autocast_dtype
-        self.is_last_stage = mesh.pp_rank == strategy.pp - 1
+        # The last virtual stage's rank computes the loss: the last pipeline rank, or
+        # rank 0 under zbv's V (costmodel.strategy.stage_rank).
+        self.is_last_stage = strategy.num_virtual_stages - 1 in parts.stage_indices if strategy.pp > 1 else True
         self.schedule = self._pipeline_schedule() if strategy.pp > 1 else None
         self.skipped_update = False   # whether the last step's gradients were not finite
 
@@ -131,6 +133,8 @@ class TrainStep:
             Schedule1F1B,
             ScheduleGPipe,
             ScheduleInterleaved1F1B,
+            ScheduleInterleavedZeroBubble,
+            ScheduleZBVZeroBubble,
         )
 
         s, shapes, b = self.strategy, self.parts.shapes, self.strategy.micro_batch_size
@@ -146,8 +150,10 @@ class TrainStep:
             stages.append(PipelineStage(module, index, s.num_virtual_stages, self.device,
                                         input_args=example_in, output_args=example_out,
                                         group=self.mesh["pp"].get_group()))
-        if s.schedule == "interleaved":
-            return ScheduleInterleaved1F1B(stages, n_microbatches=s.num_microbatches, loss_fn=self.parts.loss_fn)
+        multi = {"interleaved": ScheduleInterleaved1F1B, "zb-interleaved": ScheduleInterleavedZeroBubble,
+                 "zbv": ScheduleZBVZeroBubble}
+        if s.schedule in multi:
+            return multi[s.schedule](stages, n_microbatches=s.num_microbatches, loss_fn=self.parts.loss_fn)
         cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[s.schedule]
         return cls(stages[0], n_microbatches=s.num_microbatches, loss_fn=self.parts.loss_fn)
 
@@ -238,7 +244,7 @@ class TrainStep:
         if parts.tied is not None:
             grads = [_local(p.grad) for p in (parts.tied.embedding, parts.tied.head)
                      if p is not None and p.grad is not None]
-            if s.pp == 1:
+            if len(grads) == 2:   # both copies here: pp 1, or zbv's V (both ends on rank 0)
                 total = grads[0] + grads[1]
                 for g in grads:
                     g.copy_(total)

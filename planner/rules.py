@@ -21,7 +21,7 @@ from costmodel.specs.loading import (
     parse_overrides,
     read_document,
 )
-from costmodel.strategy import RECOMPUTE_MODES, SCHEDULES
+from costmodel.strategy import RECOMPUTE_MODES, SCHEDULES, schedule_vpp_error
 
 INT_KNOBS = ("dp", "tp", "pp", "vpp", "ep", "mbs", "zero")
 KNOBS = INT_KNOBS + ("recompute", "sp", "schedule")
@@ -129,8 +129,8 @@ def parse_fix(text: str | dict | None, field_name: str = "--fix") -> dict[str, A
     if out.get("vpp", 1) > 1 and out.get("pp") == 1:
         raise SpecError(f"{field_name} vpp", f"vpp {out['vpp']} needs pp > 1: interleaving splits each pipeline "
                                              "rank's layers into chunks")
-    if out.get("vpp", 1) > 1 and out.get("schedule", "interleaved") != "interleaved":
-        raise SpecError(f"{field_name} vpp", f"vpp {out['vpp']} runs the interleaved schedule, not {out['schedule']}")
+    if "schedule" in out and "vpp" in out and (why := schedule_vpp_error(out["schedule"], out["vpp"], 2)):
+        raise SpecError(f"{field_name} vpp", why)
     return out
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from costmodel.estimate.breakdown import Estimate, MemoryBreakdown, Work, step_estimate
 from costmodel.measured import profiled_layer
 from costmodel.problem import Problem
-from costmodel.strategy import RECOMPUTE_MODES, Stage, Strategy
+from costmodel.strategy import RECOMPUTE_MODES, Stage, Strategy, ends_apart
 from costmodel.terms import compute, memory
 from costmodel.terms.comm import (
     collective_time_s,
@@ -49,6 +49,18 @@ class UnitCosts:
     p2p_s: float                           # one activation (or gradient) send between stages
     p2p_bytes: float
     tied_sync_s: float = 0.0               # all-reduce of the tied embedding's gradient, first and last stage
+    # One layer's weight-gradient GEMMs, which zero-bubble schedules run in the bubble:
+    # the forward GEMMs' size (backward is an input-gradient and a weight-gradient GEMM
+    # per forward GEMM, Narayanan et al. 2021 §3.5).
+    layer_weight_grad_s: float = 0.0
+
+    @property
+    def weight_grad_share(self) -> float:
+        """The weight-gradient share of a plain layer's time: the most of any rank's time
+        (recompute, the embedding, the head and sends add time without weight gradients),
+        so the partition solver's bubble from it is the least."""
+        total = self.layer_work["none"].total_s
+        return self.layer_weight_grad_s / total if total > 0 else 0.0
 
 
 def unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
@@ -212,9 +224,9 @@ def unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
     # The runtime hides `pp_overlap` of each send behind compute (batched isend/irecv).
     p2p_s = coll("p2p", p2p_bytes, where["pp"]) * (1.0 - runtime.pp_overlap * hide) if strategy.pp > 1 else 0.0
     tied_sync_s = 0.0
-    if model.tie_word_embeddings and strategy.pp > 1:
-        # Tied embeddings over pp > 1: the first and last stage all-reduce the
-        # embedding's gradient (Megatron-LM).
+    if model.tie_word_embeddings and ends_apart(strategy):
+        # Tied embeddings with the pipeline's ends on two ranks: the first and last stage
+        # all-reduce the embedding's gradient (Megatron-LM); zbv's V sums them on rank 0.
         tied_sync_s = coll("all_reduce", model.vocab_size * model.hidden_size / tp * states.gradients,
                            where["pp_ends"])
     return UnitCosts(
@@ -234,6 +246,7 @@ def unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
         p2p_s=p2p_s,
         p2p_bytes=p2p_bytes,
         tied_sync_s=tied_sync_s,
+        layer_weight_grad_s=layer.gemm_s,
     )
 
 
@@ -504,6 +517,16 @@ def recompute_flops(problem: Problem, strategy: Strategy) -> float:
     return sequences * (full * per_layer + selective * scores)
 
 
+def weight_grad_share(strategy: Strategy, rank_costs: list[tuple[Problem, UnitCosts]],
+                      rank_times_s: list[float]) -> float:
+    """The weight-gradient share of the pipeline's time (costmodel.terms.pipeline's w):
+    every rank's layers' weight-gradient GEMMs over the sum of the rank times."""
+    total = sum(rank_times_s)
+    weight_s = sum(sum(st.num_layers for st in strategy.rank_stages(r)) * u.layer_weight_grad_s
+                   for r, (_, u) in enumerate(rank_costs))
+    return weight_s / total if total > 0 else 0.0
+
+
 def estimate_uniform(problem: Problem, strategy: Strategy, units: UnitCosts | None = None) -> Estimate:
     """Predicted step of `strategy` on a transformer on one kind of GPU."""
     units = units or unit_costs(problem, strategy)
@@ -516,7 +539,8 @@ def estimate_ranks(problem: Problem, strategy: Strategy, rank_costs: list[tuple[
     pp, m = strategy.pp, strategy.num_microbatches
     works = [rank_work(u, strategy, r) for r, (_, u) in enumerate(rank_costs)]
     rank_times = [w.total_s for w in works]
-    pipelined = pipeline_time_s(strategy.schedule, rank_times, m, strategy.vpp)
+    pipelined = pipeline_time_s(strategy.schedule, rank_times, m, strategy.vpp,
+                                weight_grad_share(strategy, rank_costs, rank_times))
     # Gradient sync overlaps the last micro-batch's backward on each rank (DDP bucketing,
     # Li et al. 2020 §3.2.3); the rest is exposed. The ZeRO-1/2 weight all-gather is
     # counted in the sync (it follows the optimizer step).

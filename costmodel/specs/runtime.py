@@ -101,6 +101,11 @@ class RuntimeSpec:
     # tensor parallelism). The executor keeps experts whole (executor/parallelize.py
     # check_supported), so under its runtime the search offers MoE models tp 1 only.
     expert_tensor_parallel: bool = True
+    # Whether the engine runs zero-bubble pipeline schedules (zb-interleaved, zbv:
+    # torch.distributed.pipelining's, as the executor and torchtitan do; Megatron-LM's
+    # and DeepSpeed's pipelines run 1F1B and interleaved 1F1B only). They also need eager
+    # blocks: torch splits their backward outside torch.compile.
+    zero_bubble_schedules: bool = True
     # coefficient -> the measurements it was fitted on (or the source it was read from).
     fitted_on: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
 
@@ -150,4 +155,4 @@ INT_FIELDS = ("fsdp_prefetch",)
 # `plan --runtime-set` changes these (a runtime file changes anything).
 SETTING_FIELDS = ("torch_compile", "async_tp", "chunked_loss", "selective_recompute", "fsdp_kept_gathered",
                   "fsdp_prefetch", "ddp_bucket_mb")
-FLAG_FIELDS = ("async_tp", "torch_compile", "chunked_loss", "expert_tensor_parallel")
+FLAG_FIELDS = ("async_tp", "torch_compile", "chunked_loss", "expert_tensor_parallel", "zero_bubble_schedules")

@@ -115,7 +115,7 @@ def main() -> None:
 @click.option("--global-batch", metavar="INT>=1", required=True, type=str, help="Global batch in sequences.")
 @training_options
 @click.option("--rules", "rules_name", default=None, help="Rule set: built-in (default, megatron, fsdp) or a YAML path.")
-@click.option("--fix", default=None, help="Pin knobs: dp=,tp=,pp=,vpp=,ep=,mbs=,zero=,recompute=none|selective|full,sp=on|off,schedule=gpipe|1f1b|interleaved.")
+@click.option("--fix", default=None, help="Pin knobs: dp=,tp=,pp=,vpp=,ep=,mbs=,zero=,recompute=none|selective|full,sp=on|off,schedule=gpipe|1f1b|interleaved|zb-interleaved|zbv.")
 @click.option("--set", "overrides", default=None, help="Override model fields: key=value,...")
 @click.option("--profile", "profile_file", default=None,
               help="A `shardwise profile --model` JSON of this model, --seq, --precision and --attention: its "
@@ -651,6 +651,7 @@ def run(plan_file, steps, model_name, data, seed, lr, metrics_out, nproc_per_nod
     Another plan:  shardwise run newplan.json --steps 1000 --resume ckpt --checkpoint-dir ckpt2
     """
     from executor.launch import (
+        check_compile,
         check_endpoint,
         check_machine,
         job_device_type,
@@ -659,9 +660,11 @@ def run(plan_file, steps, model_name, data, seed, lr, metrics_out, nproc_per_nod
         run_torchrun,
     )
     from planner.outputs import check_folder, check_writable
+    from planner.plan_file import runtime_of
 
     try:
         job = load_job(plan_file, model_name)
+        check_compile(job.strategy, runtime_of(job.plan).torch_compile if compile_blocks is None else compile_blocks)
         check_endpoint(rdzv_endpoint)
         launch = plan_launch(job.strategy.num_gpus, as_int(nproc_per_node, "--nproc-per-node") if nproc_per_node else None,
                              as_int(nnodes, "--nnodes"), as_int(node_rank, "--node-rank", minimum=0),

@@ -24,6 +24,15 @@ going to the backward by its share of the plan's time breakdown.
   them warm-up, backwards in the same order with chunks reversed; each of a rank's vpp
   chunks takes t_r / vpp (chunks taken as equal). With m a multiple of p and equal
   ranks this matches the estimate; otherwise it is the approximation the figure shows.
+- zb-interleaved and zbv (zero bubble, Qi et al. 2024): each backward splits into the
+  input gradient and the weight gradient (half of the backward's non-recompute share
+  each, as BACKWARD_FACTOR's two GEMMs per forward GEMM). A list simulation: a rank
+  starts, of its operations whose inputs have arrived, the earliest to start, an input
+  gradient before a forward before a weight gradient, forwards capped at the schedule's
+  in-flight micro-batches (costmodel.terms.memory.in_flight_microbatches) and weight
+  gradients free to wait: they fill the idle time. zbv places stage r and 2p - 1 - r on
+  rank r (costmodel.strategy.stage_rank). This is the idea of the schedule, not torch's
+  exact order; the estimate's bubble is costmodel.terms.pipeline's.
 Idle time inside the step is drawn as bubble; p2p messages as ticks between rows where
 a stage sends its activation (forward) or gradient (backward) to its neighbour.
 """
@@ -37,6 +46,8 @@ from dataclasses import dataclass
 from costmodel.estimate import rank_memories
 from costmodel.estimate.mixed import rank_capacity_bytes
 from costmodel.terms.compute import BACKWARD_FACTOR
+from costmodel.strategy import ZERO_BUBBLE_SCHEDULES, rank_stage_indices
+from costmodel.terms.memory import in_flight_microbatches
 from costmodel.terms.pipeline import pipeline_time_s
 from costmodel.units import GIB
 from planner.plan_file import cluster_of, problem_of, strategy_of
@@ -50,6 +61,7 @@ COLOURS = {
     # timeline
     "forward": "#1f77b4",
     "backward": "#ff7f0e",
+    "weight": "#ffd27f",          # a zero-bubble schedule's weight-gradient pass
     "bubble": "#c8c8c8",
     "p2p": "#9400d3",
     # memory (MemoryBreakdown fields without _bytes; buffers are comm buffers)
@@ -83,14 +95,16 @@ def hex_rgb(colour: str) -> tuple[int, int, int]:
 
 @dataclass(frozen=True)
 class Box:
-    """One forward or backward of one micro-batch on one model chunk of a rank."""
+    """One forward, backward or (zero-bubble schedules) weight-gradient pass of one
+    micro-batch on one model chunk of a rank."""
 
     rank: int
-    kind: str          # "forward" | "backward"
+    kind: str          # "forward" | "backward" | "weight"
     microbatch: int
     chunk: int
     start_s: float
     end_s: float
+    stage: int         # the virtual pipeline stage the chunk is
 
 
 @dataclass(frozen=True)
@@ -121,10 +135,14 @@ def _rank_order(schedule: str, pp: int, rank: int, m: int, vpp: int) -> list[tup
 
 
 def timeline(schedule: str, rank_times_s: list[float], num_microbatches: int, vpp: int = 1,
-             backward_share: float = BACKWARD_FACTOR / (1 + BACKWARD_FACTOR)) -> Timeline:
+             backward_share: float = BACKWARD_FACTOR / (1 + BACKWARD_FACTOR),
+             weight_share: float = 0.5 * BACKWARD_FACTOR / (1 + BACKWARD_FACTOR)) -> Timeline:
     """Simulate the schedule (see the module docstring); `backward_share` of each
-    micro-batch time is its backward."""
+    micro-batch time is its backward (`weight_share` of it, for a zero-bubble schedule,
+    its weight gradient)."""
     pp, m = len(rank_times_s), num_microbatches
+    if schedule in ZERO_BUBBLE_SCHEDULES:
+        return _zero_bubble_timeline(schedule, rank_times_s, m, vpp, backward_share, weight_share)
     chunks = vpp if schedule == "interleaved" else 1
     last_stage = pp * chunks - 1
     duration = {"forward": [t * (1 - backward_share) / chunks for t in rank_times_s],
@@ -148,12 +166,76 @@ def timeline(schedule: str, rank_times_s: list[float], num_microbatches: int, vp
                 start = max([free_s[r]] + [done[n] for n in needs])
                 end = start + duration[kind][r]
                 done[(kind, stage, i)] = free_s[r] = end
-                boxes.append(Box(r, kind, i, chunk, start, end))
+                boxes.append(Box(r, kind, i, chunk, start, end, stage))
                 position[r] += 1
                 progressed = True
     if any(position[r] < len(orders[r]) for r in range(pp)):
         raise ValueError(f"{schedule} order deadlocks for pp {pp}, m {m}, vpp {vpp}")
     return Timeline(tuple(boxes), max(free_s), pipeline_time_s(schedule, rank_times_s, m, vpp), pp)
+
+
+def _zero_bubble_timeline(schedule: str, rank_times_s: list[float], m: int, vpp: int, backward_share: float,
+                          weight_share: float) -> Timeline:
+    """The list simulation of the module docstring."""
+    pp = len(rank_times_s)
+    stages = pp * vpp
+    where = {}   # stage -> (rank, chunk)
+    for r in range(pp):
+        for chunk, stage in enumerate(rank_stage_indices(r, pp, vpp, schedule)):
+            where[stage] = (r, chunk)
+    duration = {"forward": [t * (1 - backward_share) / vpp for t in rank_times_s],
+                "backward": [t * (backward_share - weight_share) / vpp for t in rank_times_s],
+                "weight": [t * weight_share / vpp for t in rank_times_s]}
+    # Micro-batches a rank has started (its first chunk's forward) and not finished:
+    # later chunks' forwards carry them on and are never held back.
+    first_stage = [rank_stage_indices(r, pp, vpp, schedule)[0] for r in range(pp)]
+    limit = [math.ceil(in_flight_microbatches(schedule, pp, r, m, vpp)) for r in range(pp)]
+    done: dict[tuple[str, int, int], float] = {}
+    next_mb = {(kind, stage): 0 for kind in ("forward", "backward") for stage in range(stages)}
+    waiting_weights: list[list[tuple[int, int]]] = [[] for _ in range(pp)]   # (stage, micro-batch)
+    free_s, held, boxes = [0.0] * pp, [0] * pp, []
+    priority = {"backward": 0, "forward": 1, "weight": 2}
+    while len(boxes) < 3 * m * stages:
+        best = None
+        for stage in range(stages):
+            r, _ = where[stage]
+            for kind in ("forward", "backward"):
+                i = next_mb[(kind, stage)]
+                if i >= m or (kind == "forward" and stage == first_stage[r] and held[r] >= limit[r]):
+                    continue
+                need = (("forward", stage - 1, i) if stage > 0 else None) if kind == "forward" else \
+                    (("backward", stage + 1, i) if stage < stages - 1 else ("forward", stage, i))
+                if need is not None and need not in done:
+                    continue
+                start = max(free_s[r], done[need] if need else 0.0)
+                key = (start, priority[kind], r, -stage)
+                if best is None or key < best[0]:
+                    best = (key, kind, stage, i)
+        for r in range(pp):
+            if waiting_weights[r]:
+                stage, i = waiting_weights[r][0]
+                key = (free_s[r], priority["weight"], r, stage)
+                if best is None or key < best[0]:
+                    best = (key, "weight", stage, i)
+        if best is None:
+            raise ValueError(f"{schedule} simulation deadlocks for pp {pp}, m {m}, vpp {vpp}")
+        (start, _, r, _), kind, stage, i = best
+        end = start + duration[kind][r]
+        done[(kind, stage, i)] = free_s[r] = end
+        boxes.append(Box(r, kind, i, where[stage][1], start, end, stage))
+        if kind == "weight":
+            waiting_weights[r].pop(0)
+            continue
+        next_mb[(kind, stage)] += 1
+        if kind == "backward":
+            waiting_weights[r].append((stage, i))
+            # The micro-batch leaves the rank with the input gradient of its first chunk
+            # there (ZB-H1 keeps 1F1B's memory, Qi et al. 2024 §3.1).
+            held[r] -= stage == first_stage[r]
+        elif stage == first_stage[r]:
+            held[r] += 1
+    # weight_share is also the weight gradients' share of each rank's micro-batch time.
+    return Timeline(tuple(boxes), max(free_s), pipeline_time_s(schedule, rank_times_s, m, vpp, weight_share), pp)
 
 
 def plan_timeline(doc: dict) -> Timeline:
@@ -164,7 +246,9 @@ def plan_timeline(doc: dict) -> Timeline:
     # Recompute runs inside the backward; the rest splits by BACKWARD_FACTOR.
     recompute_share = t.get("recompute_s", 0.0) / busy
     backward_share = recompute_share + (1 - recompute_share) * BACKWARD_FACTOR / (1 + BACKWARD_FACTOR)
-    return timeline(s["schedule"], list(e["rank_time_s"]), s["num_microbatches"], s["vpp"], backward_share)
+    weight_share = (1 - recompute_share) * 0.5 * BACKWARD_FACTOR / (1 + BACKWARD_FACTOR)
+    return timeline(s["schedule"], list(e["rank_time_s"]), s["num_microbatches"], s["vpp"], backward_share,
+                    weight_share)
 
 
 def rank_memory_breakdowns(doc: dict) -> list[dict[str, float]]:
@@ -191,7 +275,7 @@ def _draw_timeline(ax, tl: Timeline) -> None:
         own = [b for b in tl.boxes if b.rank == r]
         # Bubble first, under the boxes: the rank's idle spans within the step.
         ax.broken_barh([(0.0, tl.makespan_s)], (r - height / 2, height), facecolors=COLOURS["bubble"])
-        for kind in ("forward", "backward"):
+        for kind in ("forward", "backward", "weight"):
             for odd in (False, True):   # interleaved: odd model chunks hatched
                 spans = [(b.start_s, b.end_s - b.start_s) for b in own if b.kind == kind and b.chunk % 2 == odd]
                 ax.broken_barh(spans, (r - height / 2, height), facecolors=COLOURS[kind],
@@ -199,11 +283,10 @@ def _draw_timeline(ax, tl: Timeline) -> None:
     # p2p: a forward sends its activation to the next stage (drawn below the row), a
     # backward its gradient to the previous one (above); interleaved chunks wrap from
     # the last rank to the first, drawn at the edge.
-    stages = tl.num_ranks * (1 + max(b.chunk for b in tl.boxes))
+    stages = 1 + max(b.stage for b in tl.boxes)
 
     def sends(b: Box) -> bool:
-        stage = b.chunk * tl.num_ranks + b.rank
-        return stage < stages - 1 if b.kind == "forward" else stage > 0
+        return b.stage < stages - 1 if b.kind == "forward" else (b.kind == "backward" and b.stage > 0)
 
     ticks = [(b.end_s, b.rank + (0.5 if b.kind == "forward" else -0.5)) for b in tl.boxes if sends(b)]
     ax.vlines([x for x, _ in ticks], [y - 0.12 for _, y in ticks], [y + 0.12 for _, y in ticks],
@@ -224,9 +307,11 @@ def _draw_timeline(ax, tl: Timeline) -> None:
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
-    handles = [Patch(color=COLOURS[k], label=k) for k in ("forward", "backward", "bubble", "p2p")]
+    kinds = ("forward", "backward", "weight", "bubble", "p2p") if any(b.kind == "weight" for b in tl.boxes) \
+        else ("forward", "backward", "bubble", "p2p")
+    handles = [Patch(color=COLOURS[k], label=k) for k in kinds]
     handles.append(Line2D([], [], color="black", linestyle=":", label=f"estimate {tl.estimate_s:.3f} s"))
-    ax.legend(handles=handles, loc="lower right", fontsize=8, ncol=5)
+    ax.legend(handles=handles, loc="lower right", fontsize=8, ncol=len(handles))
     chunks = " (hatched: odd model chunks)" if stages > tl.num_ranks else ""
     ax.set_title(f"Pipeline timeline: makespan {tl.makespan_s:.3f} s{chunks}{window}")
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from costmodel.specs import ModelSpec
 from costmodel.specs.loading import SpecError
-from costmodel.strategy import Stage, Strategy, summarize_recompute
+from costmodel.strategy import Stage, Strategy, stage_rank, summarize_recompute
 from planner.rules import format_value
 
 
@@ -44,9 +44,10 @@ class Recompute:
 
 
 
-def build_stages(sizes: list[int], pp: int, recompute: Recompute) -> tuple[Stage, ...]:
-    """Stages of the given sizes in virtual-stage order (stage i on pipeline rank i mod
-    pp, the interleaved layout of Megatron and torch.distributed.pipelining)."""
+def build_stages(sizes: list[int], pp: int, recompute: Recompute, schedule: str = "1f1b") -> tuple[Stage, ...]:
+    """Stages of the given sizes in virtual-stage order, on the ranks the schedule
+    places them (costmodel.strategy.stage_rank: i mod pp, the interleaved layout of
+    Megatron and torch.distributed.pipelining, or zbv's V)."""
     stages, first = [], 0
     for i, n in enumerate(sizes):
         full = selective = 0
@@ -54,7 +55,7 @@ def build_stages(sizes: list[int], pp: int, recompute: Recompute) -> tuple[Stage
             full = n if recompute.full_layers is None else min(n, recompute.full_layers)
         elif recompute.mode == "selective":
             selective = n
-        stages.append(Stage(i, i % pp, first, n, full, selective))
+        stages.append(Stage(i, stage_rank(i, pp, schedule), first, n, full, selective))
         first += n
     return tuple(stages)
 

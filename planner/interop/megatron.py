@@ -14,7 +14,7 @@ import re
 
 from costmodel.specs import ModelSpec, TrainingSpec
 from costmodel.specs.loading import SpecError
-from costmodel.strategy import Strategy
+from costmodel.strategy import ZERO_BUBBLE_SCHEDULES, Strategy
 from planner.interop.common import (
     Exported,
     Imported,
@@ -351,6 +351,10 @@ def export_megatron(strategy: Strategy, model: ModelSpec, training: TrainingSpec
     if s.schedule == "gpipe" and s.pp > 1:
         warnings.append("Megatron-LM has no GPipe schedule (megatron/core/pipeline_parallel/schedules.py: "
                         "1F1B without or with interleaving); exported as 1F1B")
+    if s.schedule in ZERO_BUBBLE_SCHEDULES and s.pp > 1:
+        warnings.append(f"Megatron-LM has no zero-bubble schedule (megatron/core/pipeline_parallel/schedules.py: "
+                        f"1F1B without or with interleaving); the plan's {s.schedule} exported as "
+                        + ("interleaved 1F1B with its stages placed round-robin" if s.vpp > 1 else "1F1B"))
     args += _megatron_partition(s, model.num_hidden_layers)
     args += ["--micro-batch-size", str(s.micro_batch_size), "--global-batch-size", str(training.global_batch)]
     if s.sequence_parallel:

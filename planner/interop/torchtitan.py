@@ -15,7 +15,7 @@ import tomllib
 
 from costmodel.specs import ModelSpec, TrainingSpec
 from costmodel.specs.loading import SpecError
-from costmodel.strategy import Stage, Strategy
+from costmodel.strategy import Stage, Strategy, schedule_vpp_error, stage_rank
 from planner.interop.common import (
     Exported,
     Imported,
@@ -89,7 +89,8 @@ TORCHTITAN_TOML_EXTRA_FIELDS = {
 
 # Schedule names of torch.distributed.pipelining.schedules.get_schedule_class (the
 # names torchtitan's pipeline_parallel_schedule takes), Shardwise's name for each.
-TORCHTITAN_SCHEDULES = {"GPipe": "gpipe", "1F1B": "1f1b", "Interleaved1F1B": "interleaved"}
+TORCHTITAN_SCHEDULES = {"GPipe": "gpipe", "1F1B": "1f1b", "Interleaved1F1B": "interleaved",
+                        "InterleavedZeroBubble": "zb-interleaved", "ZBVZeroBubble": "zbv"}
 
 
 SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
@@ -305,10 +306,8 @@ def _torchtitan_strategy(sections: dict, ac: Recompute, warnings: list[str], mod
         raise SpecError("parallelism.pipeline_parallel_layers_per_stage",
                         f"{len(sizes)} virtual stages do not divide over pp {pp}")
     vpp = len(sizes) // pp
-    if vpp > 1 and schedule != "interleaved":
-        raise SpecError("parallelism.pipeline_parallel_schedule", f"{name} runs one stage per rank, not {vpp}")
-    if vpp == 1 and schedule == "interleaved":
-        raise SpecError("parallelism.pipeline_parallel_schedule", "Interleaved1F1B needs 2 or more stages per rank")
+    if pp > 1 and (why := schedule_vpp_error(schedule, vpp, pp)):
+        raise SpecError("parallelism.pipeline_parallel_schedule", f"{name}: {why} (stages per rank)")
 
     t = "training"
     local = _tt_int(sections, t, "local_batch_size")
@@ -328,9 +327,9 @@ def _torchtitan_strategy(sections: dict, ac: Recompute, warnings: list[str], mod
     else:
         mbs, microbatches = local, accumulation
     if ac.every_nth is not None:
-        stages = _every_nth(sizes, pp, ac.every_nth)
+        stages = _every_nth(sizes, pp, ac.every_nth, schedule)
     else:
-        stages = build_stages(sizes, pp, ac)
+        stages = build_stages(sizes, pp, ac, schedule)
     precision = {"bfloat16": "bf16", "float32": "fp32"}.get(str(_tt_value(sections, t, "mixed_precision_param")))
     if precision is None:
         raise SpecError("training.mixed_precision_param", "expected bfloat16 or float32")
@@ -370,7 +369,7 @@ def _fqn_sizes(fqns, layers: int) -> list[int]:
     return sizes
 
 
-def _every_nth(sizes: list[int], pp: int, every: int) -> tuple[Stage, ...]:
+def _every_nth(sizes: list[int], pp: int, every: int, schedule: str) -> tuple[Stage, ...]:
     """torchtitan 0.2's selective_ac_option n: every n-th layer a rank builds is fully
     recomputed (a counter over the rank's layers, torchtitan 0.2.2
     models/llama3/infra/parallelize.py _apply_ac_to_transformer_block); the cost model
@@ -378,7 +377,7 @@ def _every_nth(sizes: list[int], pp: int, every: int) -> tuple[Stage, ...]:
     counters = [0] * pp
     stages, first = [], 0
     for i, n in enumerate(sizes):
-        rank = i % pp
+        rank = stage_rank(i, pp, schedule)
         full = (counters[rank] + n) // every - counters[rank] // every
         counters[rank] += n
         stages.append(Stage(i, rank, first, n, full, 0))

@@ -96,7 +96,8 @@ def quick(problem: Problem, units: UnitCosts, strategy: Strategy, modes: tuple[s
     x = _terms(problem, units, strategy, modes)
     memory_bytes = (memory.RUNTIME_RESERVE_BYTES
                     + max(x.states_bytes + layers * x.min_act_bytes - pp * x.rank_credit_bytes, 0.0) / pp)
-    a, c = pipeline_coefficients(strategy.schedule, strategy.num_microbatches, strategy.vpp)
+    a, c = pipeline_coefficients(strategy.schedule, strategy.num_microbatches, strategy.vpp,
+                                 units.weight_grad_share)
     return Bounds((a + c * pp) * _total_s(x, layers, pp, usable_bytes) / pp, memory_bytes)
 
 
@@ -149,5 +150,6 @@ def balanced(problem: Problem, units: UnitCosts, strategy: Strategy, modes: tupl
     for _ in range(BISECTION_STEPS):
         mid = (low + high) / 2
         low, high = (low, mid) if holds(mid) else (mid, high)
-    a, c = pipeline_coefficients(strategy.schedule, strategy.num_microbatches, strategy.vpp)
+    a, c = pipeline_coefficients(strategy.schedule, strategy.num_microbatches, strategy.vpp,
+                                 units.weight_grad_share)
     return a * low + c * total_s

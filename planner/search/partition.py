@@ -40,8 +40,8 @@ from costmodel.estimate.uniform import (
 )
 from costmodel.problem import Problem, TracedProblem
 from costmodel.specs.loading import load_runtime
-from costmodel.strategy import Stage, Strategy
-from costmodel.terms.pipeline import pipeline_coefficients
+from costmodel.strategy import Stage, Strategy, rank_stage_indices
+from costmodel.terms.pipeline import coefficient_scale, pipeline_coefficients
 from costmodel.units import MIB
 from planner.rules import Rules
 
@@ -105,8 +105,8 @@ def _rank_stages(strategy: Strategy, pp_rank: int, layers: int, full: int, selec
     counts = _split(layers, strategy.vpp)
     fulls = _fill(full, counts)
     selectives = _fill(selective, [c - f for c, f in zip(counts, fulls)])
-    return tuple(Stage(k * strategy.pp + pp_rank, pp_rank, 0, c, f, s)
-                 for k, (c, f, s) in enumerate(zip(counts, fulls, selectives)))
+    indices = rank_stage_indices(pp_rank, strategy.pp, strategy.vpp, strategy.schedule)
+    return tuple(Stage(index, pp_rank, 0, c, f, s) for index, c, f, s in zip(indices, counts, fulls, selectives))
 
 
 def _split(total: int, parts: int) -> list[int]:
@@ -245,22 +245,25 @@ def solve_partition(problem: Problem, units: UnitCosts, strategy: Strategy, mode
         # Imbalance as a ratio of integers: pp * max <= (1 + imb) * sum, in thousandths.
         model.Add(1000 * pp * peak_t <= round(1000 * (1 + rules.max_stage_imbalance)) * sum(t_vars))
 
-    a, c = pipeline_coefficients(strategy.schedule, m, vpp)
-    # Scale by vpp so the interleaved coefficients (m - 1/vpp, 1/vpp) become integers.
-    a_int, c_int = round(a * vpp), round(c * vpp)
-    time_objective = a_int * peak_t + c_int * sum(t_vars) + vpp * (exposed + opt)
+    # Zero-bubble schedules: the weight-gradient share of a plain layer, the most any
+    # partition reaches, so this objective's bubble is never more than the estimate's.
+    a, c = pipeline_coefficients(strategy.schedule, m, vpp, min(u.weight_grad_share for _, u in rank_costs))
+    # Scaled so the coefficients (e.g. interleaved's m - 1/vpp, 1/vpp) become integers.
+    scale = coefficient_scale(strategy.schedule, vpp)
+    a_int, c_int = round(a * scale), round(c * scale)
+    time_objective = a_int * peak_t + c_int * sum(t_vars) + scale * (exposed + opt)
 
     if cutoff_s is not None and objective == "time":
         # Only partitions that beat the plans already found are of interest; the bound
         # lets CP-SAT discard most candidates without searching.
-        model.Add(time_objective <= math.floor(cutoff_s * vpp / time_unit))
+        model.Add(time_objective <= math.floor(cutoff_s * scale / time_unit))
 
     # Each rank time's rounding error is at most half a unit per term, so the program's
     # bound, less this, bounds the objective of the unrounded times.
-    rounding = (a_int + c_int * pp + 2 * vpp) * (1 + 3 * layers) / 2
+    rounding = (a_int + c_int * pp + 2 * scale) * (1 + 3 * layers) / 2
 
     def seconds(units_: float) -> float:
-        return units_ * time_unit / vpp
+        return units_ * time_unit / scale
 
     for _ in range(MAX_MEMORY_CUTS):
         solved = _solve(model, n_vars, objective, peak_mem, time_objective)
@@ -324,8 +327,9 @@ def rank_bytes(problem: Problem, units: UnitCosts, strategy: Strategy, pp_rank: 
 
 
 def layout(strategy: Strategy, counts: list[tuple[int, int, int]]) -> tuple[Stage, ...]:
-    """Stages from per-rank (layers, full, selective): rank r's chunk k is virtual stage
-    k * pp + r, layers numbered in virtual-stage order."""
+    """Stages from per-rank (layers, full, selective): rank r's chunk k is its k-th
+    virtual stage (costmodel.strategy.rank_stage_indices), layers numbered in
+    virtual-stage order."""
     pp = strategy.pp
     chunks = {}
     for r, (layers, full, selective) in enumerate(counts):

@@ -16,7 +16,15 @@ from dataclasses import dataclass, field
 
 from costmodel.problem import Problem, TracedProblem
 from costmodel.specs.loading import SpecError
-from costmodel.strategy import RECOMPUTE_MODES, Strategy
+from costmodel.strategy import (
+    RECOMPUTE_MODES,
+    SCHEDULES,
+    ZERO_BUBBLE_SCHEDULES,
+    Strategy,
+    schedule_microbatch_error,
+    schedule_vpp_error,
+    schedule_zero_error,
+)
 from planner.rules import Rules, format_value
 
 # Interleaving beyond 8 model chunks per rank buys little bubble and costs p2p
@@ -102,12 +110,16 @@ def check_fix_spec(problem: Problem, fix: dict) -> None:
     vpp = fix.get("vpp", 1)
     if vpp * fix.get("pp", 1) > layers:
         raise SpecError("--fix vpp", f"pp x vpp = {vpp * fix.get('pp', 1)} virtual stages for {layers} layers")
-    if vpp > 1 and fix.get("schedule", "interleaved") != "interleaved":
-        raise SpecError("--fix vpp", f"vpp {vpp} needs schedule=interleaved, not {fix['schedule']}")
-    if fix.get("schedule") == "interleaved" and fix.get("vpp") == 1:
-        raise SpecError("--fix schedule", "interleaved needs vpp of 2 or more")
-    if fix.get("schedule") == "interleaved" and fix.get("pp") == 1:
-        raise SpecError("--fix schedule", "interleaved needs pp of 2 or more")
+    if "schedule" in fix and ("vpp" in fix or "pp" in fix):
+        schedule = fix["schedule"]
+        # Unpinned, vpp is searched (zbv's is 2) and pp is taken as a pipeline.
+        pinned_vpp = fix.get("vpp", 2 if schedule in ("interleaved", "zbv") else 1)
+        why = schedule_vpp_error(schedule, pinned_vpp, fix.get("pp", 2))
+        if why:
+            raise SpecError("--fix vpp" if pinned_vpp > 1 and schedule in ("gpipe", "1f1b") else "--fix schedule", why)
+    if fix.get("schedule") == "zbv" and 2 * fix.get("pp", 1) > layers:
+        raise SpecError("--fix schedule", f"zbv runs 2 x pp = {2 * fix.get('pp', 1)} virtual stages, more than "
+                                          f"the {layers} layers")
     if "mbs" in fix and batch % fix["mbs"]:
         raise SpecError("--fix mbs", f"{fix['mbs']} does not divide --global-batch {batch}")
     if "mbs" in fix and "dp" in fix and batch % (fix["mbs"] * fix["dp"]):
@@ -154,28 +166,51 @@ def _schedule_options(problem: Problem, rules: Rules, pp: int, m: int, why: Excl
         # No pipeline: the schedule is moot; it carries the first permitted name.
         names = [s for s in ("1f1b", "gpipe") if rules.permits("schedule", s)]
         return [(names[0], 1)] if names and rules.permits("vpp", 1) else []
-    layers = problem.model.num_hidden_layers
+    layers, runtime = problem.model.num_hidden_layers, problem.runtime
     out = []
-    for schedule in ("gpipe", "1f1b", "interleaved"):
+    for schedule in SCHEDULES:
         if not admits(rules, why, "schedule", schedule):
             continue
-        if schedule == "1f1b" and m < pp:
-            # torch.distributed.pipelining's Schedule1F1B (what the executor runs) needs
-            # at least one micro-batch per stage.
-            why.add("schedule", f"1f1b needs at least pp {pp} micro-batches, there are {m}")
+        why_not = schedule_microbatch_error(schedule, pp, m)
+        if why_not is None and schedule in ZERO_BUBBLE_SCHEDULES:
+            why_not = _zero_bubble_refusal(runtime, schedule)
+        if why_not:
+            why.add("schedule", why_not)
             continue
-        if schedule != "interleaved":
+        if schedule in ("gpipe", "1f1b"):
             if rules.permits("vpp", 1):
                 out.append((schedule, 1))
             continue
-        if m % pp:
-            # Megatron-LM's interleaved schedule needs whole rounds of pp micro-batches.
-            why.add("schedule", f"interleaved needs the {m} micro-batches to be a multiple of pp {pp}")
+        if schedule == "zbv":
+            if 2 * pp > layers:
+                why.add("schedule", f"zbv runs 2 x pp = {2 * pp} virtual stages, more than the {layers} layers")
+            elif rules.permits("vpp", 2):
+                out.append((schedule, 2))
             continue
-        for vpp in range(2, min(MAX_VPP, layers // pp) + 1):
+        first = 1 if schedule == "zb-interleaved" else 2
+        for vpp in range(first, min(MAX_VPP, layers // pp) + 1):
             if rules.permits("vpp", vpp):
                 out.append((schedule, vpp))
     return out
+
+
+def _dominated(schedule: str, vpp: int, zero: int, options: list[tuple[str, int]], pp: int, dp: int) -> bool:
+    """Whether zb-interleaved runs in this option's place: it places the stages as 1f1b
+    (vpp 1) and interleaved do, holds the same activations (costmodel.terms.memory.
+    in_flight_microbatches) and fills part of their bubble (costmodel.terms.pipeline),
+    so where it runs they cannot be better."""
+    counterpart = ("zb-interleaved", vpp)
+    return (schedule in ("1f1b", "interleaved") and counterpart in options
+            and schedule_zero_error("zb-interleaved", pp, dp, zero) is None)
+
+
+def _zero_bubble_refusal(runtime, schedule: str) -> str | None:
+    """Why the runtime cannot run a zero-bubble schedule (None if it can)."""
+    if not runtime.zero_bubble_schedules:
+        return f"the {runtime.name} runtime does not run zero-bubble schedules ({schedule})"
+    if runtime.torch_compile:
+        return f"{schedule} does not run compiled blocks (torch.distributed.pipelining splits their backward)"
+    return None
 
 
 def enumerate_space(problem: Problem, rules: Rules) -> tuple[list[Strategy], Exclusions]:
@@ -207,9 +242,15 @@ def enumerate_space(problem: Problem, rules: Rules) -> tuple[list[Strategy], Exc
                 if not admits(rules, why, "ep", ep):
                     continue
                 for mbs, m in micro_batches(rules, why, batch, dp, "--global-batch"):
-                    for schedule, vpp in _schedule_options(problem, rules, pp, m, why):
+                    options = _schedule_options(problem, rules, pp, m, why)
+                    for schedule, vpp in options:
                         for zero in (range(4) if dp > 1 else (0,)):
                             if not admits(rules, why, "zero", zero):
+                                continue
+                            if why_not := schedule_zero_error(schedule, pp, dp, zero):
+                                why.add("schedule", why_not)
+                                continue
+                            if _dominated(schedule, vpp, zero, options, pp, dp):
                                 continue
                             # Sequence parallelism splits the sequence evenly over the tp ranks.
                             sp_options = (False, True) if tp > 1 and training.seq_len % tp == 0 else (False,)

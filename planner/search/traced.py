@@ -46,7 +46,7 @@ def check_fix_traced(problem: TracedProblem, fix: dict) -> None:
             raise SpecError(f"fix {knob}", f"a traced module is planned over dp and pp only; {knob} must be "
                                            f"{value} (tensor and expert parallelism need a model spec: a "
                                            f"built-in model or a Hugging Face config)")
-    if fix.get("schedule") == "interleaved":
+    if fix.get("schedule") not in (None, "gpipe", "1f1b"):
         raise SpecError("fix schedule", "a traced module runs one stage per pipeline rank: gpipe or 1f1b")
     n = problem.cluster.num_gpus
     if "pp" in fix and fix["pp"] > problem.model.num_nodes:

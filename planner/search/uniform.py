@@ -107,7 +107,7 @@ def _memory_reason(problem: Problem, rules: Rules, strategy: Strategy, modes: tu
     even partition at the most frugal allowed recompute mode."""
     frugal = "full" if "full" in modes else ("selective" if "selective" in modes else "none")
     layers = problem.model.num_hidden_layers
-    s = strategy.with_stages(even_stages(layers, strategy.pp, strategy.vpp, frugal))
+    s = strategy.with_stages(even_stages(layers, strategy.pp, strategy.vpp, frugal, strategy.schedule))
     e = estimate(problem, s)
     gpu = problem.cluster.gpu
     usable = usable_memory_bytes(problem, rules)

@@ -71,7 +71,7 @@ def strategy(prob: Problem, dp=1, tp=1, pp=1, micro_batch_size=1, num_microbatch
         kw["schedule"] = "interleaved" if vpp > 1 else "1f1b"
     s = Strategy(dp=dp, tp=tp, pp=pp, micro_batch_size=micro_batch_size,
                  num_microbatches=num_microbatches, vpp=vpp, **kw)
-    return s.with_stages(even_stages(prob.model.num_hidden_layers, pp, vpp, recompute))
+    return s.with_stages(even_stages(prob.model.num_hidden_layers, pp, vpp, recompute, s.schedule))
 
 
 def run(prob: Problem, **kw):

@@ -13,12 +13,16 @@ from costmodel.strategy import (
     Stage,
     Strategy,
     even_stages,
+    rank_stage_indices,
+    schedule_microbatch_error,
+    schedule_vpp_error,
+    stage_rank,
     summarize_recompute,
 )
 
 
 def test_constants():
-    assert SCHEDULES == ("gpipe", "1f1b", "interleaved")
+    assert SCHEDULES == ("gpipe", "1f1b", "interleaved", "zb-interleaved", "zbv")
     assert RECOMPUTE_MODES == ("none", "selective", "full")
 
 
@@ -90,3 +94,36 @@ def test_rank_order_is_tp_then_dp_then_pp():
         assert s.ranks(p) == tuple(expected)
     assert s.ranks(1) == tuple(range(6, 12))
     assert sorted(r for p in range(pp) for r in s.ranks(p)) == list(range(tp * dp * pp))
+
+
+def test_zbv_places_the_stages_in_a_v():
+    """torch.distributed.pipelining's "v" style: rank r holds stages r and 2pp - 1 - r,
+    so the first and the last stage share rank 0."""
+    assert [stage_rank(i, 4, "zbv") for i in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
+    assert [stage_rank(i, 4, "zb-interleaved") for i in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert rank_stage_indices(1, 4, 2, "zbv") == (1, 6)
+    assert rank_stage_indices(1, 4, 2, "interleaved") == (1, 5)
+    stages = even_stages(16, 4, vpp=2, schedule="zbv")
+    assert [s.pp_rank for s in stages] == [0, 1, 2, 3, 3, 2, 1, 0]
+    strat = Strategy(dp=1, tp=1, pp=4, vpp=2, micro_batch_size=1, num_microbatches=8, schedule="zbv").with_stages(stages)
+    assert [s.index for s in strat.rank_stages(0)] == [0, 7]
+
+
+def test_schedule_and_chunk_counts():
+    assert schedule_vpp_error("zbv", 2, 4) is None
+    assert "vpp 2, not 3" in schedule_vpp_error("zbv", 3, 4)
+    assert schedule_vpp_error("zb-interleaved", 1, 4) is None
+    assert schedule_vpp_error("zb-interleaved", 3, 4) is None
+    assert "vpp of 2 or more" in schedule_vpp_error("interleaved", 1, 4)
+    assert "not 1f1b" in schedule_vpp_error("1f1b", 2, 4)
+    assert "pp of 2 or more" in schedule_vpp_error("zbv", 2, 1)
+
+
+def test_schedule_and_microbatch_counts():
+    assert schedule_microbatch_error("gpipe", 4, 1) is None
+    assert "at least pp 4" in schedule_microbatch_error("zbv", 4, 3)
+    assert "multiple of pp 4" in schedule_microbatch_error("interleaved", 4, 6)
+    # torch's ScheduleInterleavedZeroBubble: rounds of m // pp that must divide m.
+    assert schedule_microbatch_error("zb-interleaved", 4, 6) is None       # 1 round of 6
+    assert "2 rounds" in schedule_microbatch_error("zb-interleaved", 4, 9)  # 9 // 4 = 2 rounds
+    assert schedule_microbatch_error("zb-interleaved", 4, 10) is None      # 2 rounds of 5

@@ -45,7 +45,7 @@ def strategy(dp=1, tp=1, pp=1, vpp=1, ep=1, m=None, schedule="1f1b", zero=0, rec
     layers = 4
     return Strategy(dp=dp, tp=tp, pp=pp, micro_batch_size=mbs, num_microbatches=m, vpp=vpp, ep=ep,
                     schedule=schedule, zero_stage=zero, recompute=recompute, sequence_parallel=sp,
-                    stages=stages or even_stages(layers, pp, vpp, recompute))
+                    stages=stages or even_stages(layers, pp, vpp, recompute, schedule))
 
 
 def batches(spec, steps=STEPS, global_batch=GLOBAL_BATCH):

@@ -42,8 +42,9 @@ from executor_test_helpers import (
 )
 
 from costmodel.specs.loading import load_model
-from costmodel.strategy import Stage
-from executor.launch import run_local
+from costmodel.specs.loading import SpecError
+from costmodel.strategy import Stage, even_stages
+from executor.launch import UnsupportedPlan, check_compile, check_supported, run_local
 from executor.models import build_model, cross_entropy, materialize
 
 needs_transformers = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
@@ -82,6 +83,18 @@ PLANS = {
     "tp2-pp2-1f1b": strategy(tp=2, pp=2),
     "tp2-pp2-interleaved": strategy(tp=2, pp=2, vpp=2, schedule="interleaved"),
     "tp2-sp-pp2-interleaved": strategy(tp=2, pp=2, vpp=2, schedule="interleaved", sp=True),
+    # Zero-bubble schedules (torch's ScheduleInterleavedZeroBubble and ScheduleZBVZeroBubble):
+    # backward split into input and weight gradients; zbv's V puts the loss on rank 0.
+    # Under dp, ZeRO-0 runs as `replicate` and ZeRO-1 as FSDP2 (data_parallel_kind).
+    "pp2-zb": strategy(pp=2, schedule="zb-interleaved"),
+    "pp2-zb-interleaved": strategy(pp=2, vpp=2, schedule="zb-interleaved"),
+    "pp2-zbv": strategy(pp=2, vpp=2, schedule="zbv"),
+    "dp2-pp2-zbv": strategy(dp=2, pp=2, vpp=2, schedule="zbv"),
+    "dp2-pp2-zb": strategy(dp=2, pp=2, schedule="zb-interleaved"),
+    "zero1-pp2-zbv": strategy(dp=2, pp=2, vpp=2, zero=1, schedule="zbv"),
+    "zero2-pp2-zb": strategy(dp=2, pp=2, zero=2, schedule="zb-interleaved"),
+    "tp2-sp-pp2-zbv": strategy(tp=2, pp=2, vpp=2, schedule="zbv", sp=True),
+    "recompute-full-zbv": strategy(pp=2, vpp=2, schedule="zbv", recompute="full"),
 }
 # Llama-style: the layouts where GQA, RoPE and SwiGLU meet tensor and pipeline splits.
 LLAMA_PLANS = ["tp2", "tp2-sp", "pp2-1f1b", "dp2-tp2", "zero3-tp2", "recompute-full", "recompute-selective",
@@ -96,11 +109,12 @@ MOE_PLANS = {"ep2": strategy(dp=2, ep=2), "ep2-zero3": strategy(dp=2, ep=2, zero
              "ep2-pp2-interleaved": strategy(dp=2, ep=2, pp=2, vpp=2, schedule="interleaved"),
              "ep2-pp2-zero3": strategy(dp=2, ep=2, pp=2, zero=3),
              "ep2-pp2-zero2-gpipe": strategy(dp=2, ep=2, pp=2, zero=2, schedule="gpipe"),
-             "ep2-pp2-zero3-interleaved": strategy(dp=2, ep=2, pp=2, vpp=2, zero=3, schedule="interleaved")}
+             "ep2-pp2-zero3-interleaved": strategy(dp=2, ep=2, pp=2, vpp=2, zero=3, schedule="interleaved"),
+             "ep2-pp2-zbv": strategy(dp=2, ep=2, pp=2, vpp=2, schedule="zbv")}
 
 # The production dtypes' loss checks: one layout of each kind of split, and ZeRO with
 # accumulation (where autocast's cache of weight casts once broke the gradients).
-PRODUCTION_PLANS = ["dp2-tp2", "tp2-pp2", "pp2-interleaved", "zero3", "zero3-tp2"]
+PRODUCTION_PLANS = ["dp2-tp2", "tp2-pp2", "pp2-interleaved", "zero3", "zero3-tp2", "pp2-zbv"]
 
 @pytest.mark.parametrize("plan", sorted(PLANS))
 def test_gpt_parity(plan):
@@ -140,6 +154,24 @@ def test_expert_capacity_under_ep_drops_as_without_it(tmp_path):
     assert_matches_reference(with_ep, *without_ep[0])
     dropless_losses, _ = cached_reference("tiny-moe")
     assert without_ep[0][0] != pytest.approx(dropless_losses, rel=1e-6)
+
+
+def test_zero_bubble_plans_the_executor_cannot_run_are_refused():
+    """ZeRO-3 (torch leaves the last stage's weight gradients unreduced), stages off the
+    schedule's placement, and compiled blocks (torch cannot split their backward)."""
+    spec = load_model("tiny-gpt")
+    check_supported(spec, PLANS["zero2-pp2-zb"], 16)
+    with pytest.raises(UnsupportedPlan, match="strategy.zero_stage: zbv with ZeRO-3"):
+        check_supported(spec, strategy(dp=2, pp=2, vpp=2, zero=3, schedule="zbv"), 16)
+    round_robin = strategy(pp=2, vpp=2, schedule="zbv", stages=even_stages(4, 2, 2))
+    with pytest.raises(UnsupportedPlan, match="strategy.stages: virtual stage 2 is not on the pipeline rank zbv"):
+        check_supported(spec, round_robin, 16)
+    with pytest.raises(UnsupportedPlan, match="strategy.vpp: zbv runs two model chunks"):
+        check_supported(spec, strategy(pp=2, vpp=1, schedule="zbv"), 16)
+    with pytest.raises(SpecError, match="--compile"):
+        check_compile(PLANS["pp2-zbv"], True)
+    check_compile(PLANS["pp2-zbv"], False)
+    check_compile(PLANS["pp2-interleaved"], True)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

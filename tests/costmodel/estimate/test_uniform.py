@@ -328,6 +328,28 @@ def test_bubble_1f1b_and_interleaved():
     assert e2.time.bubble_s < e1.time.bubble_s
 
 
+def test_zero_bubble_fills_the_bubble_with_weight_gradients():
+    """zb-interleaved and zbv (costmodel.terms.pipeline): the bubble is the 1F1B or
+    interleaved one times (1 - 2w) or (1 - 3w)/2, w the layers' weight-gradient GEMMs
+    (one per forward GEMM, the forward's size) over the sum of the rank times, quantised
+    down to 1/32."""
+    prob = problem("gpt3-13b", global_batch=32, flash_attention=False)
+    layer = layer_compute(prob.model, prob.cluster, prob.training, 1, 2, False)
+    for schedule, vpp, beta in (("zb-interleaved", 1, lambda k: (32 - 2 * k) / 32),
+                                ("zb-interleaved", 2, lambda k: (32 - 2 * k) / 64),
+                                ("zbv", 2, lambda k: max(0, 32 - 3 * k) / 64)):
+        e, _, s = run(prob, tp=2, pp=4, vpp=vpp, schedule=schedule)
+        t = e.rank_time_s
+        w = prob.model.num_hidden_layers * layer.gemm_s / sum(t)
+        assert 0.15 < w < 1 / 3   # GEMMs are most of a layer; its backward is twice its forward
+        k = int(w * 32)
+        assert e.time.bubble_s == pytest.approx(beta(k) * (sum(t) - max(t)), rel=1e-9), schedule
+    one, _, _ = run(prob, tp=2, pp=4)
+    zb, _, _ = run(prob, tp=2, pp=4, schedule="zb-interleaved")
+    assert zb.rank_time_s == one.rank_time_s and zb.rank_memory_bytes == one.rank_memory_bytes
+    assert zb.time.bubble_s < one.time.bubble_s
+
+
 # ------------------------------------------------------------------ memory by hand
 def test_tiny_gpt_memory_by_hand():
     prob = problem("tiny-gpt", global_batch=8)  # s 64, h 64, V 512, 4 layers, flash on

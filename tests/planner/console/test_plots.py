@@ -126,6 +126,33 @@ def test_interleaved_timeline_matches_the_estimate_for_equal_ranks():
         assert {b.chunk for b in tl.boxes} == {0, 1} and len(tl.boxes) == 2 * 2 * m * 4
 
 
+def test_zb_h1_timeline_fills_the_1f1b_bubble_with_weight_gradients():
+    """Equal passes F = B = W = 1/3 of a rank's micro-batch time: ZB-H1's bubble is
+    (p - 1)(F + B - W) = (p - 1)/3 (Qi et al. 2024 §3), a third of 1F1B's (p - 1)."""
+    for p, m in ((2, 4), (4, 8), (4, 16)):
+        tl = timeline("zb-interleaved", [1.0] * p, m, 1, backward_share=2 / 3, weight_share=1 / 3)
+        assert tl.makespan_s == pytest.approx(m + (p - 1) / 3, rel=1e-9)
+        assert len([b for b in tl.boxes if b.kind == "weight"]) == p * m
+        assert tl.makespan_s < timeline("1f1b", [1.0] * p, m).makespan_s
+
+
+def test_zbv_timeline_places_the_stages_in_a_v():
+    tl = timeline("zbv", [1.0] * 4, 8, 2)
+    assert {(b.rank, b.stage) for b in tl.boxes} == {(r, r) for r in range(4)} | {(r, 7 - r) for r in range(4)}
+    # Its list order is near torch's: within 6% of the bubble-free m * t, below interleaved 1F1B's.
+    assert 8.0 < tl.makespan_s < 8.0 * 1.07 < timeline("interleaved", [1.0] * 4, 8, 2).makespan_s
+
+
+def test_a_zbv_plan_draws_its_weight_gradients(tmp_path):
+    doc = plan("gpt3-1.3b", "dgx-a100-80gb", global_batch=64, nodes=1, fix="pp=4,schedule=zbv", top=1)
+    assert doc["strategy"]["schedule"] == "zbv" and doc["strategy"]["vpp"] == 2
+    path = tmp_path / "plan.json"
+    write_plan(doc, path)
+    result = CliRunner().invoke(main, ["explain", str(path), "--plot", str(tmp_path / "out.png")])
+    assert result.exit_code == 0, result.output
+    assert _count(_pixels((tmp_path / "out.png").read_bytes()), COLOURS["weight"]) > LEGEND_PX
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_recomputed_rank_breakdowns_add_up_to_the_plans_totals(plans, schedule):
     doc = plans[schedule]

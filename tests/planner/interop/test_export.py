@@ -48,6 +48,12 @@ CASES = {
     # Qwen3-MoE: head_dim 128 with hidden 2048 / 32 heads (--kv-channels), q/k norm (--qk-layernorm).
     "qwen3-moe-ep": dict(model="qwen3-30b-a3b", gpus=16, batch=64, seq=4096,
                          fix="dp=16,tp=1,pp=1,ep=16,mbs=1,zero=1,recompute=full"),
+    # Zero-bubble schedules: torchtitan names them (ZBVZeroBubble, InterleavedZeroBubble);
+    # Megatron-LM and DeepSpeed run 1F1B-family pipelines only and warn.
+    "zbv-zero2": dict(model="llama2-7b", gpus=16, batch=64, seq=4096,
+                      fix="dp=2,tp=2,pp=4,vpp=2,mbs=1,zero=2,recompute=full,sp=on,schedule=zbv"),
+    "zb-interleaved": dict(model="llama2-7b", gpus=16, batch=64, seq=4096,
+                           fix="dp=2,tp=2,pp=4,vpp=2,mbs=1,zero=2,recompute=full,sp=on,schedule=zb-interleaved"),
     "moe-capacity-ep": dict(model="tiny-moe", gpus=8, batch=32, seq=64, overrides={"moe_capacity_factor": "1.25"},
                             fix="dp=8,tp=1,pp=1,ep=4,mbs=1,zero=3,recompute=none"),
 }
@@ -62,6 +68,8 @@ EXACT = {
     ("zero2-full", "deepspeed"),
     ("moe-capacity-ep", "megatron"),   # torchtitan routes dropless; DeepSpeed sets experts in code
     ("qwen3-moe-ep", "megatron"),
+    ("zbv-zero2", "torchtitan"), ("zbv-zero2", "torchtitan-toml"),
+    ("zb-interleaved", "torchtitan"), ("zb-interleaved", "torchtitan-toml"),
 }
 
 
@@ -479,3 +487,12 @@ def test_a_torchtitan_export_states_the_memory_of_torchtitan_s_loss():
     assert warning in export_plan(doc, "torchtitan").warnings
     # DeepSpeed's configuration says nothing of the loss: no such line.
     assert not any("peak memory" in w for w in export_plan(doc, "deepspeed").warnings)
+
+
+def test_zero_bubble_schedules_export_by_torch_s_names_and_megatron_refuses_them():
+    exported = export_plan(_doc("zbv-zero2"), "torchtitan")
+    assert "--parallelism.pipeline_parallel_schedule ZBVZeroBubble" in exported.text
+    assert "InterleavedZeroBubble" in export_plan(_doc("zb-interleaved"), "torchtitan").text
+    megatron = export_plan(_doc("zbv-zero2"), "megatron")
+    assert any("Megatron-LM has no zero-bubble schedule" in w for w in megatron.warnings)
+    assert any("schedule zbv→interleaved" in w for w in megatron.warnings)

@@ -149,7 +149,7 @@ def test_mixed_plans_elsewhere_in_the_cli(tmp_path):
     runner = CliRunner()
     plan_file = tmp_path / "plan.json"
     ok = runner.invoke(main, ["plan", "--model", "llama2-7b", "--cluster", write_fast_slow(tmp_path),
-                              "--global-batch", "64", "--seq", "2048", "--fix", "pp=2", "-o", str(plan_file)])
+                              "--global-batch", "64", "--seq", "2048", "--fix", "pp=2,schedule=1f1b", "-o", str(plan_file)])
     assert ok.exit_code == 0, ok.output
     exported = runner.invoke(main, ["export", str(plan_file), "--to", "megatron"])
     assert exported.exit_code == 0 and "megatron has no device groups" in exported.output

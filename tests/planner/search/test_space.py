@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from costmodel.problem import Problem
-from costmodel.specs.loading import load_cluster, load_model, make_training
+from costmodel.specs.loading import load_cluster, load_model, load_runtime, make_training
 from planner.rules import load_rules
-from planner.search.space import enumerate_space
+from planner.search.space import _zero_bubble_refusal, enumerate_space
 
 
 def problem(model="gpt3-1.3b", cluster="dgx-a100-40gb", gpus=8, batch=32, seq=2048):
@@ -41,3 +43,33 @@ def test_space_offers_sequence_parallelism_only_when_tp_divides_the_sequence():
     odd = enumerate_space(Problem(spec, cluster, make_training(spec, cluster, 8, 15)), load_rules())[0]
     even = enumerate_space(Problem(spec, cluster, make_training(spec, cluster, 8, 16)), load_rules())[0]
     assert not any(s.sequence_parallel for s in odd) and any(s.sequence_parallel for s in even)
+
+
+def zero_bubble_problem(runtime=None):
+    spec = load_model("tiny-gpt")
+    cluster = load_cluster("cpu", gpus=2)
+    p = Problem(spec, cluster, make_training(spec, cluster, 8, 16))
+    return p if runtime is None else dataclasses.replace(p, runtime=runtime)
+
+
+def test_space_offers_zero_bubble_schedules_in_place_of_what_they_dominate():
+    """zb-interleaved holds what 1f1b (vpp 1) and interleaved (vpp > 1) hold and fills
+    part of their bubble, so where it runs they are left out; zbv runs two chunks."""
+    space, _ = enumerate_space(zero_bubble_problem(), load_rules())
+    pipelined = {(s.schedule, s.vpp) for s in space if s.pp > 1}
+    assert ("zb-interleaved", 1) in pipelined and ("zb-interleaved", 2) in pipelined and ("zbv", 2) in pipelined
+    assert not any(schedule in ("1f1b", "interleaved") for schedule, _ in pipelined)
+    assert all(s.vpp == 2 for s in space if s.schedule == "zbv")
+
+
+def test_space_keeps_zero_bubble_schedules_from_runtimes_that_do_not_run_them():
+    megatron = enumerate_space(zero_bubble_problem(load_runtime("megatron")), load_rules())
+    compiled = enumerate_space(zero_bubble_problem(dataclasses.replace(load_runtime(), torch_compile=True)),
+                               load_rules())
+    for space, _ in (megatron, compiled):
+        schedules = {s.schedule for s in space if s.pp > 1}
+        assert schedules and not schedules & {"zb-interleaved", "zbv"}
+        assert {"1f1b", "interleaved"} <= schedules
+    assert "megatron runtime does not run zero-bubble" in _zero_bubble_refusal(load_runtime("megatron"), "zbv")
+    assert "compiled blocks" in _zero_bubble_refusal(dataclasses.replace(load_runtime(), torch_compile=True), "zbv")
+    assert _zero_bubble_refusal(load_runtime(), "zbv") is None
