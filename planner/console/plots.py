@@ -229,8 +229,8 @@ def _zero_bubble_timeline(schedule: str, rank_times_s: list[float], m: int, vpp:
         next_mb[(kind, stage)] += 1
         if kind == "backward":
             waiting_weights[r].append((stage, i))
-            # The micro-batch leaves the rank with the input gradient of its first chunk
-            # there (ZB-H1 keeps 1F1B's memory, Qi et al. 2024 §3.1).
+            # The micro-batch counts as started until the input gradient of its first
+            # chunk there; its deferred weight gradients are what the cap leaves room for.
             held[r] -= stage == first_stage[r]
         elif stage == first_stage[r]:
             held[r] += 1

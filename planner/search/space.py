@@ -194,16 +194,6 @@ def _schedule_options(problem: Problem, rules: Rules, pp: int, m: int, why: Excl
     return out
 
 
-def _dominated(schedule: str, vpp: int, zero: int, options: list[tuple[str, int]], pp: int, dp: int) -> bool:
-    """Whether zb-interleaved runs in this option's place: it places the stages as 1f1b
-    (vpp 1) and interleaved do, holds the same activations (costmodel.terms.memory.
-    in_flight_microbatches) and fills part of their bubble (costmodel.terms.pipeline),
-    so where it runs they cannot be better."""
-    counterpart = ("zb-interleaved", vpp)
-    return (schedule in ("1f1b", "interleaved") and counterpart in options
-            and schedule_zero_error("zb-interleaved", pp, dp, zero) is None)
-
-
 def _zero_bubble_refusal(runtime, schedule: str) -> str | None:
     """Why the runtime cannot run a zero-bubble schedule (None if it can)."""
     if not runtime.zero_bubble_schedules:
@@ -242,15 +232,12 @@ def enumerate_space(problem: Problem, rules: Rules) -> tuple[list[Strategy], Exc
                 if not admits(rules, why, "ep", ep):
                     continue
                 for mbs, m in micro_batches(rules, why, batch, dp, "--global-batch"):
-                    options = _schedule_options(problem, rules, pp, m, why)
-                    for schedule, vpp in options:
+                    for schedule, vpp in _schedule_options(problem, rules, pp, m, why):
                         for zero in (range(4) if dp > 1 else (0,)):
                             if not admits(rules, why, "zero", zero):
                                 continue
                             if why_not := schedule_zero_error(schedule, pp, dp, zero):
                                 why.add("schedule", why_not)
-                                continue
-                            if _dominated(schedule, vpp, zero, options, pp, dp):
                                 continue
                             # Sequence parallelism splits the sequence evenly over the tp ranks.
                             sp_options = (False, True) if tp > 1 and training.seq_len % tp == 0 else (False,)

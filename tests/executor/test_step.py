@@ -110,7 +110,10 @@ MOE_PLANS = {"ep2": strategy(dp=2, ep=2), "ep2-zero3": strategy(dp=2, ep=2, zero
              "ep2-pp2-zero3": strategy(dp=2, ep=2, pp=2, zero=3),
              "ep2-pp2-zero2-gpipe": strategy(dp=2, ep=2, pp=2, zero=2, schedule="gpipe"),
              "ep2-pp2-zero3-interleaved": strategy(dp=2, ep=2, pp=2, vpp=2, zero=3, schedule="interleaved"),
-             "ep2-pp2-zbv": strategy(dp=2, ep=2, pp=2, vpp=2, schedule="zbv")}
+             "ep2-pp2-zbv": strategy(dp=2, ep=2, pp=2, vpp=2, schedule="zbv"),
+             "ep2-pp2-zb": strategy(dp=2, ep=2, pp=2, schedule="zb-interleaved"),
+             "ep2-pp2-zero2-zb": strategy(dp=2, ep=2, pp=2, zero=2, schedule="zb-interleaved"),
+             "ep2-pp2-zero2-zbv": strategy(dp=2, ep=2, pp=2, vpp=2, zero=2, schedule="zbv")}
 
 # The production dtypes' loss checks: one layout of each kind of split, and ZeRO with
 # accumulation (where autocast's cache of weight casts once broke the gradients).

@@ -346,7 +346,9 @@ def test_zero_bubble_fills_the_bubble_with_weight_gradients():
         assert e.time.bubble_s == pytest.approx(beta(k) * (sum(t) - max(t)), rel=1e-9), schedule
     one, _, _ = run(prob, tp=2, pp=4)
     zb, _, _ = run(prob, tp=2, pp=4, schedule="zb-interleaved")
-    assert zb.rank_time_s == one.rank_time_s and zb.rank_memory_bytes == one.rank_memory_bytes
+    assert zb.rank_time_s == one.rank_time_s
+    # Deferred weight gradients hold activations longer (costmodel.terms.memory.in_flight_microbatches).
+    assert all(z > o for z, o in zip(zb.rank_memory_bytes, one.rank_memory_bytes))
     assert zb.time.bubble_s < one.time.bubble_s
 
 

@@ -52,13 +52,12 @@ def zero_bubble_problem(runtime=None):
     return p if runtime is None else dataclasses.replace(p, runtime=runtime)
 
 
-def test_space_offers_zero_bubble_schedules_in_place_of_what_they_dominate():
-    """zb-interleaved holds what 1f1b (vpp 1) and interleaved (vpp > 1) hold and fills
-    part of their bubble, so where it runs they are left out; zbv runs two chunks."""
+def test_space_offers_zero_bubble_schedules_beside_the_others():
+    """zb-interleaved (vpp 1 and more) and zbv (vpp 2) beside gpipe, 1f1b and interleaved:
+    they hold more activations (deferred weight gradients), so none rules out another."""
     space, _ = enumerate_space(zero_bubble_problem(), load_rules())
     pipelined = {(s.schedule, s.vpp) for s in space if s.pp > 1}
-    assert ("zb-interleaved", 1) in pipelined and ("zb-interleaved", 2) in pipelined and ("zbv", 2) in pipelined
-    assert not any(schedule in ("1f1b", "interleaved") for schedule, _ in pipelined)
+    assert {("zb-interleaved", 1), ("zb-interleaved", 2), ("zbv", 2), ("1f1b", 1), ("interleaved", 2)} <= pipelined
     assert all(s.vpp == 2 for s in space if s.schedule == "zbv")
 
 
