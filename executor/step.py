@@ -16,6 +16,7 @@ executor.auto.DecoderModel for a Hugging Face decoder LM.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass
@@ -123,6 +124,8 @@ class TrainStep:
         # rank 0 under zbv's V (costmodel.strategy.stage_rank).
         self.is_last_stage = strategy.num_virtual_stages - 1 in parts.stage_indices if strategy.pp > 1 else True
         self.schedule = self._pipeline_schedule() if strategy.pp > 1 else None
+        self._can_drop_outputs = (self.schedule is not None
+                                  and "return_outputs" in inspect.signature(self.schedule.step).parameters)
         self.skipped_update = False   # whether the last step's gradients were not finite
 
     def _pipeline_schedule(self):
@@ -203,7 +206,9 @@ class TrainStep:
                 # return_outputs=False: by default the last stage keeps every micro-batch's
                 # output, the logits, to merge them at the end of the step (m x mbs x seq x
                 # vocab values; 32 GiB for Llama 3 8B at seq 8192 and 16 micro-batches).
-                self.schedule.step(*((inputs,) if first else ()), return_outputs=False,
+                # (torch before 2.8 has no such argument and keeps them.)
+                keep = {"return_outputs": False} if self._can_drop_outputs else {}
+                self.schedule.step(*((inputs,) if first else ()), **keep,
                                    **(dict(target=targets, losses=losses) if self.is_last_stage else {}))
                 return torch.stack([_plain(l.detach()) for l in losses]).mean() if self.is_last_stage else None
             model = parts.modules[0]
