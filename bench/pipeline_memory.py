@@ -12,6 +12,8 @@ lower than the measured one: a low memory figure is the dangerous side. zbv move
 LM head and loss to rank 0 (its V), which its excess includes.
 
     python bench/pipeline_memory.py        # about 2 minutes on 2 cores
+
+prints the table and writes it to bench/results/pipeline_memory.txt.
 """
 
 from __future__ import annotations
@@ -64,10 +66,19 @@ def rank_peak_bytes(rank: int, world: int, pp: int, mbs: int, m: int, schedule: 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0
 
 
+RESULTS = Path(__file__).resolve().parent / "results" / "pipeline_memory.txt"
+
+
 def main() -> None:
+    lines: list[str] = []
+
+    def say(line: str) -> None:
+        print(line, flush=True)
+        lines.append(line)
+
     model = spec()
     cluster = load_cluster("cpu", gpus=2)
-    print(f"tiny-llama, {LAYERS} layers, seq {SEQ}, fp32: per rank, excess over 1f1b measured / estimated MiB, "
+    say(f"tiny-llama, {LAYERS} layers, seq {SEQ}, fp32: per rank, excess over 1f1b measured / estimated MiB, "
           f"micro-batches held (counted)")
     for pp, mbs, m in CASES:
         problem = Problem(model, cluster, make_training(model, cluster, mbs * m, SEQ, precision="fp32"))
@@ -76,7 +87,7 @@ def main() -> None:
         estimated = {(s, v): estimate(problem, strategy(pp, mbs, m, s, v)).rank_memory_bytes for s, v in SCHEDULES}
         peaks = {(s, v): run_local(rank_peak_bytes, pp, pp, mbs, m, s, v) for s, v in SCHEDULES}
         base, base_estimate = peaks[("1f1b", 1)], estimated[("1f1b", 1)]
-        print(f"pp {pp}, micro-batch {mbs}, {m} micro-batches ({per_microbatch / 2**20:.0f} MiB of activations "
+        say(f"pp {pp}, micro-batch {mbs}, {m} micro-batches ({per_microbatch / 2**20:.0f} MiB of activations "
               f"per micro-batch and rank)")
         for (schedule, vpp), rss in peaks.items():
             if schedule == "1f1b":
@@ -89,7 +100,8 @@ def main() -> None:
                 flag = "" if model_excess >= measured else " LOW"
                 cells.append(f"r{r} {measured / 2**20:+6.0f} / {model_excess / 2**20:+6.0f}{flag}, "
                              f"{held:3.1f} ({in_flight_microbatches(schedule, pp, r, m, vpp):.0f})")
-            print(f"  {schedule:15s} " + "   ".join(cells))
+            say(f"  {schedule:15s} " + "   ".join(cells))
+    RESULTS.write_text("\n".join(lines) + "\n")
 
 if __name__ == "__main__":
     main()
