@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from costmodel.estimate.uniform import UnitCosts, p2p_sends
 from costmodel.problem import Problem
-from costmodel.strategy import Strategy
+from costmodel.strategy import Strategy, stage_rank
 from costmodel.terms import memory
 from costmodel.terms.pipeline import pipeline_coefficients
 
@@ -82,7 +82,8 @@ def _terms(problem: Problem, units: UnitCosts, strategy: Strategy, modes: tuple[
     prices = [(work[m] - work[fastest]) / (act[fastest] - act[m]) for m in modes if act[m] < act[fastest]]
     rank_s = [p2p_sends(strategy, r) * units.p2p_s for r in range(pp)]
     rank_s[0] += units.first_work.total_s
-    rank_s[-1] += units.last_work.total_s
+    # The last stage's rank: the last one, or rank 0 under zbv's V.
+    rank_s[stage_rank(strategy.num_virtual_stages - 1, pp, strategy.schedule)] += units.last_work.total_s
     in_flight = tuple(memory.in_flight_microbatches(strategy.schedule, pp, r, strategy.num_microbatches,
                                                     strategy.vpp) for r in range(pp))
     return _Terms(work[fastest], layer_states, act[fastest], min(act[m] for m in modes),
@@ -94,19 +95,25 @@ def quick(problem: Problem, units: UnitCosts, strategy: Strategy, modes: tuple[s
           usable_bytes: float) -> Bounds:
     layers, pp = problem.model.num_hidden_layers, strategy.pp
     x = _terms(problem, units, strategy, modes)
+    # Every rank holds at least the fewest in-flight micro-batches of any rank (1 for
+    # 1F1B's last rank; min(m, 2 pp) everywhere under the zero-bubble schedules).
+    held = min(x.in_flight)
     memory_bytes = (memory.RUNTIME_RESERVE_BYTES
-                    + max(x.states_bytes + layers * x.min_act_bytes - pp * x.rank_credit_bytes, 0.0) / pp)
+                    + max(x.states_bytes + held * layers * x.min_act_bytes - pp * x.rank_credit_bytes, 0.0) / pp)
     a, c = pipeline_coefficients(strategy.schedule, strategy.num_microbatches, strategy.vpp,
                                  units.weight_grad_share)
     return Bounds((a + c * pp) * _total_s(x, layers, pp, usable_bytes) / pp, memory_bytes)
 
 
 def _total_s(x: _Terms, layers: int, pp: int, usable_bytes: float) -> float:
-    """Lower bound on sum_r t_r. Summed over ranks, states and one micro-batch of
-    activations must fit pp devices; the excess is recomputed at the best price."""
-    excess = (x.states_bytes + layers * x.layer_act_bytes
+    """Lower bound on sum_r t_r. Summed over ranks, states and the fewest in-flight
+    micro-batches of activations must fit pp devices; the excess is recomputed at the
+    best price."""
+    held = min(x.in_flight)
+    excess = (x.states_bytes + held * layers * x.layer_act_bytes
               - pp * (usable_bytes - memory.RUNTIME_RESERVE_BYTES + x.rank_credit_bytes))
-    extra_s = excess * x.s_per_byte if excess > 0 else 0.0
+    # A byte of a micro-batch's activations recomputed frees `held` bytes of memory.
+    extra_s = excess * x.s_per_byte / held if excess > 0 else 0.0
     return layers * x.layer_s + extra_s + sum(x.rank_s)
 
 
