@@ -166,6 +166,21 @@ def summarize_recompute(stages: tuple[Stage, ...]) -> str:
     return "mixed"
 
 
+def layout_error(strategy: Strategy) -> tuple[str, str] | None:
+    """(field of the strategy, why) when its chunk count or a stage's rank is not what
+    its schedule runs (None when both are): what every reader of a plan checks."""
+    s = strategy
+    if (s.pp > 1 or s.vpp > 1) and (why := schedule_vpp_error(s.schedule, s.vpp, s.pp)):
+        return "vpp", why
+    if s.pp > 1:
+        for position, stage in enumerate(s.stages):
+            rank = stage_rank(stage.index, s.pp, s.schedule)
+            if stage.pp_rank != rank:
+                return (f"stages[{position}].pp_rank",
+                        f"virtual stage {stage.index} is not on the pipeline rank {s.schedule} runs it on ({rank})")
+    return None
+
+
 def ends_apart(strategy: Strategy) -> bool:
     """Whether the first and the last virtual stage are on different pipeline ranks (a
     tied embedding's two copies then sum their gradients over the network)."""

@@ -30,10 +30,9 @@ from costmodel.specs.loading import SpecError, load_model
 from costmodel.strategy import (
     ZERO_BUBBLE_SCHEDULES,
     Strategy,
+    layout_error,
     schedule_microbatch_error,
-    schedule_vpp_error,
     schedule_zero_error,
-    stage_rank,
 )
 from planner.plan_file import (
     fingerprint,
@@ -61,16 +60,11 @@ def check_supported(spec: ModelSpec, strategy: Strategy, seq_len: int) -> None:
                               f"of {seq_len} tokens")
     if why := schedule_microbatch_error(strategy.schedule, strategy.pp, strategy.num_microbatches):
         raise UnsupportedPlan(f"strategy.num_microbatches: {why}")
-    if (strategy.pp > 1 or strategy.vpp > 1) and (why := schedule_vpp_error(strategy.schedule, strategy.vpp,
-                                                                           strategy.pp)):
-        raise UnsupportedPlan(f"strategy.vpp: {why}")
+    if layout := layout_error(strategy):
+        field, why = layout
+        raise UnsupportedPlan(f"strategy.{field.split('[')[0]}: {why}")
     if why := schedule_zero_error(strategy.schedule, strategy.pp, strategy.dp, strategy.zero_stage):
         raise UnsupportedPlan(f"strategy.zero_stage: {why}")
-    misplaced = [st.index for st in strategy.stages
-                 if st.pp_rank != stage_rank(st.index, strategy.pp, strategy.schedule)]
-    if strategy.pp > 1 and misplaced:
-        raise UnsupportedPlan(f"strategy.stages: virtual stage {misplaced[0]} is not on the pipeline rank "
-                              f"{strategy.schedule} runs it on ({stage_rank(misplaced[0], strategy.pp, strategy.schedule)})")
     if spec.is_moe and strategy.tp > 1:
         raise UnsupportedPlan("strategy.tp: tensor parallelism inside the experts of an MoE model is not supported; plan with --fix tp=1")
     if spec.num_attention_heads % strategy.tp or spec.num_key_value_heads % strategy.tp:

@@ -38,7 +38,7 @@ from costmodel.specs.loading import (
     runtime_from_dict,
 )
 from costmodel.specs.training import MIXED_PRECISION, OPTIMIZERS, PRECISIONS
-from costmodel.strategy import RECOMPUTE_MODES, SCHEDULES, Stage, Strategy, schedule_vpp_error, stage_rank
+from costmodel.strategy import RECOMPUTE_MODES, SCHEDULES, Stage, Strategy, layout_error
 from costmodel.terms.counts import active_parameters, total_parameters
 from planner.outputs import write_atomic
 from planner.search import Candidate, SearchResult
@@ -361,14 +361,8 @@ def strategy_of(doc: dict) -> Strategy:
     except (TypeError, KeyError) as err:
         raise SpecError("plan.strategy", f"malformed: {err}") from None
     _check_mixed(strategy, doc)
-    if (strategy.pp > 1 or strategy.vpp > 1) and (why := schedule_vpp_error(strategy.schedule, strategy.vpp,
-                                                                           strategy.pp)):
-        raise SpecError("plan.strategy.vpp", why)
-    for i, stage in enumerate(stages):
-        if strategy.pp > 1 and stage.pp_rank != stage_rank(stage.index, strategy.pp, strategy.schedule):
-            raise SpecError(f"plan.strategy.stages[{i}].pp_rank",
-                            f"{strategy.schedule} runs virtual stage {stage.index} on pipeline rank "
-                            f"{stage_rank(stage.index, strategy.pp, strategy.schedule)}, not {stage.pp_rank}")
+    if layout := layout_error(strategy):
+        raise SpecError(f"plan.strategy.{layout[0]}", layout[1])
     if is_traced(doc):
         if sum(s.num_layers for s in stages) != len(doc["model"]["nodes"]):
             raise SpecError("plan.strategy.stages", "nodes of the stages do not add up to the module's nodes")

@@ -96,3 +96,18 @@ def test_every_reader_refuses_a_hand_edited_plan_the_same_way(tmp_path, field, e
         out = CliRunner().invoke(main, argv)
         assert out.exit_code == 2, argv
         assert out.output.strip() == expected, argv
+
+
+def test_a_stage_off_its_schedules_rank_is_refused_by_every_reader():
+    """costmodel.strategy.layout_error, shared with `run`'s check: zbv runs stage 2 of
+    pp 2 on rank 1 (its V), not where round-robin would put it."""
+    doc = plan("tiny-gpt", "cpu", 8, gpus=2, seq_len=16, precision="fp32", fix="pp=2,schedule=zbv", top=1)
+    assert [s["pp_rank"] for s in doc["strategy"]["stages"]] == [0, 1, 1, 0]
+    doc["strategy"]["stages"][2]["pp_rank"] = 0
+    with pytest.raises(SpecError, match=r"plan.strategy.stages\[2\].pp_rank: virtual stage 2 is not on the "
+                                        r"pipeline rank zbv runs it on \(1\)"):
+        strategy_of(doc)
+    doc["strategy"]["stages"][2]["pp_rank"] = 1
+    doc["strategy"]["vpp"] = 3
+    with pytest.raises(SpecError, match="plan.strategy.vpp: zbv runs two model chunks per rank in a V"):
+        strategy_of(doc)
