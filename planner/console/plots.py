@@ -179,16 +179,14 @@ def _zero_bubble_timeline(schedule: str, rank_times_s: list[float], m: int, vpp:
     """The list simulation of the module docstring."""
     pp = len(rank_times_s)
     stages = pp * vpp
-    where = {}   # stage -> (rank, chunk)
-    for r in range(pp):
-        for chunk, stage in enumerate(rank_stage_indices(r, pp, vpp, schedule)):
-            where[stage] = (r, chunk)
+    held_stages = [rank_stage_indices(r, pp, vpp, schedule) for r in range(pp)]
+    where = {stage: (r, chunk) for r in range(pp) for chunk, stage in enumerate(held_stages[r])}
     duration = {"forward": [t * (1 - backward_share) / vpp for t in rank_times_s],
                 "backward": [t * (backward_share - weight_share) / vpp for t in rank_times_s],
                 "weight": [t * weight_share / vpp for t in rank_times_s]}
     # Micro-batches a rank has started (its first chunk's forward) and not finished:
     # later chunks' forwards carry them on and are never held back.
-    first_stage = [rank_stage_indices(r, pp, vpp, schedule)[0] for r in range(pp)]
+    first_stage = [indices[0] for indices in held_stages]
     limit = [math.ceil(in_flight_microbatches(schedule, pp, r, m, vpp)) for r in range(pp)]
     done: dict[tuple[str, int, int], float] = {}
     next_mb = {(kind, stage): 0 for kind in ("forward", "backward") for stage in range(stages)}
