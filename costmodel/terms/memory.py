@@ -348,8 +348,8 @@ def in_flight_microbatches(schedule: str, pp: int, pp_rank: int, num_microbatche
     2024 keep ZB-H1's peak over ranks at 1F1B's, not each rank's) and up to pp more whose
     deferred weight gradient keeps the linear layers' inputs and output gradients.
     Measured on CPU (bench/pipeline_memory.py, torch 2.13, the executor's tiny-llama):
-    at pp 4, m 8 the last rank of ScheduleInterleavedZeroBubble held about 6.9
-    micro-batches where Schedule1F1B's held 1, and zbv's ranks 3 to 7.
+    at pp 4, m 8 the ranks of ScheduleInterleavedZeroBubble held 3.8, 5.7, 6.8 and 6.0
+    micro-batches where Schedule1F1B's held 4, 3, 2 and 1, and zbv's 3.9 to 5.7.
     """
     m = num_microbatches
     if pp == 1:
