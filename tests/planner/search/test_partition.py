@@ -15,7 +15,10 @@ from costmodel.specs.loading import load_cluster, load_model, make_training
 from costmodel.strategy import Strategy
 from planner.rules import load_rules
 from planner.search.partition import (
+    Affine,
+    RankModel,
     Solution,
+    greedy_hint,
     layout,
     rank_bytes,
     rank_model,
@@ -168,3 +171,30 @@ def test_memory_objective_finds_the_least_peak_then_the_fastest_at_it():
         assert e.peak_memory_bytes == pytest.approx(least, rel=1e-4)
         assert e.step_time_s == pytest.approx(fastest_at_least, rel=1e-3)
     assert least < estimate(p, solve_partition(p, units, strategy, ("none",), rules).strategy, units).peak_memory_bytes
+
+
+def hint_rank(memory_per_layer: float, memory_const: float = 0.0) -> RankModel:
+    """A rank whose plain layer takes 10 time units (2 more fully recomputed) and
+    `memory_per_layer` MiB (a recomputed one 1 MiB), in the program's integer units."""
+    return RankModel(time=Affine(0.0, 10.0, 2.0), memory=Affine(memory_const, memory_per_layer, 1.0 - memory_per_layer),
+                     dp_exposed=Affine(0.0, 0.0), optimizer=Affine(0.0, 0.0))
+
+
+def test_greedy_hint_balances_time_and_recomputes_only_what_memory_needs():
+    """Two ranks, 8 layers, 40 MiB each. Rank 0's layers take 10 MiB, rank 1's 4 MiB.
+    By hand: rank 1 fits all its layers plain (4 x 4 = 16 MiB), rank 0 fits 4 plain
+    layers (40 MiB), a fifth only with a recomputed one (4 x 10 + 1 = 41 > 40, so two:
+    3 x 10 + 2 = 32). Handing out layers where time grows least gives 4 and 4, none
+    recomputed, times 40 and 40."""
+    ranks = [hint_rank(10.0), hint_rank(4.0)]
+    identity = int
+    assert greedy_hint(ranks, 8, 1, [40, 40], ("none", "full"), identity, identity) == [(4, 0, 0, 0), (4, 0, 0, 0)]
+    # At 10 layers: rank 0's fifth layer needs two recomputed (3 x 10 + 2 x 12 = 54
+    # units), rank 1's fifth makes 50, its sixth 60. The ninth goes to rank 1 (50 < 54),
+    # the tenth to rank 0 (54 < 60).
+    assert greedy_hint(ranks, 10, 1, [40, 40], ("none", "full"), identity, identity) == [(5, 2, 0, 1), (5, 0, 0, 0)]
+
+
+def test_greedy_hint_is_none_when_a_rank_cannot_hold_its_first_layer():
+    ranks = [hint_rank(10.0, memory_const=100.0), hint_rank(4.0)]
+    assert greedy_hint(ranks, 4, 1, [40, 40], ("none", "full"), int, int) is None
