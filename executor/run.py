@@ -56,6 +56,7 @@ import datetime
 import functools
 import json
 import math
+import multiprocessing
 import os
 import resource
 import signal
@@ -127,6 +128,11 @@ def device_for_rank(device_type: str) -> torch.device:
 def main(argv: list[str] | None = None) -> int:
     if "TORCHELASTIC_RUN_ID" in os.environ:
         die_with_launcher()
+    if multiprocessing.parent_process() is not None:
+        # Forked by the launcher (executor.launch), whose torchrun agent turns SIGTERM and
+        # SIGINT into exceptions: the rank takes the default, ending when told to.
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
+            signal.signal(sig, signal.SIG_DFL)
     args = parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -494,4 +500,8 @@ if __name__ == "__main__":
     # run here, and torchrun waits for it: the rank exits at once instead.
     sys.stdout.flush()
     sys.stderr.flush()
+    if multiprocessing.parent_process() is not None:
+        # Forked by torchrun (executor.launch): its wrapper takes the exit code and ends
+        # the process without the teardown.
+        sys.exit(code)
     os._exit(code)

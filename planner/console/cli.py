@@ -164,6 +164,8 @@ def plan(model_name, cluster_name, nodes, gpus, global_batch, seq, precision, op
     except SpecError as err:
         _fail(EXIT_BAD_INPUT, str(err))
     except Infeasible as err:
+        if err.solver_limited:   # the reason says what helps (--fix)
+            _fail(EXIT_INFEASIBLE, f"no feasible plan: {err.reason}")
         relax = err.relaxation or suggest_relaxation(problem, rules)
         hint = f"; would fit if you {relax}" if relax else "; no relaxation up to 16x the GPUs helps"
         _fail(EXIT_INFEASIBLE, f"no feasible plan: {err.reason}{hint}")

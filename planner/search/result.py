@@ -69,13 +69,17 @@ class SearchResult:
 
 class Infeasible(Exception):
     """No strategy fits. `reason` names the binding constraint with its numbers;
-    `closest` is the candidate that came nearest (if any) for the relaxation search."""
+    `closest` is the candidate that came nearest (if any) for the relaxation search;
+    `solver_limited` when the solver's time limit, not the space, left no plan (a larger
+    cluster would not help: its programs are no easier)."""
 
-    def __init__(self, reason: str, closest: Strategy | None = None, relaxation: str | None = None):
+    def __init__(self, reason: str, closest: Strategy | None = None, relaxation: str | None = None,
+                 solver_limited: bool = False):
         super().__init__(reason)
         self.reason = reason
         self.closest = closest
         self.relaxation = relaxation   # set when a budget binds: what would relax it
+        self.solver_limited = solver_limited
 
 
 
@@ -329,7 +333,7 @@ def check_timeouts(kept: Kept, solved: Solved) -> None:
     if not kept.found and solved.timeouts:
         raise Infeasible(f"the solver's time limit ({partition.DETERMINISTIC_TIME_LIMIT:g} deterministic s per partition "
                          f"program) ended {solved.timeouts} of {solved.solves} programs before any found a plan; "
-                         f"narrow the space with --fix", solved.unsolved)
+                         f"narrow the space with --fix", solved.unsolved, solver_limited=True)
 
 
 def finish(problem: Problem, rules: Rules, kept: Kept, pareto: bool, candidates: int, pruned_memory: int,

@@ -29,7 +29,7 @@ from executor_test_helpers import (
 )
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from executor.launch import plan_launch, torchrun_command
+from executor.launch import WORKER_SCRIPT, plan_launch, torchrun_command
 from executor.run import main as worker_main
 from planner.api import plan
 from planner.console.cli import main as cli
@@ -92,7 +92,9 @@ def test_torchrun_command_for_nodes():
     two = torchrun_command(plan_launch(16, None, 2, 1, "node0:29500"), ["p.json"])
     assert two[two.index("--nproc-per-node") + 1] == "8"
     assert two[two.index("--node-rank") + 1] == "1" and two[two.index("--rdzv-endpoint") + 1] == "node0:29500"
-    assert two[-3:] == ["-m", "executor.run", "p.json"] and two[1:3] == ["-m", "executor.launch"]
+    assert two[1:3] == ["-m", "executor.launch"]
+    assert two[-5:] == ["--start-method", "fork", "--run-path", WORKER_SCRIPT, "p.json"]
+    assert WORKER_SCRIPT.endswith("executor/run.py")
 
 
 def test_run_trains_like_one_process(plan_file, tmp_path):
@@ -298,6 +300,15 @@ def test_a_plan_bigger_than_this_machine_is_refused(tmp_path, monkeypatch):
     assert code == 2 and "the plan starts 128 CPU ranks on this node" in out and "4.0 GiB available" in out, out
 
 
+def _parent(pid: int) -> int | None:
+    """`pid`'s parent, or None once it has gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except OSError:
+        return None
+
+
 def _alive(marker: str) -> list[int]:
     """Processes whose command line holds `marker`."""
     found = []
@@ -336,8 +347,9 @@ def test_sigterm_stops_torchrun_and_every_worker(plan_file, tmp_path):
 
 
 def test_workers_end_when_torchrun_is_killed_outright(plan_file, tmp_path):
-    """SIGKILL (the OOM killer, a hard stop) of the command and torchrun together: no
-    forwarding is possible, and the workers, in sessions of their own, end anyway."""
+    """SIGKILL (the OOM killer, a hard stop) of the command and torchrun: no forwarding
+    is possible, and the workers end anyway (the kernel's parent-death signal,
+    executor.launch.die_with_launcher)."""
     import signal
     import time
 
@@ -350,9 +362,12 @@ def test_workers_end_when_torchrun_is_killed_outright(plan_file, tmp_path):
         if line.startswith("step "):
             break
     try:
-        workers = [pid for pid in _alive(str(marker)) if os.getpgid(pid) != proc.pid]
-        assert len(workers) == 2, workers
-        os.killpg(proc.pid, signal.SIGKILL)   # the command and torchrun: their process group
+        # The command, torchrun (its child) and the workers (torchrun's children).
+        launchers = [pid for pid in _alive(str(marker)) if _parent(pid) == proc.pid]
+        workers = [pid for pid in _alive(str(marker)) if _parent(pid) in launchers]
+        assert len(launchers) == 1 and len(workers) == 2, (launchers, workers)
+        os.kill(proc.pid, signal.SIGKILL)
+        os.kill(launchers[0], signal.SIGKILL)
         proc.wait(timeout=30)
         deadline = time.time() + 30
         while _alive(str(marker)) and time.time() < deadline:
