@@ -10,26 +10,30 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-interleaved", "zbv")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-interleaved", "zbv", "dualpipev")
 # Zero-bubble schedules (Qi et al. 2024, "Zero Bubble Pipeline Parallelism"): backward
 # split into input and weight gradients, the weight gradients filling the bubble.
 # torch.distributed.pipelining's ScheduleInterleavedZeroBubble (ZB1P, vpp chunks per rank
-# placed round-robin) and ScheduleZBVZeroBubble (two chunks per rank in a V).
-ZERO_BUBBLE_SCHEDULES = ("zb-interleaved", "zbv")
+# placed round-robin), ScheduleZBVZeroBubble (two chunks per rank in a V) and
+# ScheduleDualPipeV (DeepSeek's DualPipe cut in half: the same V, a forward of one chunk
+# paired with a backward of the other; DeepSeek-V3 report 2024 §3.2.1).
+ZERO_BUBBLE_SCHEDULES = ("zb-interleaved", "zbv", "dualpipev")
+# Two chunks per rank in a V (torch's "v" placement): rank r holds stages r and 2pp - 1 - r.
+V_SCHEDULES = ("zbv", "dualpipev")
 RECOMPUTE_MODES = ("none", "selective", "full")
 
 
 def schedule_vpp_error(schedule: str, vpp: int, pp: int) -> str | None:
     """Why `schedule` cannot run `vpp` model chunks per rank on `pp` ranks (None if it
-    can): interleaved needs two or more chunks, zbv exactly two, gpipe and 1f1b one;
-    each chunked schedule needs a pipeline."""
+    can): interleaved needs two or more chunks, zbv and dualpipev exactly two, gpipe and
+    1f1b one; each chunked schedule needs a pipeline."""
     if schedule == "interleaved" and vpp < 2:
         return "interleaved needs vpp of 2 or more"
-    if schedule == "zbv" and vpp != 2:
-        return f"zbv runs two model chunks per rank in a V: vpp 2, not {vpp}"
+    if schedule in V_SCHEDULES and vpp != 2:
+        return f"{schedule} runs two model chunks per rank in a V: vpp 2, not {vpp}"
     if schedule in ("gpipe", "1f1b") and vpp > 1:
-        return f"vpp {vpp} needs schedule interleaved, zb-interleaved or zbv, not {schedule}"
-    if schedule in ("interleaved", "zbv") and pp < 2:
+        return f"vpp {vpp} needs schedule interleaved, zb-interleaved, zbv or dualpipev, not {schedule}"
+    if schedule in ("interleaved", *V_SCHEDULES) and pp < 2:
         return f"{schedule} needs pp of 2 or more"
     return None
 
@@ -38,10 +42,13 @@ def schedule_microbatch_error(schedule: str, pp: int, num_microbatches: int) -> 
     """Why `schedule` cannot run `num_microbatches` micro-batches on `pp` ranks (None if
     it can). torch.distributed.pipelining's 1F1B-family schedules need one per stage;
     Megatron-LM's interleaved schedule whole rounds of pp; ScheduleInterleavedZeroBubble
-    runs rounds of m // pp and refuses a count that is not a whole number of them."""
+    runs rounds of m // pp and refuses a count that is not a whole number of them;
+    ScheduleDualPipeV needs one per virtual stage, 2 pp."""
     m = num_microbatches
     if pp == 1 or schedule == "gpipe":
         return None
+    if schedule == "dualpipev" and m < 2 * pp:
+        return f"dualpipev needs at least 2 x pp = {2 * pp} micro-batches, there are {m}"
     if m < pp:
         return f"{schedule} needs at least pp {pp} micro-batches, there are {m}"
     if schedule == "interleaved" and m % pp:
@@ -65,10 +72,10 @@ def schedule_zero_error(schedule: str, pp: int, dp: int, zero_stage: int) -> str
 
 def stage_rank(index: int, pp: int, schedule: str) -> int:
     """The pipeline rank of virtual stage `index`: round-robin (Megatron's interleaved
-    layout, torch's "loop" style), or for zbv a V, rank r holding stages r and
-    2pp - 1 - r (torch.distributed.pipelining's "v" style), so the first and last
+    layout, torch's "loop" style), or for zbv and dualpipev a V, rank r holding stages r
+    and 2pp - 1 - r (torch.distributed.pipelining's "v" style), so the first and last
     stages share rank 0."""
-    if schedule == "zbv":
+    if schedule in V_SCHEDULES:
         return index if index < pp else 2 * pp - 1 - index
     return index % pp
 

@@ -31,6 +31,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from costmodel.strategy import Strategy
 from executor.data import replica_shard
+from executor.launch import UnsupportedPlan
 from executor.mesh import RankMesh
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -121,7 +122,7 @@ class TrainStep:
         self.optimizer, self.scheduler, self.grad_clip = optimizer, scheduler, grad_clip
         self.autocast_dtype = autocast_dtype
         # The last virtual stage's rank computes the loss: the last pipeline rank, or
-        # rank 0 under zbv's V (costmodel.strategy.stage_rank).
+        # rank 0 under zbv's and dualpipev's V (costmodel.strategy.stage_rank).
         self.is_last_stage = strategy.num_virtual_stages - 1 in parts.stage_indices if strategy.pp > 1 else True
         self.schedule = self._pipeline_schedule() if strategy.pp > 1 else None
         self._can_drop_outputs = (self.schedule is not None
@@ -138,6 +139,7 @@ class TrainStep:
             ScheduleInterleaved1F1B,
             ScheduleInterleavedZeroBubble,
             ScheduleZBVZeroBubble,
+            schedules,
         )
 
         s, shapes, b = self.strategy, self.parts.shapes, self.strategy.micro_batch_size
@@ -154,8 +156,11 @@ class TrainStep:
                                         input_args=example_in, output_args=example_out,
                                         group=self.mesh["pp"].get_group()))
         multi = {"interleaved": ScheduleInterleaved1F1B, "zb-interleaved": ScheduleInterleavedZeroBubble,
-                 "zbv": ScheduleZBVZeroBubble}
+                 "zbv": ScheduleZBVZeroBubble, "dualpipev": getattr(schedules, "ScheduleDualPipeV", None)}
         if s.schedule in multi:
+            if multi[s.schedule] is None:
+                raise UnsupportedPlan("strategy.schedule: dualpipev needs torch.distributed.pipelining's "
+                                      f"ScheduleDualPipeV, which torch {torch.__version__} lacks")
             return multi[s.schedule](stages, n_microbatches=s.num_microbatches, loss_fn=self.parts.loss_fn)
         cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[s.schedule]
         return cls(stages[0], n_microbatches=s.num_microbatches, loss_fn=self.parts.loss_fn)
@@ -252,7 +257,7 @@ class TrainStep:
         if parts.tied is not None:
             grads = [_local(p.grad) for p in (parts.tied.embedding, parts.tied.head)
                      if p is not None and p.grad is not None]
-            if len(grads) == 2:   # both copies here: pp 1, or zbv's V (both ends on rank 0)
+            if len(grads) == 2:   # both copies here: pp 1, or a V (both ends on rank 0)
                 total = grads[0] + grads[1]
                 for g in grads:
                     g.copy_(total)

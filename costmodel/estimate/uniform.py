@@ -27,7 +27,7 @@ from costmodel.terms.counts import (
     layer_parameters,
     model_flops_per_step,
 )
-from costmodel.terms.pipeline import pipeline_time_s
+from costmodel.terms.pipeline import FORWARD_SHARE, pipeline_time_s
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,13 @@ class UnitCosts:
     # the forward GEMMs' size (backward is an input-gradient and a weight-gradient GEMM
     # per forward GEMM, Narayanan et al. 2021 §3.5).
     layer_weight_grad_s: float = 0.0
+    layer_forward_s: float = 0.0           # one layer's forward pass: compute and its collectives
+
+    @property
+    def forward_share(self) -> float:
+        """The forward share of a plain layer's time (costmodel.terms.pipeline's f)."""
+        total = self.layer_work["none"].total_s
+        return self.layer_forward_s / total if total > 0 else FORWARD_SHARE
 
     @property
     def weight_grad_share(self) -> float:
@@ -247,6 +254,7 @@ def unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
         p2p_bytes=p2p_bytes,
         tied_sync_s=tied_sync_s,
         layer_weight_grad_s=layer.gemm_s,
+        layer_forward_s=fwd_compute + tp_forward + ep_one_way + zero3_fwd,
     )
 
 
@@ -527,6 +535,18 @@ def weight_grad_share(strategy: Strategy, rank_costs: list[tuple[Problem, UnitCo
     return weight_s / total if total > 0 else 0.0
 
 
+def forward_share(strategy: Strategy, rank_costs: list[tuple[Problem, UnitCosts]],
+                  rank_times_s: list[float]) -> float:
+    """The forward share of the pipeline's time (costmodel.terms.pipeline's f): every
+    rank's layers' forward passes over the sum of the rank times. The embedding's and the
+    head's forward are left out; recomputation counts as backward, where the runtime
+    runs it."""
+    total = sum(rank_times_s)
+    forward_s = sum(sum(st.num_layers for st in strategy.rank_stages(r)) * u.layer_forward_s
+                    for r, (_, u) in enumerate(rank_costs))
+    return forward_s / total if total > 0 else FORWARD_SHARE
+
+
 def estimate_uniform(problem: Problem, strategy: Strategy, units: UnitCosts | None = None) -> Estimate:
     """Predicted step of `strategy` on a transformer on one kind of GPU."""
     units = units or unit_costs(problem, strategy)
@@ -540,7 +560,8 @@ def estimate_ranks(problem: Problem, strategy: Strategy, rank_costs: list[tuple[
     works = [rank_work(u, strategy, r) for r, (_, u) in enumerate(rank_costs)]
     rank_times = [w.total_s for w in works]
     pipelined = pipeline_time_s(strategy.schedule, rank_times, m, strategy.vpp,
-                                weight_grad_share(strategy, rank_costs, rank_times))
+                                weight_grad_share(strategy, rank_costs, rank_times),
+                                forward_share(strategy, rank_costs, rank_times))
     # Gradient sync overlaps the last micro-batch's backward on each rank (DDP bucketing,
     # Li et al. 2020 §3.2.3); the rest is exposed. The ZeRO-1/2 weight all-gather is
     # counted in the sync (it follows the optimizer step).

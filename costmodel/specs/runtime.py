@@ -101,7 +101,7 @@ class RuntimeSpec:
     # tensor parallelism). The executor keeps experts whole (executor/parallelize.py
     # check_supported), so under its runtime the search offers MoE models tp 1 only.
     expert_tensor_parallel: bool = True
-    # Whether the engine runs zero-bubble pipeline schedules (zb-interleaved, zbv:
+    # Whether the engine runs zero-bubble pipeline schedules (zb-interleaved, zbv, dualpipev:
     # torch.distributed.pipelining's, as the executor and torchtitan do; Megatron-LM's
     # and DeepSpeed's pipelines run 1F1B and interleaved 1F1B only). They also need eager
     # blocks: torch splits their backward outside torch.compile.

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from costmodel.specs import ModelSpec, TrainingSpec
+from costmodel.strategy import ZERO_BUBBLE_SCHEDULES
 from costmodel.terms.compute import activation_bytes_per_value
 from costmodel.terms.recompute import op_level_split
 from costmodel.units import GIB
@@ -343,7 +344,7 @@ def in_flight_microbatches(schedule: str, pp: int, pp_rank: int, num_microbatche
     gpipe: all m (Huang et al. 2019, GPipe §2.2). 1f1b: min(m, pp - rank) (Narayanan et
     al. 2021, PipeDream-flush, §2.2). interleaved: Megatron-LM's warm-up of
     2(pp - rank - 1) + (vpp - 1)pp + 1 model chunks, i.e. pp + (pp - 1)/vpp on rank 0,
-    Korthikanti et al. 2022 eq. 5. zb-interleaved and zbv: min(m, 2 pp) on every rank:
+    Korthikanti et al. 2022 eq. 5. zb-interleaved, zbv and dualpipev: min(m, 2 pp) on every rank:
     up to pp micro-batches awaiting their input gradient (1F1B's rank-0 count; Qi et al.
     2024 keep ZB-H1's peak over ranks at 1F1B's, not each rank's) and up to pp more whose
     deferred weight gradient keeps the linear layers' inputs and output gradients.
@@ -356,7 +357,7 @@ def in_flight_microbatches(schedule: str, pp: int, pp_rank: int, num_microbatche
         return 1.0
     if schedule == "gpipe":
         return float(m)
-    if schedule in ("zb-interleaved", "zbv"):
+    if schedule in ZERO_BUBBLE_SCHEDULES:
         return float(min(m, 2 * pp))
     if schedule == "interleaved" and vpp > 1:
         chunks = min(m * vpp, 2 * (pp - pp_rank - 1) + (vpp - 1) * pp + 1)

@@ -9,58 +9,83 @@ costs the other ranks' passes times the bubble factor beta.
   bubble fraction (p - 1)/m of Narayanan et al. 2021 §2.2.
 - interleaved (vpp model chunks per rank): beta = 1/vpp, the bubble (p - 1)/(vpp m)
   for equal stages (Narayanan et al. 2021 §2.2.2).
-- zb-interleaved (torch's ScheduleInterleavedZeroBubble, ZB1P): backward is split into
-  the input gradient B and the weight gradient W, and the W passes fill the bubble. Qi
-  et al. 2024 ("Zero Bubble Pipeline Parallelism", §3, ZB-H1) give the bubble
-  (p - 1)(T_F + T_B - T_W) against 1F1B's (p - 1)(T_F + T_B + T_W); with w = T_W / t the
-  weight-gradient share of a rank's time, beta = (1 - 2w), over vpp with chunks as for
-  interleaved. DeepSeek-V3's report (2024, §3.2.1, Table 2) lists the same ZB1P bubble.
-- zbv (ScheduleZBVZeroBubble): two chunks per rank in a V; Qi et al. §6 reach zero
-  bubble when T_F = T_B = T_W per chunk, the warm-up's chunk bubble
-  T_F + T_B - 2 T_W = (t/2)(1 - 3w): beta = max(0, 1 - 3w) / 2.
+- Zero-bubble schedules split each backward into the input gradient B and the weight
+  gradient W, which can wait and fill the bubble (Qi et al. 2024, "Zero Bubble Pipeline
+  Parallelism"). With f, b and w the forward, input-gradient and weight-gradient shares
+  of a rank's time (f + b + w = 1):
+  - zb-interleaved (torch's ScheduleInterleavedZeroBubble, ZB1P): beta =
+    max(f + b - w, b, f) / vpp. The first term is ZB-H1's bubble (p - 1)(T_F + T_B - T_W)
+    (Qi et al. §3; DeepSeek-V3 report 2024 §3.2.1, Table 2); it holds while T_W is at most
+    T_F and T_B, past which the longer pass is the bubble.
+  - zbv (ScheduleZBVZeroBubble, two chunks per rank in a V): beta = max(b - w, b/2, f - b/2).
+    Qi et al. §6 reach zero bubble at T_F = T_B = T_W with their own V schedule; torch's
+    leaves a sixth of 1F1B's there.
+  - dualpipev (ScheduleDualPipeV, DeepSeek's DualPipe cut in half): beta =
+    max((f + 2(b + w) - 3w)/2, f + (b - w)/2, f), the first term DeepSeek-V3's Table 2
+    (PP/2 - 1)(F&B + B - 3W) with the forward and backward of its overlapped pair run one
+    after the other (F&B = F + B), as torch's runtime does without a custom overlap.
+  The zbv and dualpipev terms, and the limits of the zb-interleaved one, are read off
+  torch's own action lists (`_calculate_single_rank_operations`) list-simulated with
+  equal chunks: tests/costmodel/terms/test_pipeline.py checks every formula against that
+  simulation for pp 2 to 16, f from 1/4 to 0.4 and w up to f: never below it, and equal
+  for zb-interleaved (zbv is up to 0.09 above it, dualpipev up to 0.18, both at pp 2).
 
-w is quantised down to a multiple of 1/WEIGHT_SHARE_STEPS (a smaller share is the larger
-bubble): every user of beta agrees, and the partition solver's integer program scales
-the coefficients to whole numbers (`coefficient_scale`).
+beta is rounded up to a multiple of 1/(BUBBLE_STEPS vpp) (the larger bubble): every user
+of beta agrees, and the partition solver's integer program scales the coefficients to
+whole numbers (`coefficient_scale`).
 """
 
 from __future__ import annotations
 
 import math
 
-WEIGHT_SHARE_STEPS = 32
+BUBBLE_STEPS = 64
+# A layer's backward is twice its forward (Narayanan et al. 2021 §3.5): the forward share
+# where the caller knows no better.
+FORWARD_SHARE = 1.0 / 3.0
 
 
-def bubble_factor(schedule: str, vpp: int = 1, weight_grad_share: float = 0.0) -> float:
+def bubble_factor(schedule: str, vpp: int = 1, weight_grad_share: float = 0.0,
+                  forward_share: float = FORWARD_SHARE) -> float:
     """beta of the module docstring."""
-    k = math.floor(min(max(weight_grad_share, 0.0), 1.0) * WEIGHT_SHARE_STEPS)
+    w = min(max(weight_grad_share, 0.0), 1.0)
+    f = min(max(forward_share, 0.0), 1.0 - w)
+    b = 1.0 - f - w
     if schedule == "zb-interleaved":
-        return max(0, WEIGHT_SHARE_STEPS - 2 * k) / (WEIGHT_SHARE_STEPS * vpp)
-    if schedule == "zbv":
-        return max(0, WEIGHT_SHARE_STEPS - 3 * k) / (WEIGHT_SHARE_STEPS * 2)
-    if schedule == "interleaved" and vpp > 1:
+        beta = max(f + b - w, b, f)
+    elif schedule == "zbv":
+        beta = max(b - w, b / 2, f - b / 2)
+    elif schedule == "dualpipev":
+        beta = max((f + 2 * (b + w) - 3 * w) / 2, f + (b - w) / 2, f)
+    elif schedule == "interleaved" and vpp > 1:
         return 1.0 / vpp
-    return 1.0
+    else:
+        return 1.0
+    steps = coefficient_scale(schedule, vpp)
+    chunks = vpp if schedule == "zb-interleaved" else 1
+    # Rounded up, less a hair so that an exact multiple stays put.
+    return math.ceil(beta / chunks * steps - 1e-9) / steps
 
 
 def pipeline_time_s(schedule: str, rank_times_s: list[float], num_microbatches: int, vpp: int = 1,
-                    weight_grad_share: float = 0.0) -> float:
+                    weight_grad_share: float = 0.0, forward_share: float = FORWARD_SHARE) -> float:
     slowest, total = max(rank_times_s), sum(rank_times_s)
-    return num_microbatches * slowest + bubble_factor(schedule, vpp, weight_grad_share) * (total - slowest)
+    beta = bubble_factor(schedule, vpp, weight_grad_share, forward_share)
+    return num_microbatches * slowest + beta * (total - slowest)
 
 
 def pipeline_coefficients(schedule: str, num_microbatches: int, vpp: int = 1,
-                          weight_grad_share: float = 0.0) -> tuple[float, float]:
+                          weight_grad_share: float = 0.0, forward_share: float = FORWARD_SHARE) -> tuple[float, float]:
     """(a, c) with pipeline time = a * max_r t_r + c * sum_r t_r: the linear form the
     partition solver minimises."""
-    beta = bubble_factor(schedule, vpp, weight_grad_share)
+    beta = bubble_factor(schedule, vpp, weight_grad_share, forward_share)
     return num_microbatches - beta, beta
 
 
 def coefficient_scale(schedule: str, vpp: int = 1) -> int:
     """The least integer that makes both coefficients whole numbers."""
     if schedule == "zb-interleaved":
-        return WEIGHT_SHARE_STEPS * vpp
-    if schedule == "zbv":
-        return WEIGHT_SHARE_STEPS * 2
+        return BUBBLE_STEPS * vpp
+    if schedule in ("zbv", "dualpipev"):
+        return BUBBLE_STEPS
     return vpp if schedule == "interleaved" else 1

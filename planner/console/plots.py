@@ -232,8 +232,10 @@ def _zero_bubble_timeline(schedule: str, rank_times_s: list[float], m: int, vpp:
             held[r] -= stage == first_stage[r]
         elif stage == first_stage[r]:
             held[r] += 1
-    # weight_share is also the weight gradients' share of each rank's micro-batch time.
-    return Timeline(tuple(boxes), max(free_s), pipeline_time_s(schedule, rank_times_s, m, vpp, weight_share), pp)
+    # weight_share and 1 - backward_share are also the weight gradients' and the forward's
+    # shares of each rank's micro-batch time.
+    return Timeline(tuple(boxes), max(free_s),
+                    pipeline_time_s(schedule, rank_times_s, m, vpp, weight_share, 1 - backward_share), pp)
 
 
 def plan_timeline(doc: dict) -> Timeline:

@@ -47,7 +47,7 @@ class Recompute:
 def build_stages(sizes: list[int], pp: int, recompute: Recompute, schedule: str = "1f1b") -> tuple[Stage, ...]:
     """Stages of the given sizes in virtual-stage order, on the ranks the schedule
     places them (costmodel.strategy.stage_rank: i mod pp, the interleaved layout of
-    Megatron and torch.distributed.pipelining, or zbv's V)."""
+    Megatron and torch.distributed.pipelining, or the V of zbv and dualpipev)."""
     stages, first = [], 0
     for i, n in enumerate(sizes):
         full = selective = 0

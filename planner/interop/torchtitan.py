@@ -90,7 +90,7 @@ TORCHTITAN_TOML_EXTRA_FIELDS = {
 # Schedule names of torch.distributed.pipelining.schedules.get_schedule_class (the
 # names torchtitan's pipeline_parallel_schedule takes), Shardwise's name for each.
 TORCHTITAN_SCHEDULES = {"GPipe": "gpipe", "1F1B": "1f1b", "Interleaved1F1B": "interleaved",
-                        "InterleavedZeroBubble": "zb-interleaved", "ZBVZeroBubble": "zbv"}
+                        "InterleavedZeroBubble": "zb-interleaved", "ZBVZeroBubble": "zbv", "DualPipeV": "dualpipev"}
 
 
 SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")

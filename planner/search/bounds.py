@@ -101,7 +101,7 @@ def quick(problem: Problem, units: UnitCosts, strategy: Strategy, modes: tuple[s
     memory_bytes = (memory.RUNTIME_RESERVE_BYTES
                     + max(x.states_bytes + held * layers * x.min_act_bytes - pp * x.rank_credit_bytes, 0.0) / pp)
     a, c = pipeline_coefficients(strategy.schedule, strategy.num_microbatches, strategy.vpp,
-                                 units.weight_grad_share)
+                                 units.weight_grad_share, units.forward_share)
     return Bounds((a + c * pp) * _total_s(x, layers, pp, usable_bytes) / pp, memory_bytes)
 
 
@@ -158,5 +158,5 @@ def balanced(problem: Problem, units: UnitCosts, strategy: Strategy, modes: tupl
         mid = (low + high) / 2
         low, high = (low, mid) if holds(mid) else (mid, high)
     a, c = pipeline_coefficients(strategy.schedule, strategy.num_microbatches, strategy.vpp,
-                                 units.weight_grad_share)
+                                 units.weight_grad_share, units.forward_share)
     return a * low + c * total_s

@@ -247,10 +247,11 @@ def solve_partition(problem: Problem, units: UnitCosts, strategy: Strategy, mode
         # Imbalance as a ratio of integers: pp * max <= (1 + imb) * sum, in thousandths.
         model.Add(1000 * pp * peak_t <= round(1000 * (1 + rules.max_stage_imbalance)) * sum(t_vars))
 
-    # Zero-bubble schedules: the weight-gradient share of a plain layer (of the group
-    # where it is largest), the most any partition reaches, so this objective's bubble
-    # is never more than the estimate's.
-    a, c = pipeline_coefficients(strategy.schedule, m, vpp, max(u.weight_grad_share for _, u in rank_costs))
+    # Zero-bubble schedules: the weight-gradient and forward shares of a plain layer (of
+    # the group where the weight-gradient share is largest): recompute, the embedding and
+    # the head add time without weight gradients, so a partition's shares are at most these.
+    plain = max((u for _, u in rank_costs), key=lambda u: u.weight_grad_share)
+    a, c = pipeline_coefficients(strategy.schedule, m, vpp, plain.weight_grad_share, plain.forward_share)
     # Scaled so the coefficients (e.g. interleaved's m - 1/vpp, 1/vpp) become integers.
     scale = coefficient_scale(strategy.schedule, vpp)
     a_int, c_int = round(a * scale), round(c * scale)

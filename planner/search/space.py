@@ -19,6 +19,7 @@ from costmodel.specs.loading import SpecError
 from costmodel.strategy import (
     RECOMPUTE_MODES,
     SCHEDULES,
+    V_SCHEDULES,
     ZERO_BUBBLE_SCHEDULES,
     Strategy,
     schedule_microbatch_error,
@@ -112,14 +113,14 @@ def check_fix_spec(problem: Problem, fix: dict) -> None:
         raise SpecError("--fix vpp", f"pp x vpp = {vpp * fix.get('pp', 1)} virtual stages for {layers} layers")
     if "schedule" in fix and ("vpp" in fix or "pp" in fix):
         schedule = fix["schedule"]
-        # Unpinned, vpp is searched (zbv's is 2) and pp is taken as a pipeline.
-        pinned_vpp = fix.get("vpp", 2 if schedule in ("interleaved", "zbv") else 1)
+        # Unpinned, vpp is searched (the V schedules' is 2) and pp is taken as a pipeline.
+        pinned_vpp = fix.get("vpp", 2 if schedule in ("interleaved", *V_SCHEDULES) else 1)
         why = schedule_vpp_error(schedule, pinned_vpp, fix.get("pp", 2))
         if why:
             raise SpecError("--fix vpp" if pinned_vpp > 1 and schedule in ("gpipe", "1f1b") else "--fix schedule", why)
-    if fix.get("schedule") == "zbv" and 2 * fix.get("pp", 1) > layers:
-        raise SpecError("--fix schedule", f"zbv runs 2 x pp = {2 * fix.get('pp', 1)} virtual stages, more than "
-                                          f"the {layers} layers")
+    if fix.get("schedule") in V_SCHEDULES and 2 * fix.get("pp", 1) > layers:
+        raise SpecError("--fix schedule", f"{fix['schedule']} runs 2 x pp = {2 * fix.get('pp', 1)} virtual stages, "
+                                          f"more than the {layers} layers")
     if "mbs" in fix and batch % fix["mbs"]:
         raise SpecError("--fix mbs", f"{fix['mbs']} does not divide --global-batch {batch}")
     if "mbs" in fix and "dp" in fix and batch % (fix["mbs"] * fix["dp"]):
@@ -181,9 +182,9 @@ def _schedule_options(problem: Problem, rules: Rules, pp: int, m: int, why: Excl
             if rules.permits("vpp", 1):
                 out.append((schedule, 1))
             continue
-        if schedule == "zbv":
+        if schedule in V_SCHEDULES:
             if 2 * pp > layers:
-                why.add("schedule", f"zbv runs 2 x pp = {2 * pp} virtual stages, more than the {layers} layers")
+                why.add("schedule", f"{schedule} runs 2 x pp = {2 * pp} virtual stages, more than the {layers} layers")
             elif rules.permits("vpp", 2):
                 out.append((schedule, 2))
             continue

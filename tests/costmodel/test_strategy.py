@@ -22,7 +22,7 @@ from costmodel.strategy import (
 
 
 def test_constants():
-    assert SCHEDULES == ("gpipe", "1f1b", "interleaved", "zb-interleaved", "zbv")
+    assert SCHEDULES == ("gpipe", "1f1b", "interleaved", "zb-interleaved", "zbv", "dualpipev")
     assert RECOMPUTE_MODES == ("none", "selective", "full")
 
 
@@ -107,6 +107,8 @@ def test_zbv_places_the_stages_in_a_v():
     assert [s.pp_rank for s in stages] == [0, 1, 2, 3, 3, 2, 1, 0]
     strat = Strategy(dp=1, tp=1, pp=4, vpp=2, micro_batch_size=1, num_microbatches=8, schedule="zbv").with_stages(stages)
     assert [s.index for s in strat.rank_stages(0)] == [0, 7]
+    # DualPipeV runs the same V.
+    assert [stage_rank(i, 4, "dualpipev") for i in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
 
 
 def test_schedule_and_chunk_counts():
@@ -117,11 +119,16 @@ def test_schedule_and_chunk_counts():
     assert "vpp of 2 or more" in schedule_vpp_error("interleaved", 1, 4)
     assert "not 1f1b" in schedule_vpp_error("1f1b", 2, 4)
     assert "pp of 2 or more" in schedule_vpp_error("zbv", 2, 1)
+    assert schedule_vpp_error("dualpipev", 2, 4) is None
+    assert "dualpipev runs two model chunks per rank in a V: vpp 2, not 1" == schedule_vpp_error("dualpipev", 1, 4)
 
 
 def test_schedule_and_microbatch_counts():
     assert schedule_microbatch_error("gpipe", 4, 1) is None
     assert "at least pp 4" in schedule_microbatch_error("zbv", 4, 3)
+    # torch's ScheduleDualPipeV: one micro-batch per virtual stage.
+    assert schedule_microbatch_error("dualpipev", 4, 8) is None
+    assert "at least 2 x pp = 8 micro-batches, there are 7" in schedule_microbatch_error("dualpipev", 4, 7)
     assert "multiple of pp 4" in schedule_microbatch_error("interleaved", 4, 6)
     # torch's ScheduleInterleavedZeroBubble: rounds of m // pp that must divide m.
     assert schedule_microbatch_error("zb-interleaved", 4, 6) is None       # 1 round of 6

@@ -95,6 +95,10 @@ PLANS = {
     "zero2-pp2-zb": strategy(dp=2, pp=2, zero=2, schedule="zb-interleaved"),
     "tp2-sp-pp2-zbv": strategy(tp=2, pp=2, vpp=2, schedule="zbv", sp=True),
     "recompute-full-zbv": strategy(pp=2, vpp=2, schedule="zbv", recompute="full"),
+    # DualPipeV: zbv's V, a forward of one chunk paired with a backward of the other.
+    "pp2-dualpipev": strategy(pp=2, vpp=2, schedule="dualpipev"),
+    "dp2-pp2-dualpipev": strategy(dp=2, pp=2, vpp=2, schedule="dualpipev"),
+    "zero2-pp2-dualpipev": strategy(dp=2, pp=2, vpp=2, zero=2, schedule="dualpipev"),
 }
 # Llama-style: the layouts where GQA, RoPE and SwiGLU meet tensor and pipeline splits.
 LLAMA_PLANS = ["tp2", "tp2-sp", "pp2-1f1b", "dp2-tp2", "zero3-tp2", "recompute-full", "recompute-selective",
@@ -113,7 +117,8 @@ MOE_PLANS = {"ep2": strategy(dp=2, ep=2), "ep2-zero3": strategy(dp=2, ep=2, zero
              "ep2-pp2-zbv": strategy(dp=2, ep=2, pp=2, vpp=2, schedule="zbv"),
              "ep2-pp2-zb": strategy(dp=2, ep=2, pp=2, schedule="zb-interleaved"),
              "ep2-pp2-zero2-zb": strategy(dp=2, ep=2, pp=2, zero=2, schedule="zb-interleaved"),
-             "ep2-pp2-zero2-zbv": strategy(dp=2, ep=2, pp=2, vpp=2, zero=2, schedule="zbv")}
+             "ep2-pp2-zero2-zbv": strategy(dp=2, ep=2, pp=2, vpp=2, zero=2, schedule="zbv"),
+             "ep2-pp2-dualpipev": strategy(dp=2, ep=2, pp=2, vpp=2, schedule="dualpipev")}
 
 # The production dtypes' loss checks: one layout of each kind of split, and ZeRO with
 # accumulation (where autocast's cache of weight casts once broke the gradients).

@@ -6,6 +6,7 @@ calibration against Korthikanti et al. 2022 Tables 4 and 5."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 from costmodel_test_helpers import (
@@ -329,21 +330,28 @@ def test_bubble_1f1b_and_interleaved():
 
 
 def test_zero_bubble_fills_the_bubble_with_weight_gradients():
-    """zb-interleaved and zbv (costmodel.terms.pipeline): the bubble is the 1F1B or
-    interleaved one times (1 - 2w) or (1 - 3w)/2, w the layers' weight-gradient GEMMs
-    (one per forward GEMM, the forward's size) over the sum of the rank times, quantised
-    down to 1/32."""
+    """The zero-bubble schedules (costmodel.terms.pipeline): the 1F1B bubble times a
+    function of the forward and weight-gradient shares f and w of the rank times, w the
+    layers' weight-gradient GEMMs (one per forward GEMM, the forward's size) and f their
+    forward passes, rounded up to 1/64 (over vpp for zb-interleaved)."""
     prob = problem("gpt3-13b", global_batch=32, flash_attention=False)
     layer = layer_compute(prob.model, prob.cluster, prob.training, 1, 2, False)
-    for schedule, vpp, beta in (("zb-interleaved", 1, lambda k: (32 - 2 * k) / 32),
-                                ("zb-interleaved", 2, lambda k: (32 - 2 * k) / 64),
-                                ("zbv", 2, lambda k: max(0, 32 - 3 * k) / 64)):
+    formulas = {"zb-interleaved": lambda f, b, w: max(f + b - w, b, f),
+                "zbv": lambda f, b, w: max(b - w, b / 2, f - b / 2),
+                "dualpipev": lambda f, b, w: max((f + 2 * b - w) / 2, f + (b - w) / 2, f)}
+    for schedule, vpp in (("zb-interleaved", 1), ("zb-interleaved", 2), ("zbv", 2), ("dualpipev", 2)):
         e, _, s = run(prob, tp=2, pp=4, vpp=vpp, schedule=schedule)
+        units = unit_costs(prob, s)
         t = e.rank_time_s
-        w = prob.model.num_hidden_layers * layer.gemm_s / sum(t)
-        assert 0.15 < w < 1 / 3   # GEMMs are most of a layer; its backward is twice its forward
-        k = int(w * 32)
-        assert e.time.bubble_s == pytest.approx(beta(k) * (sum(t) - max(t)), rel=1e-9), schedule
+        layers = prob.model.num_hidden_layers
+        w = layers * layer.gemm_s / sum(t)
+        f = layers * units.layer_forward_s / sum(t)
+        assert 0.15 < w < f < 0.4   # GEMMs are most of a layer; its backward is twice its forward
+        # The forward pass: its compute and its collectives, under half of a layer.
+        assert layer.forward_s < units.layer_forward_s < units.layer_work["none"].total_s / 2
+        chunks = vpp if schedule == "zb-interleaved" else 1
+        beta = math.ceil(formulas[schedule](f, 1 - f - w, w) / chunks * 64 - 1e-9) / 64
+        assert e.time.bubble_s == pytest.approx(beta * (sum(t) - max(t)), rel=1e-9), schedule
     one, _, _ = run(prob, tp=2, pp=4)
     zb, _, _ = run(prob, tp=2, pp=4, schedule="zb-interleaved")
     assert zb.rank_time_s == one.rank_time_s

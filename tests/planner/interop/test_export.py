@@ -54,6 +54,8 @@ CASES = {
                       fix="dp=2,tp=2,pp=4,vpp=2,mbs=1,zero=2,recompute=full,sp=on,schedule=zbv"),
     "zb-interleaved": dict(model="llama2-7b", gpus=16, batch=64, seq=4096,
                            fix="dp=2,tp=2,pp=4,vpp=2,mbs=1,zero=2,recompute=full,sp=on,schedule=zb-interleaved"),
+    "dualpipev": dict(model="llama2-7b", gpus=16, batch=64, seq=4096,
+                      fix="dp=2,tp=2,pp=4,vpp=2,mbs=1,zero=2,recompute=full,sp=on,schedule=dualpipev"),
     "moe-capacity-ep": dict(model="tiny-moe", gpus=8, batch=32, seq=64, overrides={"moe_capacity_factor": "1.25"},
                             fix="dp=8,tp=1,pp=1,ep=4,mbs=1,zero=3,recompute=none"),
 }
@@ -70,6 +72,7 @@ EXACT = {
     ("qwen3-moe-ep", "megatron"),
     ("zbv-zero2", "torchtitan"), ("zbv-zero2", "torchtitan-toml"),
     ("zb-interleaved", "torchtitan"), ("zb-interleaved", "torchtitan-toml"),
+    ("dualpipev", "torchtitan"), ("dualpipev", "torchtitan-toml"),
 }
 
 
@@ -493,6 +496,7 @@ def test_zero_bubble_schedules_export_by_torch_s_names_and_megatron_refuses_them
     exported = export_plan(_doc("zbv-zero2"), "torchtitan")
     assert "--parallelism.pipeline_parallel_schedule ZBVZeroBubble" in exported.text
     assert "InterleavedZeroBubble" in export_plan(_doc("zb-interleaved"), "torchtitan").text
+    assert "--parallelism.pipeline_parallel_schedule DualPipeV" in export_plan(_doc("dualpipev"), "torchtitan").text
     megatron = export_plan(_doc("zbv-zero2"), "megatron")
     assert any("Megatron-LM has no zero-bubble schedule" in w for w in megatron.warnings)
     assert any("schedule zbv→interleaved" in w for w in megatron.warnings)
