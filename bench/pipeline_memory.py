@@ -8,8 +8,8 @@ mappings on CPU, so RSS follows what is alive). Printed per rank: the excess ove
 same rank under 1f1b, measured and estimated (MiB), and the measured excess as
 micro-batches of the rank's layers' activations plus the 1f1b count (what the schedule
 held, "held") beside the count the cost model uses. The estimated excess must not be
-lower than the measured one: a low memory figure is the dangerous side. zbv moves the
-LM head and loss to rank 0 (its V), which its excess includes.
+lower than the measured one: a low memory figure is the dangerous side. zbv and
+dualpipev move the LM head and loss to rank 0 (their V), which their excess includes.
 
     python bench/pipeline_memory.py        # about 2 minutes on 2 cores
 
@@ -41,7 +41,7 @@ from executor.train import TrainConfig, Trainer  # noqa: E402
 
 LAYERS, SEQ = 8, 1024
 CASES = [(2, 4, 8), (2, 2, 16), (4, 4, 8)]   # pp, micro-batch size, micro-batches
-SCHEDULES = [("1f1b", 1), ("zb-interleaved", 1), ("zbv", 2)]
+SCHEDULES = [("1f1b", 1), ("zb-interleaved", 1), ("zbv", 2), ("dualpipev", 2)]
 
 
 def spec():

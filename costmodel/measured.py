@@ -214,6 +214,27 @@ def validate_layer_entry(entry: Any, where: str) -> dict:
     return entry
 
 
+def check_mergeable(doc: dict, where: str = "profile") -> None:
+    """What `executor.measure.extend` reads of an old profile: lists of GEMM points (m, n,
+    k), elementwise points (bytes), collectives by kind (bytes) and layer entries.
+    Raises SpecError naming the first field that is not so."""
+    for field, keys in (("gemm", ("m", "n", "k")), ("elementwise", ("bytes",))):
+        points = doc.get(field)
+        if not isinstance(points, list) or not all(isinstance(p, dict) and all(k in p for k in keys) for p in points):
+            raise SpecError(f"{where}.{field}", f"expected a list of measurements, each with {', '.join(keys)}")
+    collectives = doc.get("collectives")
+    if not isinstance(collectives, dict):
+        raise SpecError(f"{where}.collectives", "expected a mapping of collective kind to measurements")
+    for kind, points in collectives.items():
+        if not isinstance(points, list) or not all(isinstance(p, dict) and "bytes" in p for p in points):
+            raise SpecError(f"{where}.collectives.{kind}", "expected a list of measurements, each with bytes")
+    layers = doc.get("layers", [])
+    if not isinstance(layers, list):
+        raise SpecError(f"{where}.layers", "expected a list of measurements")
+    for i, entry in enumerate(layers):
+        validate_layer_entry(entry, f"{where}.layers[{i}]")
+
+
 def read_profile(path: str | Path) -> dict:
     """A profile's JSON, checked as far as planning needs it; raises SpecError."""
     doc = read_json_object(path, "--profile")

@@ -775,7 +775,7 @@ def profile(device, nproc, precision, model_name, overrides, seq, micro_batch_si
     import yaml
 
     from costmodel.calibrate import cluster_spec, roofline_notes
-    from costmodel.measured import READABLE_SCHEMA_VERSIONS
+    from costmodel.measured import READABLE_SCHEMA_VERSIONS, check_mergeable
     from executor.measure import check_tp
     from executor.measure import extend as extend_profile
     from executor.measure import profile as measure
@@ -806,6 +806,7 @@ def profile(device, nproc, precision, model_name, overrides, seq, micro_batch_si
                 raise SpecError("--extend", f"{output} is not a version {' or '.join(map(str, READABLE_SCHEMA_VERSIONS))} profile")
             if (old.get("device"), old.get("precision"), old.get("ranks")) != (device, precision, ranks):
                 raise SpecError("--extend", "can only extend a profile of the same device, precision and process count")
+            check_mergeable(old, f"--extend {output}")
         if device == "cuda" and not __import__("torch").cuda.is_available():
             raise SpecError("--device", "cuda is not available on this machine")
         _check_profile_ranks(device, ranks)

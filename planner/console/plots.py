@@ -24,15 +24,16 @@ going to the backward by its share of the plan's time breakdown.
   them warm-up, backwards in the same order with chunks reversed; each of a rank's vpp
   chunks takes t_r / vpp (chunks taken as equal). With m a multiple of p and equal
   ranks this matches the estimate; otherwise it is the approximation the figure shows.
-- zb-interleaved and zbv (zero bubble, Qi et al. 2024): each backward splits into the
+- zb-interleaved, zbv and dualpipev (zero bubble, Qi et al. 2024): each backward splits into the
   input gradient and the weight gradient (half of the backward's non-recompute share
   each, as BACKWARD_FACTOR's two GEMMs per forward GEMM). A list simulation: a rank
   starts, of its operations whose inputs have arrived, the earliest to start, an input
   gradient before a forward before a weight gradient, forwards capped at the schedule's
   in-flight micro-batches (costmodel.terms.memory.in_flight_microbatches) and weight
-  gradients free to wait: they fill the idle time. zbv places stage r and 2p - 1 - r on
-  rank r (costmodel.strategy.stage_rank). This is the idea of the schedule, not torch's
-  exact order; the estimate's bubble is costmodel.terms.pipeline's.
+  gradients free to wait: they fill the idle time. zbv and dualpipev place stage r and
+  2p - 1 - r on rank r (costmodel.strategy.stage_rank). This is the idea of the schedule,
+  not torch's exact order; the estimate's bubble is costmodel.terms.pipeline's, read off
+  torch's order.
 Idle time inside the step is drawn as bubble; p2p messages as ticks between rows where
 a stage sends its activation (forward) or gradient (backward) to its neighbour.
 """

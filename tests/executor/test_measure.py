@@ -60,6 +60,24 @@ def test_extend_refuses_another_device(tmp_path):
     assert result.exit_code == 2 and "same device" in result.output
 
 
+def test_extend_refuses_a_damaged_profile_before_measuring(tmp_path):
+    """A hand-edited profile (collectives a string) is named, exit 2, before any
+    measurement runs (the CLI fuzzer found it as a traceback after the measurements)."""
+    out = tmp_path / "p.json"
+    doc = {"schema_version": 2, "device": "cpu", "precision": "fp32", "ranks": 1, "gemm": [], "elementwise": [],
+           "collectives": "abc", "layers": []}
+    out.write_text(json.dumps(doc))
+    result = CliRunner().invoke(cli, ["profile", "--device", "cpu", "--nproc", "1", "-o", str(out), "--extend",
+                                      "--quick"])
+    assert result.exit_code == 2
+    assert result.output.startswith(f"error: --extend {out}.collectives: expected a mapping")
+    assert "measuring" not in result.output
+    out.write_text(json.dumps(dict(doc, collectives={"p2p": [{"seconds": 1.0}]})))
+    result = CliRunner().invoke(cli, ["profile", "--device", "cpu", "--nproc", "1", "-o", str(out), "--extend",
+                                      "--quick"])
+    assert result.exit_code == 2 and f"--extend {out}.collectives.p2p: expected a list" in result.output
+
+
 def test_quick_layer_profile_writes_layer_kinds_that_plan_uses(tmp_path):
     out = tmp_path / "layers.json"
     result = CliRunner().invoke(cli, ["profile", "--device", "cpu", "--nproc", "1", "--model", "tiny-gpt", "--seq", "32",
