@@ -351,6 +351,9 @@ def in_flight_microbatches(schedule: str, pp: int, pp_rank: int, num_microbatche
     Measured on CPU (bench/pipeline_memory.py, torch 2.13, the executor's tiny-llama):
     at pp 4, m 8 the ranks of ScheduleInterleavedZeroBubble held 3.8, 5.7, 6.8 and 6.0
     micro-batches where Schedule1F1B's held 4, 3, 2 and 1, and zbv's 3.9 to 5.7.
+    dualpipev's rank 0 (its last stage) held 5.4 at pp 2, m 16, above this count, and its
+    excess grows with m at a fixed micro-batch size (84, 155 and 260 MiB over 1F1B at m
+    8, 16 and 32): the search offers it only on request (planner.search.space).
     """
     m = num_microbatches
     if pp == 1:
