@@ -349,12 +349,9 @@ def in_flight_microbatches(schedule: str, pp: int, pp_rank: int, num_microbatche
     2024 keep ZB-H1's peak over ranks at 1F1B's, not each rank's) and up to pp more whose
     deferred weight gradient keeps the linear layers' inputs and output gradients.
     Measured on CPU (bench/pipeline_memory.py, torch 2.13, the executor's tiny-llama):
-    at pp 4, m 8 the ranks of ScheduleInterleavedZeroBubble held 4.4, 5.8, 6.8 and 6.4
-    micro-batches where Schedule1F1B's held 4, 3, 2 and 1, and zbv's 4.6 to 6.0
-    (bench/results/pipeline_memory.txt).
-    dualpipev's rank 0 (its last stage) held 5.4 at pp 2, m 16, above this count, and its
-    excess grows with m at a fixed micro-batch size (84, 155 and 260 MiB over 1F1B at m
-    8, 16 and 32): the search offers it only on request (planner.search.space).
+    at pp 4, m 8 the ranks of ScheduleInterleavedZeroBubble held 4.1, 5.3, 5.9 and 7.3
+    micro-batches where Schedule1F1B's held 4, 3, 2 and 1, zbv's 4.9 to 5.6 and
+    dualpipev's 4.8 to 5.4 (bench/results/pipeline_memory.txt).
     """
     m = num_microbatches
     if pp == 1:

@@ -162,19 +162,6 @@ def _tp_options(problem: Problem, rules: Rules, degrees: list[int], why: Exclusi
     return out
 
 
-# Schedules the search offers only when the rules ask for them (--fix schedule=NAME, or
-# a rule allowing the name), and why.
-ON_REQUEST_SCHEDULES = {
-    "dualpipev": ("dualpipev is planned only on request (--fix schedule=dualpipev): the rank holding its "
-                  "last stage measured more memory than the estimate from 16 micro-batches on "
-                  "(bench/results/pipeline_memory.txt)"),
-}
-
-
-def _requested(rules: Rules, schedule: str) -> bool:
-    return rules.pinned.get("schedule") == schedule or schedule in rules.allowed.get("schedule", ())
-
-
 def _schedule_options(problem: Problem, rules: Rules, pp: int, m: int, why: Exclusions) -> list[tuple[str, int]]:
     if pp == 1:
         # No pipeline: the schedule is moot; it carries the first permitted name.
@@ -188,8 +175,6 @@ def _schedule_options(problem: Problem, rules: Rules, pp: int, m: int, why: Excl
         why_not = schedule_microbatch_error(schedule, pp, m)
         if why_not is None and schedule in ZERO_BUBBLE_SCHEDULES:
             why_not = _zero_bubble_refusal(runtime, schedule)
-        if why_not is None and schedule in ON_REQUEST_SCHEDULES and not _requested(rules, schedule):
-            why_not = ON_REQUEST_SCHEDULES[schedule]
         if why_not:
             why.add("schedule", why_not)
             continue
