@@ -218,16 +218,21 @@ def check_mergeable(doc: dict, where: str = "profile") -> None:
     """What `executor.measure.extend` reads of an old profile: lists of GEMM points (m, n,
     k), elementwise points (bytes), collectives by kind (bytes) and layer entries.
     Raises SpecError naming the first field that is not so."""
-    for field, keys in (("gemm", ("m", "n", "k")), ("elementwise", ("bytes",))):
-        points = doc.get(field)
+    for name, keys in (("gemm", ("m", "n", "k")), ("elementwise", ("bytes",))):
+        points = doc.get(name)
         if not isinstance(points, list) or not all(isinstance(p, dict) and all(k in p for k in keys) for p in points):
-            raise SpecError(f"{where}.{field}", f"expected a list of measurements, each with {', '.join(keys)}")
+            raise SpecError(f"{where}.{name}", f"expected a list of measurements, each with {', '.join(keys)}")
     collectives = doc.get("collectives")
     if not isinstance(collectives, dict):
         raise SpecError(f"{where}.collectives", "expected a mapping of collective kind to measurements")
     for kind, points in collectives.items():
         if not isinstance(points, list) or not all(isinstance(p, dict) and "bytes" in p for p in points):
             raise SpecError(f"{where}.collectives.{kind}", "expected a list of measurements, each with bytes")
+    check_layers(doc, where)
+
+
+def check_layers(doc: dict, where: str = "profile") -> None:
+    """A profile's layer entries (absent in version 1), each as validate_layer_entry wants."""
     layers = doc.get("layers", [])
     if not isinstance(layers, list):
         raise SpecError(f"{where}.layers", "expected a list of measurements")
@@ -241,11 +246,7 @@ def read_profile(path: str | Path) -> dict:
     if doc.get("schema_version") not in READABLE_SCHEMA_VERSIONS:
         raise SpecError("profile.schema_version",
                         f"expected one of {', '.join(map(str, READABLE_SCHEMA_VERSIONS))}, got {doc.get('schema_version')!r}")
-    layers = doc.get("layers", [])
-    if not isinstance(layers, list):
-        raise SpecError("profile.layers", "expected a list of measurements")
-    for i, entry in enumerate(layers):
-        validate_layer_entry(entry, f"profile.layers[{i}]")
+    check_layers(doc)
     return doc
 
 

@@ -525,26 +525,19 @@ def recompute_flops(problem: Problem, strategy: Strategy) -> float:
     return sequences * (full * per_layer + selective * scores)
 
 
-def weight_grad_share(strategy: Strategy, rank_costs: list[tuple[Problem, UnitCosts]],
-                      rank_times_s: list[float]) -> float:
-    """The weight-gradient share of the pipeline's time (costmodel.terms.pipeline's w):
-    every rank's layers' weight-gradient GEMMs over the sum of the rank times."""
+def pass_shares(strategy: Strategy, rank_costs: list[tuple[Problem, UnitCosts]],
+                rank_times_s: list[float]) -> tuple[float, float]:
+    """(w, f) of costmodel.terms.pipeline: the weight-gradient and forward shares of the
+    pipeline's time, every rank's layers' weight-gradient GEMMs and forward passes over
+    the sum of the rank times. The embedding's and the head's forward are left out;
+    recomputation counts as backward, where the runtime runs it."""
     total = sum(rank_times_s)
-    weight_s = sum(sum(st.num_layers for st in strategy.rank_stages(r)) * u.layer_weight_grad_s
-                   for r, (_, u) in enumerate(rank_costs))
-    return weight_s / total if total > 0 else 0.0
-
-
-def forward_share(strategy: Strategy, rank_costs: list[tuple[Problem, UnitCosts]],
-                  rank_times_s: list[float]) -> float:
-    """The forward share of the pipeline's time (costmodel.terms.pipeline's f): every
-    rank's layers' forward passes over the sum of the rank times. The embedding's and the
-    head's forward are left out; recomputation counts as backward, where the runtime
-    runs it."""
-    total = sum(rank_times_s)
-    forward_s = sum(sum(st.num_layers for st in strategy.rank_stages(r)) * u.layer_forward_s
-                    for r, (_, u) in enumerate(rank_costs))
-    return forward_s / total if total > 0 else FORWARD_SHARE
+    if total <= 0:
+        return 0.0, FORWARD_SHARE
+    layers = [sum(st.num_layers for st in strategy.rank_stages(r)) for r in range(len(rank_costs))]
+    weight_s = sum(n * u.layer_weight_grad_s for n, (_, u) in zip(layers, rank_costs))
+    forward_s = sum(n * u.layer_forward_s for n, (_, u) in zip(layers, rank_costs))
+    return weight_s / total, forward_s / total
 
 
 def estimate_uniform(problem: Problem, strategy: Strategy, units: UnitCosts | None = None) -> Estimate:
@@ -560,8 +553,7 @@ def estimate_ranks(problem: Problem, strategy: Strategy, rank_costs: list[tuple[
     works = [rank_work(u, strategy, r) for r, (_, u) in enumerate(rank_costs)]
     rank_times = [w.total_s for w in works]
     pipelined = pipeline_time_s(strategy.schedule, rank_times, m, strategy.vpp,
-                                weight_grad_share(strategy, rank_costs, rank_times),
-                                forward_share(strategy, rank_costs, rank_times))
+                                *pass_shares(strategy, rank_costs, rank_times))
     # Gradient sync overlaps the last micro-batch's backward on each rank (DDP bucketing,
     # Li et al. 2020 §3.2.3); the rest is exposed. The ZeRO-1/2 weight all-gather is
     # counted in the sync (it follows the optimizer step).

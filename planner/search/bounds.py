@@ -82,7 +82,7 @@ def _terms(problem: Problem, units: UnitCosts, strategy: Strategy, modes: tuple[
     prices = [(work[m] - work[fastest]) / (act[fastest] - act[m]) for m in modes if act[m] < act[fastest]]
     rank_s = [p2p_sends(strategy, r) * units.p2p_s for r in range(pp)]
     rank_s[0] += units.first_work.total_s
-    # The last stage's rank: the last one, or rank 0 under zbv's V.
+    # The last stage's rank: the last one, or rank 0 under a V (zbv, dualpipev).
     rank_s[stage_rank(strategy.num_virtual_stages - 1, pp, strategy.schedule)] += units.last_work.total_s
     in_flight = tuple(memory.in_flight_microbatches(strategy.schedule, pp, r, strategy.num_microbatches,
                                                     strategy.vpp) for r in range(pp))
