@@ -2,8 +2,8 @@
 and the stage partition. A frozen value; the planner builds them, the cost model and
 the executor read them.
 
-Rank order is Megatron's: tp innermost, then dp (expert groups inside dp), then pp
-outermost, so global rank = tp_rank + tp * (dp_rank + dp * pp_rank).
+Rank order is Megatron's: tp innermost, then cp, then dp (expert groups inside dp),
+then pp outermost, so global rank = tp_rank + tp * (cp_rank + cp * (dp_rank + dp * pp_rank)).
 """
 
 from __future__ import annotations
@@ -70,6 +70,14 @@ def schedule_zero_error(schedule: str, pp: int, dp: int, zero_stage: int) -> str
     return None
 
 
+def context_parallel_error(cp: int, seq_len: int) -> str | None:
+    """Why `cp` ranks cannot split sequences of `seq_len` tokens (None if they can): the
+    load-balanced causal split cuts each sequence into 2 cp equal chunks."""
+    if cp > 1 and seq_len % (2 * cp):
+        return f"cp {cp} splits each sequence into 2 x cp = {2 * cp} equal chunks, which seq {seq_len} is not a multiple of"
+    return None
+
+
 def stage_rank(index: int, pp: int, schedule: str) -> int:
     """The pipeline rank of virtual stage `index`: round-robin (Megatron's interleaved
     layout, torch's "loop" style), or for zbv and dualpipev a V, rank r holding stages r
@@ -112,6 +120,11 @@ class Strategy:
     num_microbatches: int
     vpp: int = 1
     ep: int = 1
+    # Context parallelism: the cp ranks of a data-parallel replica split each sequence
+    # (2 cp load-balanced chunks, rank i holding chunks i and 2cp - 1 - i) and gather K
+    # and V in each attention (Llama 3, Dubey et al. 2024 §3.3.2). They hold the same
+    # weights, so gradients are reduced, and ZeRO shards, over dp x cp.
+    cp: int = 1
     schedule: str = "1f1b"
     zero_stage: int = 0
     recompute: str = "none"
@@ -140,7 +153,12 @@ class Strategy:
 
     @property
     def num_gpus(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def dp_cp(self) -> int:
+        """Ranks holding the same weights: the gradient-reduction and ZeRO group."""
+        return self.dp * self.cp
 
     @property
     def num_virtual_stages(self) -> int:
@@ -154,9 +172,9 @@ class Strategy:
         return tuple(s for s in self.stages if s.pp_rank == pp_rank)
 
     def ranks(self, pp_rank: int) -> tuple[int, ...]:
-        """Global ranks of pipeline rank `pp_rank` (all of its dp and tp ranks)."""
-        base = pp_rank * self.dp * self.tp
-        return tuple(range(base, base + self.dp * self.tp))
+        """Global ranks of pipeline rank `pp_rank` (all of its dp, cp and tp ranks)."""
+        per_stage = self.dp * self.cp * self.tp
+        return tuple(range(pp_rank * per_stage, (pp_rank + 1) * per_stage))
 
 
 def summarize_recompute(stages: tuple[Stage, ...]) -> str:

@@ -38,7 +38,7 @@ from costmodel.specs.loading import (
     runtime_from_dict,
 )
 from costmodel.specs.training import MIXED_PRECISION, OPTIMIZERS, PRECISIONS
-from costmodel.strategy import RECOMPUTE_MODES, SCHEDULES, Stage, Strategy, layout_error
+from costmodel.strategy import RECOMPUTE_MODES, SCHEDULES, Stage, Strategy, context_parallel_error, layout_error
 from costmodel.terms.counts import active_parameters, total_parameters
 from planner.outputs import write_atomic
 from planner.search import Candidate, SearchResult
@@ -72,8 +72,10 @@ _MIXED_STRATEGY_FIELDS = ("stage_groups", "replica_groups", "replica_microbatche
 
 
 def strategy_dict(strategy: Strategy) -> dict:
+    # cp is written only above 1, so plans without context parallelism keep their bytes.
     out = {f.name: getattr(strategy, f.name) for f in fields(strategy)
-           if f.name != "stages" and not (f.name in _MIXED_STRATEGY_FIELDS and not getattr(strategy, f.name))}
+           if f.name != "stages" and not (f.name in _MIXED_STRATEGY_FIELDS and not getattr(strategy, f.name))
+           and not (f.name == "cp" and strategy.cp == 1)}
     out["stages"] = [asdict(s) | {"ranks": list(strategy.ranks(s.pp_rank))} for s in strategy.stages]
     return out
 
@@ -218,8 +220,11 @@ def check_plan(doc: dict) -> dict:
     cluster = cluster_of(doc)
     gpus = cluster.num_gpus
     if not isinstance(cluster, MixedClusterSpec) and strategy.num_gpus != gpus:   # a mixed plan places its groups
-        raise SpecError("plan.strategy", f"dp {strategy.dp} x tp {strategy.tp} x pp {strategy.pp} = "
+        cp = f" x cp {strategy.cp}" if strategy.cp > 1 else ""
+        raise SpecError("plan.strategy", f"dp {strategy.dp}{cp} x tp {strategy.tp} x pp {strategy.pp} = "
                                          f"{strategy.num_gpus} ranks, but the plan's cluster has {gpus} GPUs")
+    if why := context_parallel_error(strategy.cp, training.seq_len):
+        raise SpecError("plan.strategy.cp", why)
     _check_estimate(doc["estimate"], strategy)
     return doc
 
@@ -312,6 +317,8 @@ def _check_mixed(strategy: Strategy, doc: dict) -> None:
     s = strategy
     if not s.is_mixed:
         return
+    if s.cp > 1:
+        raise SpecError("plan.strategy.cp", "a plan for a mixed cluster runs cp 1")
     names = {g.get("name") for g in doc["cluster"].get("groups", [])} if isinstance(doc["cluster"], dict) else set()
     if s.stage_groups and s.replica_groups:
         raise SpecError("plan.strategy.replica_groups", "a plan sets stage_groups or replica_groups, not both")
@@ -352,9 +359,12 @@ def strategy_of(doc: dict) -> Strategy:
     for key in _STRATEGY_INTS:
         if not isinstance(data.get(key), int) or isinstance(data.get(key), bool) or data[key] < 0:
             raise SpecError(f"plan.strategy.{key}", f"expected a non-negative integer, got {data.get(key)!r}")
+    cp = data.get("cp", 1)
+    if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
+        raise SpecError("plan.strategy.cp", f"expected a positive integer, got {cp!r}")
     try:
         stages = tuple(Stage(**{k: v for k, v in s.items() if k != "ranks"}) for s in data.get("stages", []))
-        strategy = Strategy(**{k: data[k] for k in _STRATEGY_INTS},
+        strategy = Strategy(**{k: data[k] for k in _STRATEGY_INTS}, cp=cp,
                             schedule=str(data["schedule"]), recompute=str(data["recompute"]),
                             sequence_parallel=bool(data["sequence_parallel"]), stages=stages,
                             **{k: tuple(data[k]) for k in _MIXED_STRATEGY_FIELDS if k in data})
@@ -364,6 +374,8 @@ def strategy_of(doc: dict) -> Strategy:
     if layout := layout_error(strategy):
         raise SpecError(f"plan.strategy.{layout[0]}", layout[1])
     if is_traced(doc):
+        if strategy.cp > 1:
+            raise SpecError("plan.strategy.cp", "a traced module's plan runs cp 1: its attention is the module's own")
         if sum(s.num_layers for s in stages) != len(doc["model"]["nodes"]):
             raise SpecError("plan.strategy.stages", "nodes of the stages do not add up to the module's nodes")
     elif sum(s.num_layers for s in stages) != doc["model"]["num_hidden_layers"]:
