@@ -107,7 +107,7 @@ def auto_parallelize(model: nn.Module, plan: dict | str | None = None, *, cluste
         seq = seq_len or _max_positions(model)
         example = (torch.zeros(1, seq, dtype=torch.long, device="meta"),)
         # What DecoderModel does not run is kept out of the search (the user's pins win).
-        pins = dict(fix or {}) if builtin else {"sp": False, "vpp": 1, **(fix or {})}
+        pins = dict(fix or {}) if builtin else {"sp": False, "vpp": 1, "cp": 1, **(fix or {})}
         # A float64 model (debugging numerics) is priced as fp32, the nearest the cost model knows.
         precision = "fp32" if next(model.parameters()).dtype in (torch.float32, torch.float64) else "bf16"
         if builtin:
@@ -201,12 +201,14 @@ WRAPPED = "_checkpoint_wrapped_module."
 
 def refuse_unsupported(strategy: Strategy) -> None:
     """Refuse what a Hugging Face model cannot be split into, naming the plan's field."""
+    # Context parallelism gathers K and V inside the attention, which is the model's own.
     for knob, ok in (("sequence_parallel", not strategy.sequence_parallel), ("vpp", strategy.vpp == 1),
-                     ("ep", strategy.ep == 1), ("schedule", strategy.schedule in ("gpipe", "1f1b"))):
+                     ("ep", strategy.ep == 1), ("cp", strategy.cp == 1),
+                     ("schedule", strategy.schedule in ("gpipe", "1f1b"))):
         if not ok:
             raise UnsupportedPlan(f"plan.strategy.{knob}: auto_parallelize on a Hugging Face model runs tp, "
                                   f"pp (gpipe, 1f1b), dp, ZeRO and recompute; plan with --fix "
-                                  f"sp=off,vpp=1,ep=1,schedule=1f1b")
+                                  f"sp=off,vpp=1,ep=1,cp=1,schedule=1f1b")
     if len(set(strategy.replica_microbatches)) > 1:
         raise UnsupportedPlan(f"plan.strategy.replica_groups: auto_parallelize on a Hugging Face model gives "
                               f"every replica an equal share, the plan's are "

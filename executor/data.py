@@ -7,7 +7,9 @@ This module owns three things:
   built-in corpus in ``executor/corpus/``, tokenized one byte per token);
 * loading and caching that corpus as token ids;
 * splitting a global batch across data-parallel ranks (``dp_shard``; ``replica_shard``
-  for a plan's shares, uneven on a mixed cluster where a faster replica takes more).
+  for a plan's shares, uneven on a mixed cluster where a faster replica takes more),
+  and each sequence across context-parallel ranks (``context_shard``, at the token
+  positions ``context_positions`` names).
 
 Every source is a pure function of (seed, step). Every rank builds the same
 global batch for a step and keeps its own slice of it, so ranks need no
@@ -257,3 +259,25 @@ def replica_shard(inputs: torch.Tensor, targets: torch.Tensor, strategy: Strateg
         return dp_shard(inputs, targets, dp_rank, strategy.dp)
     sizes = [strategy.replica_share(d)[1] * strategy.micro_batch_size for d in range(strategy.dp)]
     return dp_shard(inputs, targets, dp_rank, strategy.dp, sizes)
+
+
+def context_positions(seq_len: int, cp_rank: int, cp: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """Global positions of the tokens context-parallel rank `cp_rank` of `cp` holds of a
+    sequence of `seq_len`: chunks cp_rank and 2cp - 1 - cp_rank of 2cp equal chunks,
+    concatenated (the load-balanced causal split, Llama 3, Dubey et al. 2024 §3.3.2:
+    each rank holds an early and a late chunk, so the causal attention work is equal)."""
+    if cp < 1 or not 0 <= cp_rank < cp or seq_len % (2 * cp):
+        raise ValueError(f"data: need 0 <= cp_rank < cp and 2 cp dividing the sequence, got cp_rank={cp_rank}, "
+                         f"cp={cp}, seq_len={seq_len}")
+    chunk = seq_len // (2 * cp)
+    return torch.cat([torch.arange(i * chunk, (i + 1) * chunk, device=device) for i in (cp_rank, 2 * cp - 1 - cp_rank)])
+
+
+def context_shard(inputs: torch.Tensor, targets: torch.Tensor, cp_rank: int,
+                  cp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Context-parallel rank `cp_rank`'s tokens of every sequence, along dim 1, at
+    `context_positions` (inputs and targets cut alike, after the next-token shift)."""
+    if inputs.shape != targets.shape:
+        raise ValueError(f"data: inputs {tuple(inputs.shape)} and targets {tuple(targets.shape)} differ in shape")
+    positions = context_positions(inputs.shape[1], cp_rank, cp, inputs.device)
+    return inputs[:, positions], targets[:, positions]

@@ -31,6 +31,7 @@ from costmodel.specs.loading import SpecError, load_model
 from costmodel.strategy import (
     ZERO_BUBBLE_SCHEDULES,
     Strategy,
+    context_parallel_error,
     layout_error,
     schedule_microbatch_error,
     schedule_zero_error,
@@ -56,9 +57,16 @@ class UnsupportedPlan(ValueError):
 
 def check_supported(spec: ModelSpec, strategy: Strategy, seq_len: int) -> None:
     """Refuse, before any weights exist, what cannot be built."""
-    if strategy.sequence_parallel and seq_len % strategy.tp:
+    if why := context_parallel_error(strategy.cp, seq_len):
+        raise UnsupportedPlan(f"strategy.cp: {why}")
+    if strategy.cp > 1 and strategy.ep > 1:
+        raise UnsupportedPlan(f"strategy.cp: context parallelism (cp {strategy.cp}) with expert parallelism "
+                              f"(ep {strategy.ep}) is not supported; plan with --fix cp=1 or ep=1")
+    # Under context parallelism a rank's sequence holds seq_len / cp tokens.
+    local_len = seq_len // strategy.cp
+    if strategy.sequence_parallel and local_len % strategy.tp:
         raise UnsupportedPlan(f"strategy.sequence_parallel: tp {strategy.tp} does not divide the sequence "
-                              f"of {seq_len} tokens")
+                              f"of {local_len} tokens" + (f" (seq {seq_len} / cp {strategy.cp})" if strategy.cp > 1 else ""))
     if why := schedule_microbatch_error(strategy.schedule, strategy.pp, strategy.num_microbatches):
         raise UnsupportedPlan(f"strategy.num_microbatches: {why}")
     if layout := layout_error(strategy):
@@ -114,6 +122,12 @@ def check_replica_shares(strategy: Strategy) -> None:
                               f"so replicas running {list(counts)} micro-batches cannot meet; plan with ep 1")
 
 
+def degrees(strategy: Strategy) -> str:
+    """The degrees whose product is the plan's process count, as messages name them."""
+    cp = f" x cp {strategy.cp}" if strategy.cp > 1 else ""
+    return f"dp {strategy.dp}{cp} x tp {strategy.tp} x pp {strategy.pp}"
+
+
 @dataclass(frozen=True)
 class RunJob:
     """A plan file read, checked and turned into what a trainer needs."""
@@ -140,8 +154,7 @@ def load_job(plan_path: str, model_name: str | None = None, world_size: int | No
     strategy = strategy_of(doc)
     if world_size is not None and world_size != strategy.num_gpus:
         raise SpecError("--nproc-per-node", f"the plan needs {strategy.num_gpus} processes "
-                                            f"(dp {strategy.dp} x tp {strategy.tp} x pp {strategy.pp}), "
-                                            f"{world_size} would be started")
+                                            f"({degrees(strategy)}), {world_size} would be started")
     try:
         check_supported(model, strategy, training.seq_len)
     except UnsupportedPlan as err:
@@ -167,10 +180,11 @@ def is_cpu_hardware(name: str) -> bool:
 
 
 def rank_group(doc: dict, rank: int) -> RankGroup:
-    """The group of global `rank` in plan `doc`. Ranks run tp innermost, then dp, then
-    pp (costmodel.strategy): with stage groups a rank's group is its pipeline rank's,
-    rank // (dp x tp); with replica groups its dp replica's, (rank // tp) % dp; any other
-    plan on a mixed cluster fills the groups in the cluster file's order."""
+    """The group of global `rank` in plan `doc`. Ranks run tp innermost, then cp, then
+    dp, then pp (costmodel.strategy): with stage groups a rank's group is its pipeline
+    rank's, rank // (dp x cp x tp); with replica groups its dp replica's,
+    (rank // (cp x tp)) % dp; any other plan on a mixed cluster fills the groups in the
+    cluster file's order."""
     s, cluster = strategy_of(doc), doc["cluster"]
     if not 0 <= rank < s.num_gpus:
         raise SpecError("RANK", f"rank {rank} is not one of the plan's {s.num_gpus} ranks")
@@ -179,9 +193,9 @@ def rank_group(doc: dict, rank: int) -> RankGroup:
         return RankGroup(cluster["name"], gpu, "cpu" if is_cpu_hardware(gpu) else "cuda")
     groups = cluster["groups"]
     if s.stage_groups:
-        name = s.stage_groups[rank // (s.dp * s.tp)]
+        name = s.stage_groups[rank // (s.dp * s.cp * s.tp)]
     elif s.replica_groups:
-        name = s.replica_groups[(rank // s.tp) % s.dp]
+        name = s.replica_groups[(rank // (s.cp * s.tp)) % s.dp]
     else:
         first = 0
         for g in groups:

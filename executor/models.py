@@ -20,8 +20,11 @@ from __future__ import annotations
 
 import math
 import zlib
+from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
@@ -34,6 +37,7 @@ from torch.utils.checkpoint import (
 from costmodel.specs import ModelSpec
 from costmodel.strategy import RECOMPUTE_MODES
 from costmodel.terms import memory
+from executor.data import context_positions
 
 INIT_STD = 0.02   # GPT-2 / Megatron-LM default initialisation
 ROPE_THETA = 10000.0
@@ -72,19 +76,62 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
 
 
-def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flash: bool) -> torch.Tensor:
+def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flash: bool,
+                   mask: torch.Tensor | None = None) -> torch.Tensor:
     """Causal softmax(q k^T / sqrt(d)) v over [B, heads, T, head_dim]; k and v may have
     fewer heads (grouped-query attention). `flash` uses PyTorch's fused SDPA kernel;
-    otherwise the score matrix is materialised (and counted by FlopCounterMode)."""
+    otherwise the score matrix is materialised (and counted by FlopCounterMode).
+    `mask` ([T_q, T_k] boolean, True where a query sees a key) replaces the square causal
+    mask when queries and keys differ (context parallelism: local queries, gathered keys)."""
     repeat = q.shape[1] // k.shape[1]
     if repeat > 1:
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
     if flash:
+        if mask is not None:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     t = q.shape[2]
     scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
-    mask = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    if mask is None:
+        mask = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
     return scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+
+
+@dataclass(frozen=True, eq=False)   # eq=False: a process group has no meaningful ==
+class ContextShard:
+    """This rank's part of every sequence under context parallelism (Llama 3's
+    all-gather CP, Dubey et al. 2024 §3.3.2): rank `rank` of `size` holds the tokens at
+    executor.data.context_positions, and each attention gathers the keys and values of
+    the whole sequence over `group`."""
+
+    rank: int
+    size: int
+    group: dist.ProcessGroup
+
+    def positions(self, local_len: int, device: torch.device) -> torch.Tensor:
+        """Global positions of this rank's `local_len` tokens of each sequence."""
+        return context_positions(local_len * self.size, self.rank, self.size, device)
+
+    def causal_mask(self, positions: torch.Tensor) -> torch.Tensor:
+        """[local tokens, whole sequence] boolean: a query sees the keys at or before its
+        position (the keys gathered in position order)."""
+        keys = torch.arange(positions.numel() * self.size, device=positions.device)
+        return keys.unsqueeze(0) <= positions.unsqueeze(1)
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, heads, local tokens, head_dim] of every cp rank, gathered along the sequence
+        and put in position order; the backward reduce-scatters the gradient to the
+        ranks' own tokens."""
+        local_len = x.shape[2]
+        gathered = all_gather_autograd(x.contiguous(), 2, self.group)   # rank r's tokens at [r T, (r + 1) T)
+        source = torch.cat([context_positions(local_len * self.size, r, self.size, x.device)
+                            for r in range(self.size)])
+        return gathered.index_select(2, source.argsort())
+
+
+# torch 2.10 renamed the differentiable all-gather (the old name warns); either gives
+# [ranks x d0, ...] forward and a reduce-scatter backward.
+all_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
 
 
 def _op_level_save_list() -> frozenset:
@@ -147,15 +194,21 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(spec.head_dim) if spec.qk_norm else None
         self.k_norm = RMSNorm(spec.head_dim) if spec.qk_norm else None
         self.flash = True
+        self.context_shard: ContextShard | None = None   # set by executor.parallelize under cp > 1
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         b, t, _ = x.shape
         q, k, v = (w(x).view(b, t, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attention_core(q, k, v, self.flash)
+        if self.context_shard is not None:
+            # After RoPE (each rank rotates its own positions) and before the grouped-query
+            # repeat, so the all-gather carries kv heads only.
+            k, v = self.context_shard.gather(k), self.context_shard.gather(v)
+        out = attention_core(q, k, v, self.flash, mask)
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -295,20 +348,24 @@ class Block(nn.Module):
             raise ValueError(f"recompute: expected one of {RECOMPUTE_MODES}, got {mode!r}")
         self.recompute = mode
 
-    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 mask: torch.Tensor | None) -> torch.Tensor:
         normed = self.attention_norm(x)
         if self.parallel:
             mlp_in = normed if self.ffn_norm is None else self.ffn_norm(x)
-            return x + self.attention(normed, cos, sin) + self.feed_forward(mlp_in)
-        x = x + self.attention(normed, cos, sin)
+            return x + self.attention(normed, cos, sin, mask) + self.feed_forward(mlp_in)
+        x = x + self.attention(normed, cos, sin, mask)
         return x + self.feed_forward(self.ffn_norm(x) if self.ffn_norm is not None else self.attention_norm(x))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """`cos` and `sin`: RoPE rows of this rank's positions; `mask`: the attention mask
+        under context parallelism (None: plain causal)."""
         if self.recompute == "full":
-            return checkpoint(self._forward, x, cos, sin, use_reentrant=False)
+            return checkpoint(self._forward, x, cos, sin, mask, use_reentrant=False)
         if self.recompute == "selective":
-            return checkpoint(self._forward, x, cos, sin, use_reentrant=False, context_fn=op_level_context)
-        return self._forward(x, cos, sin)
+            return checkpoint(self._forward, x, cos, sin, mask, use_reentrant=False, context_fn=op_level_context)
+        return self._forward(x, cos, sin, mask)
 
 
 class Transformer(nn.Module):
@@ -332,6 +389,7 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         self.tied = False
         self.sequence_shard = None   # (tp rank, tp size) under sequence parallelism
+        self.context_shard: ContextShard | None = None   # this rank's tokens under context parallelism
         if spec.tie_word_embeddings:
             self.tie()
 
@@ -347,20 +405,37 @@ class Transformer(nn.Module):
             self.tied = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        positions = self._context_positions(x)   # None without context parallelism
         if self.tok_embeddings is not None:
             x = self.tok_embeddings(x)
             if self.pos_embeddings is not None:
                 # Under sequence parallelism x holds this rank's slice of the positions.
                 t = x.shape[1]
                 first = self.sequence_shard[0] * t if self.sequence_shard else 0
-                x = x + self.pos_embeddings.weight[first:first + t]
+                rows = slice(first, first + t) if positions is None else positions[first:first + t]
+                x = x + self.pos_embeddings.weight[rows]
+        cos, sin, mask = self.rope_cos, self.rope_sin, None
+        if positions is not None:
+            # One mask for every layer: local queries against the gathered keys.
+            cos, sin, mask = cos[positions], sin[positions], self.context_shard.causal_mask(positions)
         for layer in self.layers.values():
-            x = layer(x, self.rope_cos, self.rope_sin)
+            x = layer(x, cos, sin, mask)
         if self.norm is not None:
             x = self.norm(x)
         if self.output is not None:
             x = self.output(x)
         return x
+
+    def _context_positions(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Global positions of this rank's tokens under context parallelism. `x` is its
+        tokens (ids), or hidden states, which under sequence parallelism hold the tp
+        rank's slice of them."""
+        if self.context_shard is None:
+            return None
+        local_len = x.shape[1]
+        if self.tok_embeddings is None and self.sequence_shard:
+            local_len *= self.sequence_shard[1]
+        return self.context_shard.positions(local_len, x.device)
 
 
 # fp32 bytes of one chunk of the chunked cross-entropy's rows, defined beside the memory

@@ -1,7 +1,8 @@
 """Shardwise's own Transformer split by a strategy: the recipes, each applied to one
 rank's part (the refusal of what cannot be built, the pipeline stage a rank holds,
-activation checkpointing, expert parallelism, tensor and sequence parallelism with
-DTensor, data parallelism by ZeRO stage: DDP, `replicate`, FSDP2), and `BuiltinModel`,
+activation checkpointing, expert parallelism, context parallelism, tensor and sequence
+parallelism with DTensor, data parallelism by ZeRO stage over the ranks holding the same
+weights (dp x cp): DDP, `replicate`, FSDP2), and `BuiltinModel`,
 which applies them in order to build this rank's parts, says what the step needs to run
 them (executor.step.ModelParts) and names their weights as the unsplit model does. The
 mesh comes from executor.mesh; executor.auto's Hugging Face split shares `wrap_ddp`.
@@ -39,6 +40,7 @@ from costmodel.strategy import ZERO_BUBBLE_SCHEDULES, Stage, Strategy, ends_apar
 from executor.launch import check_supported
 from executor.mesh import RankMesh, tied_ends_group
 from executor.models import (
+    ContextShard,
     MoE,
     Transformer,
     build_model,
@@ -135,7 +137,9 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, sequence_para
     seq = Shard(1) if sequence_parallel else Replicate()
     for layer in model.layers.values():
         plan = {
-            "attention": PrepareModuleInput(input_layouts=(seq, None, None), desired_input_layouts=(Replicate(), None, None)),
+            # (x, cos, sin, mask): the RoPE rows and the context-parallel mask are plain tensors.
+            "attention": PrepareModuleInput(input_layouts=(seq, None, None, None),
+                                            desired_input_layouts=(Replicate(), None, None, None)),
             "attention.wq": ColwiseParallel(),
             "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(),
@@ -170,6 +174,17 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, sequence_para
         parallelize_module(model, tp_mesh, ends)
     if sequence_parallel:
         model.sequence_shard = (tp_mesh.get_local_rank(), tp_mesh.size())
+
+
+def apply_context_parallel(model: Transformer, cp_mesh: DeviceMesh) -> None:
+    """Context parallelism (Llama 3's all-gather CP, Dubey et al. 2024 §3.3.2): the
+    model takes this rank's tokens of each sequence (executor.data.context_shard), embeds
+    and rotates them at their global positions, and each attention gathers K and V over
+    the cp group (executor.models.ContextShard)."""
+    shard = ContextShard(cp_mesh.get_local_rank(), cp_mesh.size(), cp_mesh.get_group())
+    model.context_shard = shard
+    for layer in model.layers.values():
+        layer.attention.context_shard = shard
 
 
 @dataclass
@@ -222,12 +237,13 @@ def expert_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
 
 
 def data_parallel_kind(strategy: Strategy) -> str:
-    """How the dp replicas are kept in step: "none", "ddp" (ZeRO-0, and ZeRO-1 with
+    """How the ranks holding the same weights (dp x cp: the cp ranks of a replica see
+    other tokens of the same sequences) are kept in step: "none", "ddp" (ZeRO-0, and ZeRO-1 with
     ZeroRedundancyOptimizer, Rajbhandari et al. 2020 §5.1), "replicate" (ZeRO-0 over
     tensor-parallel weights) or "fsdp" (ZeRO-2 and 3; ZeRO-1 over tensor-parallel or
     expert-parallel weights runs as ZeRO-2: the same traffic per step, less memory than
     planned; ZeroRedundancyOptimizer would broadcast one rank's experts to all)."""
-    if strategy.dp == 1:
+    if strategy.dp_cp == 1:
         return "none"
     # A zero-bubble schedule computes weight gradients apart from the backward that DDP's
     # hooks follow (its losses then left one process's); torch.distributed.pipelining
@@ -368,6 +384,8 @@ class BuiltinModel:
             layer.attention.flash = self.training.flash_attention
         if s.ep > 1:
             apply_expert_parallel(model, self.mesh["ep"])
+        if s.cp > 1:
+            apply_context_parallel(model, self.mesh["cp"])
         if s.tp > 1:
             apply_tensor_parallel(model, self.mesh["tp"], s.sequence_parallel)
             if self.overlap.async_tp:
@@ -379,17 +397,18 @@ class BuiltinModel:
             if self.experts_sharded:
                 apply_expert_fsdp(model, self.mesh["edp"], self.mesh.dp_mesh, max(2, s.zero_stage))
                 experts = set()
-            apply_fsdp(model, self.mesh.dp_mesh, max(2, s.zero_stage), experts, self.overlap)
+            apply_fsdp(model, self.mesh.dp_cp_mesh, max(2, s.zero_stage), experts, self.overlap)
         elif self.data_parallel == "replicate":
-            apply_replicate(model, self.mesh.dp_mesh, experts)
+            apply_replicate(model, self.mesh.dp_cp_mesh, experts)
         materialize(model, self.device, self.seed)
         if self.data_parallel == "ddp":
-            return wrap_ddp(model, self.mesh.dp_mesh, [n for n, _ in expert_parameters(model)],
+            return wrap_ddp(model, self.mesh.dp_cp_mesh, [n for n, _ in expert_parameters(model)],
                             self.overlap.ddp_bucket_mb)
         return model
 
     def _stage_shapes(self) -> StageShapes:
-        s, t = self.strategy, self.training.seq_len
+        # Each rank holds seq_len / cp tokens of a sequence under context parallelism.
+        s, t = self.strategy, self.training.seq_len // self.strategy.cp
         # Stages exchange the residual stream, in the weights' dtype (under autocast the
         # matmuls run lower, but each residual add is in this dtype); logits stay
         # sharded over the vocabulary under tensor parallelism.

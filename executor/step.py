@@ -1,6 +1,7 @@
 """The one training step, whatever the model and however it was split. Every rank of
 the job calls it with the same global batch and takes its own share (on a mixed
-cluster's replica groups, its replica's number of micro-batches).
+cluster's replica groups, its replica's number of micro-batches; under context
+parallelism, its tokens of each of its replica's sequences).
 
 A step is: forward and backward of the share under the plan's autocast, by the
 pipeline schedule (torch.distributed.pipelining) when pp > 1, by gradient accumulation
@@ -30,7 +31,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from costmodel.strategy import Strategy
-from executor.data import replica_shard
+from executor.data import context_shard, replica_shard
 from executor.launch import UnsupportedPlan
 from executor.mesh import RankMesh
 
@@ -197,8 +198,11 @@ class TrainStep:
         return loss
 
     def local_batch(self, inputs: torch.Tensor, targets: torch.Tensor):
-        """This rank's dp share of the global batch (its replica's micro-batches)."""
+        """This rank's share of the global batch: its replica's micro-batches, and of
+        their sequences this cp rank's tokens."""
         x, y = replica_shard(inputs, targets, self.strategy, self.mesh.dp_rank)
+        if self.strategy.cp > 1:
+            x, y = context_shard(x, y, self.mesh.cp_rank, self.strategy.cp)
         return x.to(self.device), y.to(self.device)
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
@@ -219,10 +223,11 @@ class TrainStep:
             model = parts.modules[0]
             total = torch.zeros((), dtype=torch.float64, device=self.device)
             count = s.replica_share(self.mesh.dp_rank)[1]
-            # DDP and FSDP average gradients over dp. Dividing each micro-batch's loss
-            # by an average replica's micro-batch count (all micro-batches / dp) makes
-            # that average the gradient of the mean loss over the whole global batch,
-            # also when replicas run different counts (a mixed cluster's shares).
+            # DDP and FSDP average gradients over dp (x cp). Dividing each micro-batch's
+            # loss by an average replica's micro-batch count (all micro-batches / dp)
+            # makes that average the gradient of the mean loss over the whole global
+            # batch, also when replicas run different counts (a mixed cluster's shares);
+            # each cp rank's loss is the mean over its equal share of the tokens.
             per_replica = sum(s.replica_share(d)[1] for d in range(s.dp)) / s.dp
             for i, (x, y) in enumerate(zip(inputs.chunk(count), targets.chunk(count))):
                 last = i == count - 1
@@ -303,11 +308,13 @@ class TrainStep:
 
     def _replicas(self, param: torch.Tensor, expert: bool) -> int:
         s = self.strategy
-        sizes = {"dp": s.dp // s.ep if expert else s.dp, "tp": s.tp}
+        # The cp ranks of a replica hold the same weights (experts: no cp, check_supported).
+        sizes = {"dp": s.dp // s.ep if expert else s.dp_cp, "tp": s.tp}
         if isinstance(param, DTensor):
             for name, placement in zip(param.device_mesh.mesh_dim_names, param.placements):
                 # FSDP over TP shards as _StridedShard, which is not a Shard subclass.
-                key = "dp" if name == "edp" else name   # experts under FSDP: sharded over edp
+                # Experts under FSDP: sharded over edp; the rest over dp, or dp x cp.
+                key = "dp" if name in ("edp", "dp_cp") else name
                 if (placement.is_shard() or isinstance(placement, _StridedShard)) and key in sizes:
                     sizes[key] = 1
         return sizes["dp"] * sizes["tp"]
@@ -315,11 +322,11 @@ class TrainStep:
     def global_loss(self, loss: torch.Tensor | None) -> float:
         """The global batch's mean loss, on every rank: the last stage's replica means
         (`loss`, this rank's) weighted by their replicas' sequences; its tp ranks hold
-        the same value."""
+        the same value, its cp ranks the means over equal shares of the tokens."""
         s = self.strategy
         counts = [s.replica_share(d)[1] for d in range(s.dp)]
         value = torch.zeros((), dtype=torch.float64, device=self.device)
         if loss is not None:
             value += loss.double() * counts[self.mesh.dp_rank]
         dist.all_reduce(value)
-        return float(value) / (sum(counts) * s.tp)
+        return float(value) / (sum(counts) * s.tp * s.cp)

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from costmodel.specs import ModelSpec, TrainingSpec
 from costmodel.strategy import Strategy
-from executor.launch import UnsupportedPlan
+from executor.launch import UnsupportedPlan, degrees
 from executor.mesh import RankMesh, build_mesh
 from executor.parallelize import (
     BuiltinModel,
@@ -117,8 +117,7 @@ class Trainer:
                  optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None):
         if dist.get_world_size() != strategy.num_gpus:
             raise UnsupportedPlan(f"plan.strategy: the plan needs {strategy.num_gpus} processes "
-                                  f"(dp {strategy.dp} x tp {strategy.tp} x pp {strategy.pp}), "
-                                  f"{dist.get_world_size()} were started")
+                                  f"({degrees(strategy)}), {dist.get_world_size()} were started")
         self.spec, self.training, self.strategy, self.config = spec, training, strategy, config
         self.device = torch.device(device)
         self.mesh = build_mesh(strategy, self.device.type)
@@ -128,10 +127,10 @@ class Trainer:
         else:
             self.model = build_model(self.mesh, self.device)
         if optimizer is None:
-            # ZeRO-1 over DDP: ZeroRedundancyOptimizer shards the states over dp.
+            # ZeRO-1 over DDP: ZeroRedundancyOptimizer shards the states over dp (x cp).
             zero_1 = data_parallel_kind(strategy) == "ddp" and strategy.zero_stage == 1
             self.optimizer = make_optimizer(training.optimizer, self.model.parameters(), config,
-                                            self.mesh.dp_mesh.get_group() if zero_1 else None)
+                                            self.mesh.dp_cp_mesh.get_group() if zero_1 else None)
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(config, s))
         else:
             self.optimizer, self.scheduler = optimizer(self.model.parameters()), None
