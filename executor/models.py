@@ -81,8 +81,9 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flash: boo
     """Causal softmax(q k^T / sqrt(d)) v over [B, heads, T, head_dim]; k and v may have
     fewer heads (grouped-query attention). `flash` uses PyTorch's fused SDPA kernel;
     otherwise the score matrix is materialised (and counted by FlopCounterMode).
-    `mask` ([T_q, T_k] boolean, True where a query sees a key) replaces the square causal
-    mask when queries and keys differ (context parallelism: local queries, gathered keys)."""
+    `mask` ([T_q, T_k], added to the scores: 0 where a query sees a key, -inf elsewhere,
+    in q's dtype) replaces the square causal mask when queries and keys differ (context
+    parallelism: local queries, gathered keys)."""
     repeat = q.shape[1] // k.shape[1]
     if repeat > 1:
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
@@ -92,8 +93,9 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flash: boo
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     t = q.shape[2]
     scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
-    if mask is None:
-        mask = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        return (scores + mask).softmax(-1) @ v
+    mask = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
     return scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
 
 
@@ -112,11 +114,15 @@ class ContextShard:
         """Global positions of this rank's `local_len` tokens of each sequence."""
         return context_positions(local_len * self.size, self.rank, self.size, device)
 
-    def causal_mask(self, positions: torch.Tensor) -> torch.Tensor:
-        """[local tokens, whole sequence] boolean: a query sees the keys at or before its
-        position (the keys gathered in position order)."""
+    def causal_mask(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """[local tokens, whole sequence], added to the attention scores: 0 where a query
+        sees a key (key position <= query position; the keys gathered in position order),
+        -inf elsewhere. Additive in the attention's dtype rather than boolean: SDPA turns
+        a boolean mask into this in every call, a copy each layer's backward would keep
+        (s^2 / cp elements per layer); built once, every layer saves the same tensor."""
         keys = torch.arange(positions.numel() * self.size, device=positions.device)
-        return keys.unsqueeze(0) <= positions.unsqueeze(1)
+        seen = keys.unsqueeze(0) <= positions.unsqueeze(1)
+        return torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill_(~seen, float("-inf"))
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """[B, heads, local tokens, head_dim] of every cp rank, gathered along the sequence
@@ -359,8 +365,8 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
-        """`cos` and `sin`: RoPE rows of this rank's positions; `mask`: the attention mask
-        under context parallelism (None: plain causal)."""
+        """`cos` and `sin`: RoPE rows of this rank's positions; `mask`: the additive
+        attention mask under context parallelism (None: plain causal)."""
         if self.recompute == "full":
             return checkpoint(self._forward, x, cos, sin, mask, use_reentrant=False)
         if self.recompute == "selective":
@@ -416,8 +422,10 @@ class Transformer(nn.Module):
                 x = x + self.pos_embeddings.weight[rows]
         cos, sin, mask = self.rope_cos, self.rope_sin, None
         if positions is not None:
-            # One mask for every layer: local queries against the gathered keys.
-            cos, sin, mask = cos[positions], sin[positions], self.context_shard.causal_mask(positions)
+            # One mask for every layer, in the dtype attention runs in (autocast's, or
+            # the stream's): local queries against the gathered keys.
+            cos, sin = cos[positions], sin[positions]
+            mask = self.context_shard.causal_mask(positions, _matmul_dtype(x))
         for layer in self.layers.values():
             x = layer(x, cos, sin, mask)
         if self.norm is not None:
