@@ -1,5 +1,6 @@
 """Executor data: determinism of the sources, next-token targets, corpus epoch coverage and
-continuation, dp sharding, the corpus cache, and the error messages."""
+continuation, dp sharding, the context-parallel split of sequences, the corpus cache, and
+the error messages."""
 
 import os
 
@@ -14,6 +15,8 @@ from executor.data import (
     SyntheticTokens,
     TokenSource,
     byte_tokenize,
+    context_positions,
+    context_shard,
     dp_shard,
     load_corpus,
     make_source,
@@ -173,3 +176,24 @@ def test_errors_name_the_problem(tmp_path, cache_dir):
         arange_corpus(17).global_batch(0, 3, 8)
     with pytest.raises(ValueError, match="1-D"):
         CorpusTokens(torch.zeros(2, 3, dtype=torch.int64))
+
+
+def test_context_positions_give_each_rank_an_early_and_a_late_chunk():
+    """Load-balanced causal split (Llama 3 §3.3.2): 2 cp chunks, rank i holding chunks i and
+    2cp - 1 - i; together the ranks hold every position once."""
+    assert context_positions(8, 0, 2).tolist() == [0, 1, 6, 7]
+    assert context_positions(8, 1, 2).tolist() == [2, 3, 4, 5]
+    assert context_positions(16, 1, 4).tolist() == [2, 3, 12, 13]
+    assert context_positions(6, 0, 1).tolist() == list(range(6))
+    every = torch.cat([context_positions(48, r, 3) for r in range(3)])
+    assert sorted(every.tolist()) == list(range(48))
+    with pytest.raises(ValueError, match="2 cp dividing the sequence"):
+        context_positions(12, 0, 4)
+
+
+def test_context_shard_cuts_inputs_and_targets_at_the_same_positions():
+    x, y = arange_corpus(100).global_batch(0, 2, 8)
+    xs, ys = context_shard(x, y, 1, 2)
+    assert xs.shape == ys.shape == (2, 4)
+    assert torch.equal(xs, x[:, 2:6]) and torch.equal(ys, y[:, 2:6])
+    assert torch.equal(ys, xs + 1)   # each target still the token after its input

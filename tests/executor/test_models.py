@@ -1,5 +1,6 @@
 """The executor's models against the cost model's view of the same spec: parameter
-counts exactly, forward FLOPs exactly, backward twice the forward."""
+counts exactly, forward FLOPs exactly, backward twice the forward; and context-parallel
+attention against plain causal attention on the whole sequence."""
 
 import dataclasses
 
@@ -16,7 +17,16 @@ from costmodel.terms.counts import (
     total_parameters,
 )
 from costmodel.trace import EXTRA_FLOP_FORMULAS
-from executor.models import build_model, initial_value, materialize, num_parameters
+from executor.data import context_positions
+from executor.launch import run_local
+from executor.models import (
+    ContextShard,
+    attention_core,
+    build_model,
+    initial_value,
+    materialize,
+    num_parameters,
+)
 
 # The tiny built-ins and every built-in family shrunk to a few small layers (the
 # counts are formulas in the sizes, so small sizes test the same code paths).
@@ -210,3 +220,44 @@ def test_capacity_keeps_each_experts_earliest_rows(capacity_factor, capacity, ex
     torch.testing.assert_close(mine, reference, rtol=1e-12, atol=1e-12)
     for a, b in zip(grads, [x.grad, moe.router.weight.grad, moe.w1.grad]):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def whole_attention(heads=4, kv_heads=2, seq_len=16, head_dim=8):
+    """Seeded q, k, v of two sequences (grouped-query: fewer kv heads) and the gradient
+    of the output, float64, the same on every rank."""
+    generator = torch.Generator().manual_seed(5)
+    q, grad = (torch.randn(2, heads, seq_len, head_dim, generator=generator, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(2, kv_heads, seq_len, head_dim, generator=generator, dtype=torch.float64) for _ in range(2))
+    return q, k, v, grad
+
+
+def context_attention_rank(rank, world, flash):
+    """This cp rank's output and input gradients: its queries against the keys and values
+    gathered over the ranks, under the position mask."""
+    import torch.distributed as dist
+
+    q, k, v, grad = whole_attention()
+    shard = ContextShard(rank, world, dist.group.WORLD)
+    positions = context_positions(q.shape[2], rank, world)
+    local = [t[:, :, positions].clone().requires_grad_() for t in (q, k, v)]
+    out = attention_core(local[0], shard.gather(local[1]), shard.gather(local[2]), flash,
+                         shard.causal_mask(positions, q.dtype))
+    out.backward(grad[:, :, positions])
+    return {"positions": positions, "out": out.detach(), "grads": [t.grad for t in local]}
+
+
+@pytest.mark.parametrize("flash", [True, False])
+def test_context_parallel_attention_is_causal_attention_on_the_whole_sequence(flash):
+    """Two cp ranks: the output at each rank's positions, and the gradients of its q, k and
+    v (the keys' and values' summed over the ranks' queries by the all-gather's
+    reduce-scatter), equal one process's causal attention over the whole sequence, to
+    float64 rounding."""
+    q, k, v, grad = whole_attention()
+    whole = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = attention_core(*whole, flash)
+    out.backward(grad)
+    for rank in run_local(context_attention_rank, 2, flash):
+        at = rank["positions"]
+        torch.testing.assert_close(rank["out"], out.detach()[:, :, at], rtol=0, atol=1e-13)
+        for mine, reference in zip(rank["grads"], whole):
+            torch.testing.assert_close(mine, reference.grad[:, :, at], rtol=0, atol=1e-13)

@@ -44,6 +44,7 @@ from executor_test_helpers import (
 from costmodel.specs.loading import load_model
 from costmodel.specs.loading import SpecError
 from costmodel.strategy import Stage, even_stages
+from executor.auto import refuse_unsupported
 from executor.launch import UnsupportedPlan, check_compile, check_supported, run_local
 from executor.models import build_model, cross_entropy, materialize
 
@@ -99,10 +100,20 @@ PLANS = {
     "pp2-dualpipev": strategy(pp=2, vpp=2, schedule="dualpipev"),
     "dp2-pp2-dualpipev": strategy(dp=2, pp=2, vpp=2, schedule="dualpipev"),
     "zero2-pp2-dualpipev": strategy(dp=2, pp=2, vpp=2, zero=2, schedule="dualpipev"),
+    # Context parallelism (Llama 3's all-gather CP): each rank holds 2 of the 2 cp chunks
+    # of every sequence and gathers K and V in each attention; gradients are reduced, and
+    # ZeRO shards, over dp x cp. tiny-gpt's learned positions are read at the global
+    # positions (under sequence parallelism, the tp rank's slice of them), and its tied
+    # embedding is summed over the pipeline's ends of each cp rank.
+    "cp2": strategy(cp=2),
+    "cp2-tp2-sp": strategy(cp=2, tp=2, sp=True),
+    "cp2-pp2": strategy(cp=2, pp=2),
+    "cp2-zero3": strategy(cp=2, zero=3, m=2),
+    "dp2-cp2": strategy(dp=2, cp=2),
 }
 # Llama-style: the layouts where GQA, RoPE and SwiGLU meet tensor and pipeline splits.
 LLAMA_PLANS = ["tp2", "tp2-sp", "pp2-1f1b", "dp2-tp2", "zero3-tp2", "recompute-full", "recompute-selective",
-               "recompute-selective-tp2-sp", "pp2-uneven"]
+               "recompute-selective-tp2-sp", "pp2-uneven", "cp2"]
 # dp 4 with ep 2: two ranks (edp) hold each expert, so ZeRO shards the experts over them
 # and their gradients are summed over edp, divided by dp.
 MOE_PLANS = {"ep2": strategy(dp=2, ep=2), "ep2-zero3": strategy(dp=2, ep=2, zero=3), "ep2-pp2": strategy(dp=2, ep=2, pp=2),
@@ -122,7 +133,7 @@ MOE_PLANS = {"ep2": strategy(dp=2, ep=2), "ep2-zero3": strategy(dp=2, ep=2, zero
 
 # The production dtypes' loss checks: one layout of each kind of split, and ZeRO with
 # accumulation (where autocast's cache of weight casts once broke the gradients).
-PRODUCTION_PLANS = ["dp2-tp2", "tp2-pp2", "pp2-interleaved", "zero3", "zero3-tp2", "pp2-zbv"]
+PRODUCTION_PLANS = ["dp2-tp2", "tp2-pp2", "pp2-interleaved", "zero3", "zero3-tp2", "pp2-zbv", "cp2"]
 
 @pytest.mark.parametrize("plan", sorted(PLANS))
 def test_gpt_parity(plan):
@@ -180,6 +191,23 @@ def test_zero_bubble_plans_the_executor_cannot_run_are_refused():
         check_compile(PLANS["pp2-zbv"], True)
     check_compile(PLANS["pp2-zbv"], False)
     check_compile(PLANS["pp2-interleaved"], True)
+
+
+def test_context_parallel_plans_the_executor_cannot_run_are_refused():
+    """Sequences that do not cut into 2 cp chunks, or whose s / cp tokens the tp ranks
+    cannot share under sequence parallelism; cp with expert parallelism; cp for a Hugging
+    Face model (its attention is its own, and gathers no keys)."""
+    spec = load_model("tiny-gpt")
+    check_supported(spec, PLANS["cp2-tp2-sp"], 16)
+    with pytest.raises(UnsupportedPlan, match=r"strategy.cp: cp 4 splits each sequence into 2 x cp = 8 equal chunks"):
+        check_supported(spec, strategy(cp=4), 12)
+    with pytest.raises(UnsupportedPlan, match=r"strategy.sequence_parallel: tp 4 does not divide the sequence of 6 "
+                                              r"tokens \(seq 12 / cp 2\)"):
+        check_supported(spec, strategy(cp=2, tp=4, sp=True), 12)
+    with pytest.raises(UnsupportedPlan, match=r"strategy.cp: context parallelism \(cp 2\) with expert parallelism"):
+        check_supported(load_model("tiny-moe"), strategy(dp=2, ep=2, cp=2), 16)
+    with pytest.raises(UnsupportedPlan, match=r"plan.strategy.cp: auto_parallelize on a Hugging Face model"):
+        refuse_unsupported(strategy(cp=2))
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
