@@ -1,5 +1,5 @@
 """Checkpoints (executor.checkpoint, DCP): a checkpoint written under one plan resumes
-under others (fewer and more processes, other dp / tp / pp / ZeRO) with the losses of
+under others (fewer and more processes, other dp / cp / tp / pp / ZeRO) with the losses of
 an uninterrupted run (float64, the tolerances of executor_test_helpers); an
 interrupted save leaves the previous checkpoint loadable; an altered file is refused by
 name."""
@@ -60,13 +60,15 @@ LAYOUTS = {
     "pp2-zero1": dict(dp=2, pp=2, zero=1),
     "tp2": dict(tp=2),
     "single": dict(),
+    # ZeRO-3 over the dp x cp ranks holding the same weights.
+    "cp2-zero3": dict(cp=2, zero=3, m=2),
 }
-RESUMES = {"dp2xtp2": ["dp2", "tp2xpp2"], "tp2xpp2": ["zero3-dp4", "single"], "zero3-dp4": ["tp2", "pp2-zero1"]}
+RESUMES = {"dp2xtp2": ["dp2", "tp2xpp2"], "tp2xpp2": ["zero3-dp4", "single"], "zero3-dp4": ["tp2", "pp2-zero1"],
+           "cp2-zero3": ["dp2"]}
 
 
 def world(layout):
-    kw = LAYOUTS[layout]
-    return kw.get("dp", 1) * kw.get("tp", 1) * kw.get("pp", 1)
+    return strategy(**LAYOUTS[layout]).num_gpus
 
 
 @pytest.mark.parametrize("saved", list(RESUMES))
