@@ -62,11 +62,12 @@ def check_supported(spec: ModelSpec, strategy: Strategy, seq_len: int) -> None:
     if strategy.cp > 1 and strategy.ep > 1:
         raise UnsupportedPlan(f"strategy.cp: context parallelism (cp {strategy.cp}) with expert parallelism "
                               f"(ep {strategy.ep}) is not supported; plan with --fix cp=1 or ep=1")
-    # Under context parallelism a rank's sequence holds seq_len / cp tokens.
+    # Under context parallelism a rank holds seq_len / cp tokens of each sequence.
     local_len = seq_len // strategy.cp
     if strategy.sequence_parallel and local_len % strategy.tp:
+        split = f" (seq {seq_len} / cp {strategy.cp})" if strategy.cp > 1 else ""
         raise UnsupportedPlan(f"strategy.sequence_parallel: tp {strategy.tp} does not divide the sequence "
-                              f"of {local_len} tokens" + (f" (seq {seq_len} / cp {strategy.cp})" if strategy.cp > 1 else ""))
+                              f"of {local_len} tokens{split}")
     if why := schedule_microbatch_error(strategy.schedule, strategy.pp, strategy.num_microbatches):
         raise UnsupportedPlan(f"strategy.num_microbatches: {why}")
     if layout := layout_error(strategy):

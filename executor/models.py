@@ -14,6 +14,11 @@ Layers live in a `ModuleDict` keyed by their index, and a pipeline stage is the 
 module with the layers and ends it does not own set to None (torchtitan's layout), so
 parameter names are the same on every stage and in every layout. Weights are drawn per
 parameter from a generator seeded by (seed, name): the same model whatever the split.
+
+Under context parallelism (`ContextShard`, set by executor.parallelize) a model holds its
+rank's tokens of each sequence: it reads the RoPE rows and learned positions at their
+global positions, and each attention gathers the keys and values of the whole sequence
+and attends to them under one additive position mask per forward.
 """
 
 from __future__ import annotations
@@ -135,8 +140,9 @@ class ContextShard:
         return gathered.index_select(2, source.argsort())
 
 
-# torch 2.10 renamed the differentiable all-gather (the old name warns); either gives
-# [ranks x d0, ...] forward and a reduce-scatter backward.
+# The differentiable all-gather: all_gather_single_autograd in recent torch, which warns
+# that the older all_gather_tensor_autograd is deprecated; both reduce-scatter the
+# gradient in backward.
 all_gather_autograd = getattr(funcol, "all_gather_single_autograd", None) or funcol.all_gather_tensor_autograd
 
 

@@ -322,9 +322,9 @@ NO_BUFFER_SYNC = ({"forward_sync_buffers": False} if "forward_sync_buffers" in i
 
 
 def wrap_ddp(model: nn.Module, dp_mesh: DeviceMesh, ignored: list[str], bucket_mb: float = DDP_BUCKET_MB) -> DDP:
-    """ZeRO-0 over plain weights: DistributedDataParallel over the dp group, leaving out
-    the parameters named in `ignored` (expert weights, reduced over edp by the step),
-    all-reducing gradients in buckets of `bucket_mb` MiB during backward. Buffers (the
+    """ZeRO-0 over plain weights: DistributedDataParallel over the dp (x cp) group,
+    leaving out the parameters named in `ignored` (expert weights, reduced over edp by the
+    step), all-reducing gradients in buckets of `bucket_mb` MiB during backward. Buffers (the
     RoPE tables, a Hugging Face model's position ids) are computed identically on every
     rank: no per-step broadcast."""
     DDP._set_params_and_buffers_to_ignore_for_model(model, ignored)
