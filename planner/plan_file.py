@@ -38,7 +38,14 @@ from costmodel.specs.loading import (
     runtime_from_dict,
 )
 from costmodel.specs.training import MIXED_PRECISION, OPTIMIZERS, PRECISIONS
-from costmodel.strategy import RECOMPUTE_MODES, SCHEDULES, Stage, Strategy, context_parallel_error, layout_error
+from costmodel.strategy import (
+    RECOMPUTE_MODES,
+    SCHEDULES,
+    Stage,
+    Strategy,
+    context_parallel_error,
+    layout_error,
+)
 from costmodel.terms.counts import active_parameters, total_parameters
 from planner.outputs import write_atomic
 from planner.search import Candidate, SearchResult
@@ -88,6 +95,8 @@ def candidate_dict(candidate: Candidate, cluster: ClusterSpec | None = None, run
     estimate = asdict(candidate.estimate)
     if not estimate["replica_time_s"]:
         del estimate["replica_time_s"]   # set for replica groups only; other plans keep their bytes
+    if not estimate["time"]["cp_comm_s"]:
+        del estimate["time"]["cp_comm_s"]   # set under context parallelism only, likewise
     out = {"strategy": strategy_dict(candidate.strategy), "estimate": estimate,
            "partition_gap": candidate.gap}
     if runtime is not None:

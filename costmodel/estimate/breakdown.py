@@ -19,22 +19,25 @@ class Work:
     ep_comm_s: float = 0.0
     dp_comm_s: float = 0.0
     pp_comm_s: float = 0.0
+    cp_comm_s: float = 0.0     # context parallelism's K/V all-gathers and their gradients' reduce-scatters
 
     @property
     def total_s(self) -> float:
         return (self.compute_s + self.recompute_s + self.tp_comm_s + self.ep_comm_s
-                + self.dp_comm_s + self.pp_comm_s)
+                + self.dp_comm_s + self.pp_comm_s + self.cp_comm_s)
 
     # Spelled out rather than looped over dataclasses.fields: the planner adds Work
     # values millions of times.
     def __add__(self, other: Work) -> Work:
         return Work(self.compute_s + other.compute_s, self.recompute_s + other.recompute_s,
                     self.tp_comm_s + other.tp_comm_s, self.ep_comm_s + other.ep_comm_s,
-                    self.dp_comm_s + other.dp_comm_s, self.pp_comm_s + other.pp_comm_s)
+                    self.dp_comm_s + other.dp_comm_s, self.pp_comm_s + other.pp_comm_s,
+                    self.cp_comm_s + other.cp_comm_s)
 
     def scaled(self, factor: float) -> Work:
         return Work(self.compute_s * factor, self.recompute_s * factor, self.tp_comm_s * factor,
-                    self.ep_comm_s * factor, self.dp_comm_s * factor, self.pp_comm_s * factor)
+                    self.ep_comm_s * factor, self.dp_comm_s * factor, self.pp_comm_s * factor,
+                    self.cp_comm_s * factor)
 
 
 
@@ -49,6 +52,7 @@ class TimeBreakdown:
     bubble_s: float
     optimizer_s: float
     fixed_s: float = 0.0      # the runtime's per-step fixed cost (costmodel.specs.runtime)
+    cp_comm_s: float = 0.0    # context parallelism's K/V exchange (plans carry it only when set)
 
 
 
@@ -104,7 +108,7 @@ def step_estimate(problem, strategy: Strategy, works: list[Work], pipelined_s: f
     time = TimeBreakdown(
         compute_s=busy.compute_s, recompute_s=busy.recompute_s, tp_comm_s=busy.tp_comm_s,
         ep_comm_s=busy.ep_comm_s, pp_comm_s=busy.pp_comm_s, dp_comm_s=busy.dp_comm_s + dp_exposed_s,
-        bubble_s=pipelined_s - busy.total_s, optimizer_s=optimizer_s, fixed_s=fixed_s,
+        bubble_s=pipelined_s - busy.total_s, optimizer_s=optimizer_s, fixed_s=fixed_s, cp_comm_s=busy.cp_comm_s,
     )
     totals = [mem.total_bytes for mem in memories]
     peak_rank = max(range(pp), key=lambda r: (totals[r], -r))

@@ -26,7 +26,7 @@ GRAD_NORM_BYTES = 8
 @dataclass(frozen=True)
 class Collective:
     kind: str     # all_reduce | all_gather | reduce_scatter | all_to_all | p2p
-    group: str    # tp | dp | ep | expert_dp | pp | pp_ends | world
+    group: str    # tp | cp | dp | ep | expert_dp | pp | pp_ends | world
     bytes: float  # per call
     calls: int    # per step
     what: str
@@ -34,7 +34,8 @@ class Collective:
 
 def group_sizes(strategy: Strategy) -> dict[str, int]:
     s = strategy
-    return {"tp": s.tp, "dp": s.dp, "ep": s.ep, "expert_dp": s.dp // s.ep, "pp": s.pp,
+    # "dp" reduces gradients over every rank holding the same weights: dp x cp.
+    return {"tp": s.tp, "cp": s.cp, "dp": s.dp_cp, "ep": s.ep, "expert_dp": s.dp_cp // s.ep, "pp": s.pp,
             "pp_ends": 2 if s.pp > 1 else 1, "world": s.num_gpus}
 
 
@@ -45,7 +46,9 @@ def step_collectives(problem: Problem, strategy: Strategy, pp_rank: int) -> tupl
     units = unit_costs(problem, s)
     states = memory.comm_state_bytes(training)
     b, m = s.micro_batch_size, s.num_microbatches
-    message = compute.activation_bytes_per_value(training) * b * training.seq_len * model.hidden_size
+    value = compute.activation_bytes_per_value(training)
+    local_seq = training.seq_len // s.cp
+    message = value * b * local_seq * model.hidden_size
     stages = s.rank_stages(pp_rank)
     layers = sum(st.num_layers for st in stages)
     full = sum(st.full_recompute_layers for st in stages)
@@ -63,6 +66,9 @@ def step_collectives(problem: Problem, strategy: Strategy, pp_rank: int) -> tupl
         add("reduce_scatter", "tp", message, m * (2 * (layers + full) + 2 * layers), "layer TP (SP)")
     else:
         add("all_reduce", "tp", message, m * (2 * (layers + full) + 2 * layers), "layer TP")
+    kv_bytes = value * b * training.seq_len * model.kv_size / s.tp
+    add("all_gather", "cp", kv_bytes, m * 2 * (layers + full), "context-parallel K and V")
+    add("reduce_scatter", "cp", kv_bytes, m * 2 * layers, "context-parallel K and V gradients")
     if model.is_moe:
         add("all_to_all", "ep", message * model.busiest_rank_rows_per_token(s.ep) / s.tp, m * (2 * (layers + full) + 2 * layers),
             "MoE dispatch and combine")
@@ -84,7 +90,7 @@ def step_collectives(problem: Problem, strategy: Strategy, pp_rank: int) -> tupl
             add("all_gather", "dp", local * states.weights, 2 * m, f"ZeRO-3 {end} weights")
             add("reduce_scatter", "dp", local * states.gradients, m, f"ZeRO-3 {end} gradients")
     if last:
-        add("all_reduce", "tp", cross_entropy_bytes(b, training.seq_len), 3 * m, "vocab-parallel cross-entropy")
+        add("all_reduce", "tp", cross_entropy_bytes(b, local_seq), 3 * m, "vocab-parallel cross-entropy")
     add("p2p", "pp", units.p2p_bytes, m * p2p_sends(s, pp_rank), "pipeline activations and gradients")
 
     # Per step (dp_sync_s).

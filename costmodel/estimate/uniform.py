@@ -72,7 +72,7 @@ class UnitCosts:
 
 def unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
     model, cluster, training = problem.model, problem.cluster, problem.training
-    b, tp, sp, ep = strategy.micro_batch_size, strategy.tp, strategy.sequence_parallel, strategy.ep
+    b, tp, sp, ep, cp = strategy.micro_batch_size, strategy.tp, strategy.sequence_parallel, strategy.ep, strategy.cp
     where = groups(problem, strategy)
     runtime = problem.runtime
 
@@ -81,13 +81,16 @@ def unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
 
     value = compute.activation_bytes_per_value(training)
     states = memory.comm_state_bytes(training)
-    message = value * b * training.seq_len * model.hidden_size
+    # One activation of the rank's tokens: s / cp of each sequence under context parallelism.
+    message = value * b * training.seq_len / cp * model.hidden_size
 
-    layer = compute.layer_compute(model, cluster, training, b, tp, sp, ep, runtime)
+    layer = compute.layer_compute(model, cluster, training, b, tp, sp, ep, runtime, cp)
     layer_backward = compute.BACKWARD_FACTOR * layer.forward_s
     # Measured times (costmodel.measured, `--profile`) replace the analytic layer where
-    # the profile covers this micro-batch size and TP width.
-    measured = profiled_layer(problem.measured_times, model, cluster, training, b, tp, sp, ep) if problem.measured_times else None
+    # the profile covers this micro-batch size and TP width (its layers ran whole
+    # sequences: not under context parallelism).
+    measured = (profiled_layer(problem.measured_times, model, cluster, training, b, tp, sp, ep)
+                if problem.measured_times and cp == 1 else None)
     if measured is not None:
         layer, layer_backward = measured
     # Tensor parallelism per layer (Shoeybi et al. 2019 §3; Korthikanti et al. 2022 §4.2.2):
@@ -124,6 +127,15 @@ def unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
     # MoE: dispatch and combine all-to-alls forward, the same two backward (Lepikhin et
     # al. 2020, GShard §2.2), of the k copies of each token's hidden vector; the busiest
     # rank receives moe_load_imbalance times the mean, and the exchange waits for it.
+    # Context parallelism (Llama 3, Dubey et al. 2024 §3.3.2, the executor's attention):
+    # K and V all-gathered over the cp ranks before attention, their gradients
+    # reduce-scattered in backward, each the whole sequence's K or V of the rank's heads.
+    # Exposed: the attention waits for its keys, and backward's reduce-scatter for it.
+    cp_forward = cp_backward = 0.0
+    if cp > 1:
+        kv_bytes = value * b * training.seq_len * model.kv_size / tp
+        cp_forward = 2 * coll("all_gather", kv_bytes, where["cp"])
+        cp_backward = 2 * coll("reduce_scatter", kv_bytes, where["cp"])
     ep_one_way = 0.0
     if model.is_moe:
         ep_one_way = 2 * coll("all_to_all", message * model.busiest_rank_rows_per_token(ep) / tp, where["ep"])
@@ -153,14 +165,14 @@ def unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
     fwd_compute = layer.forward_s + launch / 3
     bwd_compute = layer_backward + 2 * launch / 3
     base = Work(compute_s=fwd_compute + bwd_compute, tp_comm_s=tp_forward + tp_backward,
-                ep_comm_s=2 * ep_one_way, dp_comm_s=zero3_fwd + zero3_bwd)
+                ep_comm_s=2 * ep_one_way, dp_comm_s=zero3_fwd + zero3_bwd, cp_comm_s=cp_forward + cp_backward)
     # The runtime's selective recompute (costmodel.terms.recompute): the attention core
     # (Korthikanti et al. §4.3), which FlashAttention already recomputes in its own
     # backward, leaving nothing to repeat (Dao et al. 2022 §3.1); or op-level, which
     # repeats every second matmul and all the elementwise ops, and the attention core
     # where SDPA's output is not kept (math attention).
     if runtime.selective_recompute == "op-level":
-        fraction = compute.op_level_gemm_fraction(model, cluster, training, b, tp, ep)
+        fraction = compute.op_level_gemm_fraction(model, cluster, training, b, tp, ep, cp)
         selective = fraction * layer.gemm_s + layer.elementwise_s + (0.0 if training.flash_attention
                                                                      else layer.attention_core_s)
     else:
@@ -171,12 +183,14 @@ def unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
         # Full recompute repeats the forward's TP and EP collectives, but not ZeRO-3's
         # gather: the recomputed forward runs inside backward, on the weights already
         # gathered for it (FSDP2's pre-backward unshard; counted in the executor).
-        "full": base + Work(recompute_s=fwd_compute, tp_comm_s=tp_forward, ep_comm_s=ep_one_way),  # launches too
+        "full": base + Work(recompute_s=fwd_compute, tp_comm_s=tp_forward, ep_comm_s=ep_one_way,
+                            cp_comm_s=cp_forward),  # launches too
     }
     # The runtime's chunked cross-entropy runs on whole-vocabulary logits; vocabulary-
     # parallel ones take the plain loss (executor.models.cross_entropy).
     chunked_loss = runtime.chunked_loss and tp == 1
-    activation = {mode: memory.layer_activation_bytes(model, training, b, tp, sp, mode, runtime.selective_recompute, ep)
+    activation = {mode: memory.layer_activation_bytes(model, training, b, tp, sp, mode, runtime.selective_recompute,
+                                                      ep, cp)
                   for mode in RECOMPUTE_MODES}
 
     # Embedding and LM head, both split over the vocabulary (Shoeybi et al. 2019 §3).
@@ -184,11 +198,11 @@ def unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
     # gradient all-gathered backward); the head's input gradient is all-reduced backward
     # (with SP its input all-gathered forward and the gradient reduce-scattered back).
     # Counted from the executor's collectives (tests/executor/test_collective_log.py).
-    emb_fwd = compute.embedding_compute_s(model, cluster, training, b, runtime)
-    head_fwd = compute.head_compute_s(model, cluster, training, b, tp, runtime)
+    emb_fwd = compute.embedding_compute_s(model, cluster, training, b, runtime, cp)
+    head_fwd = compute.head_compute_s(model, cluster, training, b, tp, runtime, cp)
     emb_bwd, head_bwd = compute.BACKWARD_FACTOR * emb_fwd, compute.BACKWARD_FACTOR * head_fwd
     emb_launch = head_launch = runtime.layer_launch_s
-    if problem.measured_times is not None:
+    if problem.measured_times is not None and cp == 1:
         emb_measured = problem.measured_times.times("embedding", b, tp)
         head_measured = problem.measured_times.times("head", b, tp)
         emb_fwd, emb_bwd = emb_measured or (emb_fwd, emb_bwd)
@@ -203,7 +217,7 @@ def unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
     # Vocabulary-parallel cross-entropy all-reduces three fp32 values per token (the
     # max logit, the target's logit, the sum of exponentials; Megatron-LM
     # `_VocabParallelCrossEntropy`, PyTorch `loss_parallel`).
-    head_comm += 3 * coll("all_reduce", cross_entropy_bytes(b, training.seq_len), where["tp"])
+    head_comm += 3 * coll("all_reduce", cross_entropy_bytes(b, training.seq_len // cp), where["tp"])
 
     last_parameters = head_parameters(model)
     if model.tie_word_embeddings and strategy.pp > 1:
@@ -247,14 +261,14 @@ def unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
         last_work=last_work,
         first_parameters=first_local,
         last_parameters=last_local,
-        logits_bytes=memory.logits_bytes(model, training, b, tp, chunked_loss),
-        loss_peak_bytes=(memory.loss_peak_bytes(model, training, b, tp, chunked_loss)
-                         + memory.final_norm_bytes(model, training, b, tp, sp)),
+        logits_bytes=memory.logits_bytes(model, training, b, tp, chunked_loss, cp),
+        loss_peak_bytes=(memory.loss_peak_bytes(model, training, b, tp, chunked_loss, cp)
+                         + memory.final_norm_bytes(model, training, b, tp, sp, cp)),
         p2p_s=p2p_s,
         p2p_bytes=p2p_bytes,
         tied_sync_s=tied_sync_s,
         layer_weight_grad_s=layer.gemm_s,
-        layer_forward_s=fwd_compute + tp_forward + ep_one_way + zero3_fwd,
+        layer_forward_s=fwd_compute + tp_forward + ep_one_way + zero3_fwd + cp_forward,
     )
 
 
@@ -360,11 +374,11 @@ def fsdp_stream_pool_bytes(problem: Problem, units: UnitCosts, strategy: Strateg
     unit and a layer) on top of the compute stream's peak. Not needed to run (the
     allocator frees whole cached segments before it runs out); for comparing with
     reserved figures. 0 without ZeRO-3 over more than one rank."""
-    if strategy.zero_stage != 3 or strategy.dp == 1:
+    if strategy.zero_stage != 3 or strategy.dp_cp == 1:
         return 0.0
     dense, experts = rank_parameters(units, strategy, pp_rank)
-    gradients = (memory.sharded_state_bytes(dense, problem.training, 3, strategy.dp)[1]
-                 + memory.sharded_state_bytes(experts, problem.training, 3, strategy.dp // strategy.ep)[1])
+    gradients = (memory.sharded_state_bytes(dense, problem.training, 3, strategy.dp_cp)[1]
+                 + memory.sharded_state_bytes(experts, problem.training, 3, strategy.dp_cp // strategy.ep)[1])
     fsdp = fsdp_units(problem, units, strategy)
     gathered = max(problem.runtime.fsdp_gathered_units * fsdp.largest_cycled, fsdp.held + fsdp.largest_cycled)
     return gradients + gathered * memory.compute_copy_bytes(problem.training)
@@ -373,7 +387,8 @@ def fsdp_stream_pool_bytes(problem: Problem, units: UnitCosts, strategy: Strateg
 def rank_memory(problem: Problem, units: UnitCosts, strategy: Strategy, pp_rank: int) -> MemoryBreakdown:
     """Memory of one rank at its peak, by kind."""
     training, model = problem.training, problem.model
-    dp, zero = strategy.dp, strategy.zero_stage
+    # ZeRO shards over every rank holding the same weights: dp x cp.
+    dp, zero = strategy.dp_cp, strategy.zero_stage
     dense, experts = rank_parameters(units, strategy, pp_rank)
     stages = strategy.rank_stages(pp_rank)
     holds_head = any(s.index == strategy.num_virtual_stages - 1 for s in stages)
@@ -505,7 +520,7 @@ def optimizer_step_s(problem: Problem, units: UnitCosts, strategy: Strategy, pp_
     """The optimizer update is memory-bound: bytes moved per local parameter over HBM."""
     dense, experts = rank_parameters(units, strategy, pp_rank)
     if strategy.zero_stage >= 1:
-        dense, experts = dense / strategy.dp, experts / (strategy.dp // strategy.ep)
+        dense, experts = dense / strategy.dp_cp, experts / (strategy.dp_cp // strategy.ep)
     per_parameter = compute.OPTIMIZER_BYTES_PER_PARAMETER[problem.training.optimizer]
     return compute.memory_bound_time_s((dense + experts) * per_parameter, problem.cluster)
 

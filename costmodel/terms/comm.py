@@ -128,19 +128,23 @@ def fsdp_copies_s(kind: str, total_bytes: float, group_size: int, cluster) -> fl
 
 
 def groups(problem: Problem, strategy: Strategy) -> dict[str, Placement]:
-    """Where each kind of process group sits (rank order tp, dp, pp; ep inside dp)."""
+    """Where each kind of process group sits (rank order tp, cp, dp, pp; ep inside dp).
+    "dp" is the group that reduces gradients and shards ZeRO states: every rank that
+    holds the same weights, dp x cp of them (Megatron-LM's data-parallel group with
+    context parallelism)."""
     g = problem.cluster.fast_domain_gpus
-    tp, dp = strategy.tp, strategy.dp
+    tp, cp, dp = strategy.tp, strategy.cp, strategy.dp
     return {
         "tp": placement(tp, 1, g),
-        "dp": placement(dp, tp, g),
-        "ep": placement(strategy.ep, tp, g),
-        "expert_dp": placement(dp // strategy.ep, tp * strategy.ep, g),
+        "cp": placement(cp, tp, g),
+        "dp": placement(dp * cp, tp, g),
+        "ep": placement(strategy.ep, tp * cp, g),
+        "expert_dp": placement(dp // strategy.ep * cp, tp * strategy.ep, g),
         # The whole pipeline: once it spans nodes, some stage boundary crosses the
         # network, and in the 1F1B steady state the slowest boundary paces every send.
-        "pp": placement(strategy.pp, tp * dp, g),
+        "pp": placement(strategy.pp, tp * cp * dp, g),
         # First and last stage (the tied-embedding gradient all-reduce): on one node
         # only when the whole pipeline is.
         "pp_ends": (Placement(1, 1, 1) if strategy.pp == 1
-                    else Placement(2, 2, 1) if strategy.pp * tp * dp <= g else Placement(2, 1, 2)),
+                    else Placement(2, 2, 1) if strategy.num_gpus <= g else Placement(2, 1, 2)),
     }

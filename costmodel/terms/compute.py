@@ -92,7 +92,9 @@ def _kernel_factors(runtime: RuntimeSpec | None) -> tuple[float, float]:
 
 def layer_compute(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
                   micro_batch_size: int, tp: int, sequence_parallel: bool, ep: int = 1,
-                  runtime: RuntimeSpec | None = None) -> LayerCompute:
+                  runtime: RuntimeSpec | None = None, cp: int = 1) -> LayerCompute:
+    """One layer's forward on one rank. Under context parallelism the rank runs s / cp of
+    each sequence's tokens, and its queries attend the whole gathered sequence's keys."""
     gemm_scale, traffic = _kernel_factors(runtime)
     peak = cluster.gpu.peak_for(training.precision) * gemm_scale
 
@@ -100,7 +102,8 @@ def layer_compute(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
         return gemm_time_s(m, n, k, peak, batch, cluster.gpu)
 
     b, s, h, f = micro_batch_size, training.seq_len, model.hidden_size, model.intermediate_size
-    tokens = b * s
+    queries = s / cp
+    tokens = b * queries
     heads_local = model.num_attention_heads / tp
     hd = model.head_dim
     qkv_width = (model.num_attention_heads * hd + 2 * model.kv_size) / tp
@@ -121,13 +124,16 @@ def layer_compute(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
     else:
         gemm += gemm_s(tokens, 2 * f / tp, h) + gemm_s(tokens, h, f / tp)
 
-    # Attention core: b * heads_local batched (s x hd) @ (hd x s) and (s x s) @ (s x hd).
+    # Attention core: b * heads_local batched (q x hd) @ (hd x s) and (q x s) @ (s x hd),
+    # q = s / cp queries. Under cp, the load-balanced split (chunks i and 2cp - 1 - i of
+    # 2cp) gives every rank half of its (q x s) block below the diagonal, as without cp
+    # (Llama 3, Dubey et al. 2024 §3.3.2).
     batch = b * heads_local
-    core = gemm_s(s, s, hd, batch) + gemm_s(s, hd, s, batch)
+    core = gemm_s(queries, s, hd, batch) + gemm_s(queries, hd, s, batch)
     if training.flash_attention:
         core *= FLASH_CAUSAL_FRACTION
     else:
-        core += memory_bound_time_s(SCORE_BYTES_PER_ELEMENT * batch * s * s, cluster)
+        core += memory_bound_time_s(SCORE_BYTES_PER_ELEMENT * batch * queries * s, cluster)
 
     # Elementwise bytes per token-and-hidden element (Korthikanti et al. 2022 §4.1 lists
     # the same tensors for activation memory): each of the two norms reads and writes
@@ -153,13 +159,13 @@ def layer_compute(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
 
 
 def op_level_gemm_fraction(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
-                           micro_batch_size: int, tp: int, ep: int = 1) -> float:
+                           micro_batch_size: int, tp: int, ep: int = 1, cp: int = 1) -> float:
     """Share of a layer's forward GEMM time that op-level selective recompute repeats
     (costmodel.terms.recompute.op_level_split), each matmul priced on the GEMM curve:
     Llama-3-8B repeats k, o and up, 37% of its GEMM FLOPs. A share, so that it applies
     to a measured layer's GEMM time as well."""
     peak = cluster.gpu.peak_for(training.precision)
-    tokens = micro_batch_size * training.seq_len
+    tokens = micro_batch_size * training.seq_len / cp
 
     def seconds(matmuls) -> float:
         return sum(gemm_time_s(tokens * m.tokens_fraction, m.out_width, m.in_width, peak, device=cluster.gpu)
@@ -172,24 +178,25 @@ def op_level_gemm_fraction(model: ModelSpec, cluster: ClusterSpec, training: Tra
 
 
 def head_compute_s(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
-                   micro_batch_size: int, tp: int, runtime: RuntimeSpec | None = None) -> float:
+                   micro_batch_size: int, tp: int, runtime: RuntimeSpec | None = None, cp: int = 1) -> float:
     """Forward seconds of final norm, logits and cross-entropy on the last stage. The
     loss reads and writes fp32 logits (vocab-parallel cross-entropy, Megatron-LM), one
     pass per kernel the runtime runs over them (its loss traffic factor)."""
     gemm_scale = _kernel_factors(runtime)[0]
     traffic = 1.0 if runtime is None else runtime.loss_traffic_factor
     peak = cluster.gpu.peak_for(training.precision) * gemm_scale
-    tokens = micro_batch_size * training.seq_len
+    tokens = micro_batch_size * training.seq_len / cp
     logits = gemm_time_s(tokens, model.vocab_size / tp, model.hidden_size, peak, device=cluster.gpu)
     loss = memory_bound_time_s(traffic * 2 * 4 * tokens * model.vocab_size / tp, cluster)
     return logits + loss
 
 
 def embedding_compute_s(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
-                        micro_batch_size: int, runtime: RuntimeSpec | None = None) -> float:
-    """Forward seconds of the embedding lookup (and position add): writes b*s*h values."""
+                        micro_batch_size: int, runtime: RuntimeSpec | None = None, cp: int = 1) -> float:
+    """Forward seconds of the embedding lookup (and position add): writes b*s*h values
+    (b*s/cp under context parallelism)."""
     traffic = _kernel_factors(runtime)[1]
-    tokens = micro_batch_size * training.seq_len
+    tokens = micro_batch_size * training.seq_len / cp
     reads = 2 if model.position_embedding == "learned" else 1
     return memory_bound_time_s(traffic * (reads + 1) * activation_bytes_per_value(training) * tokens
                                * model.hidden_size, cluster)

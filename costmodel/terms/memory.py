@@ -170,7 +170,8 @@ def moe_rows_saved_bytes(model: ModelSpec, ep: int, value_bytes: float) -> float
 
 
 def pytorch_layer_activation_bytes(model: ModelSpec, training: TrainingSpec, micro_batch_size: int,
-                                   tp: int, sequence_parallel: bool, recompute: str, ep: int = 1) -> float:
+                                   tp: int, sequence_parallel: bool, recompute: str, ep: int = 1,
+                                   cp: int = 1) -> float:
     """Activations one layer keeps for backward in 16-bit PyTorch training (eager
     modules: executor.models under torch.autocast, or Hugging Face modules under FSDP2's
     param_dtype), one micro-batch, one rank. Every tensor autograd saves, by width:
@@ -193,9 +194,11 @@ def pytorch_layer_activation_bytes(model: ModelSpec, training: TrainingSpec, mic
     under autocast (`python bench/memory_tracker.py saved` prints each family beside
     this count); checked against FSDPMemTracker in bench/memory_tracker.py.
     Full recompute keeps the layer input only (the residual stream: fp32 under autocast).
+    Under context parallelism a rank holds s / cp of each sequence's tokens but SDPA
+    keeps the K and V gathered over the whole sequence (`gathered_kv_factor`).
     """
     b, s, h, f = micro_batch_size, training.seq_len, model.hidden_size, model.intermediate_size
-    tokens = b * s
+    tokens = b * s / cp
     seq_split = tp if sequence_parallel else 1
     autocast = training.mixed_precision != "param_dtype"
     residual = 4.0 if autocast else 2.0
@@ -218,7 +221,9 @@ def pytorch_layer_activation_bytes(model: ModelSpec, training: TrainingSpec, mic
     # dtype on CPU; measured: Phi-2, resid_pdrop 0.1).
     dropout_masks = 2 * v if model.resid_dropout > 0 else 0.0
     replicated = ((norm_h + dropout_masks) * h + norm_t) * tokens
-    attention = v * (q + 2 * kv) + v * q + 4.0 * model.num_attention_heads
+    # The rotated Q, SDPA's output and fp32 log-sum-exp per head; K and V below.
+    attention = v * q + v * q + 4.0 * model.num_attention_heads
+    keys = v * 2 * kv
     if autocast:
         # executor.models.attention_core repeats K and V to every query head
         # (grouped-query attention): the repeated copies are saved in their place
@@ -228,7 +233,8 @@ def pytorch_layer_activation_bytes(model: ModelSpec, training: TrainingSpec, mic
         # 57.65 bytes per s*h for Llama-2-7B under FakeTensorMode); CUDA's flash kernels
         # write it token-major and the reshape is a view (the H200 runs of
         # executor_runs.json are 2-10% over the estimate with it counted).
-        attention += 2 * v * (q - kv)
+        keys += 2 * v * (q - kv)
+    attention += keys * gathered_kv_factor(cp)
     if model.qk_norm:
         attention += 6.0 * (q + kv) + 4.0 * (model.num_attention_heads + model.num_key_value_heads)
     if model.sliding_window is not None and s >= model.sliding_window and not autocast:
@@ -262,19 +268,28 @@ def pytorch_layer_activation_bytes(model: ModelSpec, training: TrainingSpec, mic
     if not training.flash_attention and recompute != "selective":
         # Eager attention: the softmax output (fp32 in Hugging Face, upcast) and its
         # bf16 cast per score element.
-        scores = (4.0 + v) * b * model.num_attention_heads * s * s / tp
+        scores = (4.0 + v) * b * model.num_attention_heads * s * s / (cp * tp)
     return split + replicated / seq_split + router + weight_copies + scores
 
 
+def gathered_kv_factor(cp: int) -> float:
+    """K and V bytes SDPA keeps per local token, over their bytes without context
+    parallelism: the whole sequence's, gathered over the cp ranks (executor.models'
+    all-gather attention; Llama 3, Dubey et al. 2024 §3.3.2), so cp times a rank's own."""
+    return float(cp)
+
+
 def op_level_activation_bytes(model: ModelSpec, training: TrainingSpec, micro_batch_size: int,
-                              tp: int, sequence_parallel: bool, ep: int = 1) -> float:
+                              tp: int, sequence_parallel: bool, ep: int = 1, cp: int = 1) -> float:
     """Activations one layer keeps under op-level selective recompute (torchtitan's
     per-op SAC, costmodel.terms.recompute), one micro-batch, one rank: the layer's input
     (kept by the checkpoint: the residual stream, fp32 under autocast), the output of
     every second matmul, SDPA's output and fp32 log-sum-exp (flash attention only:
     math attention is recomputed) and, with sequence parallelism, the outputs of the
-    two reduce-scatters. Everything else is made again in backward."""
-    tokens = micro_batch_size * training.seq_len
+    two reduce-scatters. Everything else is made again in backward. Under context
+    parallelism the gathered K and V are counted as kept (a conservative bound: the
+    recompute gathers them again)."""
+    tokens = micro_batch_size * training.seq_len / cp
     seq_split = tp if sequence_parallel else 1
     v = float(activation_bytes_per_value(training))
     autocast = training.precision != "fp32" and training.mixed_precision == "autocast"
@@ -286,12 +301,14 @@ def op_level_activation_bytes(model: ModelSpec, training: TrainingSpec, micro_ba
         saved += (v * model.q_size + 4.0 * model.num_attention_heads) * tokens / tp
     if tp > 1 and sequence_parallel:
         saved += 2 * v * tokens * model.hidden_size / tp
+    if cp > 1:
+        saved += v * 2 * model.kv_size * tokens * gathered_kv_factor(cp) / tp
     return saved
 
 
 def layer_activation_bytes(model: ModelSpec, training: TrainingSpec, micro_batch_size: int,
                            tp: int, sequence_parallel: bool, recompute: str,
-                           selective_policy: str = "attention-core", ep: int = 1) -> float:
+                           selective_policy: str = "attention-core", ep: int = 1, cp: int = 1) -> float:
     """Activations one layer keeps for backward, one micro-batch, one rank.
 
     Korthikanti et al. 2022 §4.1 (Table 2) with 16-bit values: sbh(34 + 5as/h) without
@@ -305,12 +322,17 @@ def layer_activation_bytes(model: ModelSpec, training: TrainingSpec, micro_batch
     instead of the s x s scores (Dao et al. 2022 §3.1). `saved_tensors` adds what eager
     PyTorch modules keep beyond Megatron-LM's fused kernels. Under the op-level
     selective policy (`selective_policy`, the runtime's) see `op_level_activation_bytes`.
+    Under context parallelism (`cp`) every term counts the rank's s / cp tokens but K
+    and V, gathered over the sequence (`gathered_kv_factor`), and the scores, s / cp
+    queries by s keys.
     """
     if recompute == "selective" and selective_policy == "op-level":
-        return op_level_activation_bytes(model, training, micro_batch_size, tp, sequence_parallel, ep)
+        return op_level_activation_bytes(model, training, micro_batch_size, tp, sequence_parallel, ep, cp)
     if training.precision != "fp32" and training.mixed_precision != "megatron":
-        return pytorch_layer_activation_bytes(model, training, micro_batch_size, tp, sequence_parallel, recompute, ep)
-    b, s, h, f = micro_batch_size, training.seq_len, model.hidden_size, model.intermediate_size
+        return pytorch_layer_activation_bytes(model, training, micro_batch_size, tp, sequence_parallel, recompute,
+                                              ep, cp)
+    b, f = micro_batch_size, model.intermediate_size
+    s, h = training.seq_len / cp, model.hidden_size
     v = activation_bytes_per_value(training)
     saved = saved_tensors(training)
     seq_split = tp if sequence_parallel else 1
@@ -321,7 +343,7 @@ def layer_activation_bytes(model: ModelSpec, training: TrainingSpec, micro_batch
     rms_norm_extra = 0 if model.norm == "layernorm" else saved.norm_extra_values
     # Not split by tp without SP: two norm inputs, QKV input, MLP input, dropout masks.
     replicated = ((4 + 2 * rms_norm_extra) * v + 2 * dropout_mask) * tokens_h
-    tokens_q, tokens_kv = b * s * model.q_size, b * s * model.kv_size
+    tokens_q, tokens_kv = b * s * model.q_size, b * s * model.kv_size * gathered_kv_factor(cp)
     attention = v * (2 * tokens_q + 2 * tokens_kv)   # Q, K, V and the projection input
     if training.flash_attention and model.position_embedding == "rope" and saved.head_major_output_copy:
         attention += v * tokens_q
@@ -333,7 +355,7 @@ def layer_activation_bytes(model: ModelSpec, training: TrainingSpec, micro_batch
     if not training.flash_attention and recompute != "selective":
         # softmax output (v), dropout mask (1) and dropout output (v) per score element.
         per_score = v + (1 + v) * dropout_mask
-        scores = per_score * b * model.num_attention_heads * s * s / tp
+        scores = per_score * b * model.num_attention_heads * s * training.seq_len / tp
     return split + scores
 
 
@@ -373,17 +395,17 @@ LOSS_CHUNK_BYTES = 256 << 20
 
 
 def logits_bytes(model: ModelSpec, training: TrainingSpec, micro_batch_size: int, tp: int,
-                 chunked: bool = False) -> float:
+                 chunked: bool = False, cp: int = 1) -> float:
     """What the loss keeps for backward, per micro-batch: what stays alive while later
     micro-batches and layers run. fp32 logits for the vocab-parallel cross-entropy
     (Korthikanti et al. 2022 §4.3: 4sbv/t); the chunked cross-entropy's gradient buffer
     in the logits' dtype (executor.models.ChunkedCrossEntropy)."""
     per_logit = activation_bytes_per_value(training) if chunked else 4.0
-    return per_logit * micro_batch_size * training.seq_len * model.vocab_size / tp
+    return per_logit * micro_batch_size * training.seq_len / cp * model.vocab_size / tp
 
 
 def loss_peak_bytes(model: ModelSpec, training: TrainingSpec, micro_batch_size: int, tp: int,
-                    chunked: bool = False) -> float:
+                    chunked: bool = False, cp: int = 1) -> float:
     """The head's and loss's own peak, per micro-batch, on top of every layer's saved
     activations: F.cross_entropy upcasts the logits to fp32 (under autocast and in
     Hugging Face's loss alike) and keeps log_softmax's fp32 output; its backward makes
@@ -398,22 +420,23 @@ def loss_peak_bytes(model: ModelSpec, training: TrainingSpec, micro_batch_size: 
     `chunked`: the executor's chunked cross-entropy, below."""
     if training.precision != "fp32" and training.mixed_precision == "megatron":
         # Megatron-LM's vocab-parallel cross-entropy works in place on its fp32 logits.
-        return logits_bytes(model, training, micro_batch_size, tp)
+        return logits_bytes(model, training, micro_batch_size, tp, cp=cp)
+    tokens = micro_batch_size * training.seq_len / cp
     if chunked:
         # executor.models.ChunkedCrossEntropy: the logits and the gradient buffer in the
         # logits' dtype, and one chunk's fp32 rows with logsumexp's two temporaries.
-        logits = micro_batch_size * training.seq_len * model.vocab_size / tp
+        logits = tokens * model.vocab_size / tp
         return 2 * activation_bytes_per_value(training) * logits + 3 * min(LOSS_CHUNK_BYTES, 4.0 * logits)
     # Under autocast on CPU (FakeTensorMode) the bf16 logits stay alive to the end of
     # cross-entropy's backward (2 bytes per logit more); on the H200 they do not (the
     # runs of executor_runs.json are 4-7% over the estimate with them counted).
-    return 12.0 * micro_batch_size * training.seq_len * model.vocab_size / tp
+    return 12.0 * tokens * model.vocab_size / tp
 
 
 def final_norm_bytes(model: ModelSpec, training: TrainingSpec, micro_batch_size: int, tp: int,
-                     sequence_parallel: bool) -> float:
+                     sequence_parallel: bool, cp: int = 1) -> float:
     """The final norm's saved tensors and the LM head's input (one consumer)."""
-    tokens = micro_batch_size * training.seq_len
+    tokens = micro_batch_size * training.seq_len / cp
     if training.precision == "fp32" or training.mixed_precision == "megatron":
         return 0.0   # counted in their layer formulas' norm terms
     per_h, per_token = norm_saved_bytes(model, training, 1)

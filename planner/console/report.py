@@ -15,6 +15,8 @@ from costmodel.units import GIB
 def _label(strategy: dict) -> str:
     s = strategy
     parts = [f"dp {s['dp']}", f"tp {s['tp']}", f"pp {s['pp']}"]
+    if s.get("cp", 1) > 1:
+        parts.append(f"cp {s['cp']}")
     if s["vpp"] > 1:
         parts.append(f"vpp {s['vpp']}")
     if s["ep"] > 1:

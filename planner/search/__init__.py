@@ -19,6 +19,7 @@ from dataclasses import replace
 
 from costmodel.problem import Problem, TracedProblem
 from costmodel.specs import MixedClusterSpec
+from costmodel.specs.loading import SpecError
 from costmodel.units import GIB
 from planner.rules import Rules
 from planner.search.mixed import search_mixed
@@ -47,8 +48,10 @@ def check_fix(problem: Problem | TracedProblem, fix: dict) -> None:
     """Reject `--fix` pins that cannot work on this problem (SpecError, exit code 2)."""
     if isinstance(problem, TracedProblem):
         check_fix_traced(problem, fix)
-    else:
-        check_fix_spec(problem, fix)
+        return
+    if isinstance(problem.cluster, MixedClusterSpec) and fix.get("cp", 1) > 1:
+        raise SpecError("--fix cp", f"{problem.cluster.name} is a mixed cluster, whose plans run cp 1")
+    check_fix_spec(problem, fix)
 
 
 def suggest_relaxation(problem: Problem, rules: Rules) -> str | None:

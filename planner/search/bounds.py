@@ -63,7 +63,7 @@ class _Terms:
 
 def _terms(problem: Problem, units: UnitCosts, strategy: Strategy, modes: tuple[str, ...]) -> _Terms:
     layers, pp = problem.model.num_hidden_layers, strategy.pp
-    training, dp, zero = problem.training, strategy.dp, strategy.zero_stage
+    training, dp, zero = problem.training, strategy.dp_cp, strategy.zero_stage   # ZeRO shards over dp x cp
     dense_layer, expert_layer = units.layer_dense_parameters, units.layer_expert_parameters
     layer_states = (sum(memory.sharded_state_bytes(dense_layer, training, zero, dp))
                     + sum(memory.sharded_state_bytes(expert_layer, training, zero, dp // strategy.ep)))
@@ -89,6 +89,13 @@ def _terms(problem: Problem, units: UnitCosts, strategy: Strategy, modes: tuple[
     return _Terms(work[fastest], layer_states, act[fastest], min(act[m] for m in modes),
                   min(prices) if prices else float("inf"), layers * layer_states + ends,
                   tuple(rank_s), in_flight, credit)
+
+
+def states_memory_bytes(problem: Problem, units: UnitCosts, strategy: Strategy) -> float:
+    """A lower bound on the fullest rank's memory from its model states alone: their
+    mean over the pipeline ranks, and the runtime's reserve."""
+    x = _terms(problem, units, strategy, ("none",))
+    return memory.RUNTIME_RESERVE_BYTES + x.states_bytes / strategy.pp
 
 
 def quick(problem: Problem, units: UnitCosts, strategy: Strategy, modes: tuple[str, ...],

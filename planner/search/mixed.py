@@ -227,7 +227,8 @@ def search_mixed(problem: Problem, rules: Rules, top: int = 3,
     for groups in group_sets(cluster):
         if every_group and len(groups) < len(cluster.groups):
             continue
-        space, why = enumerate_space(replace(problem, cluster=stand_in(groups)), rules)
+        # Mixed clusters are priced per group on whole sequences: cp 1.
+        space, why = enumerate_space(replace(problem, cluster=stand_in(groups)), rules, context_parallel=False)
         last_why = why
         for s in space:
             placed += [replace(s, stage_groups=names) for names in stage_placements(groups, s)]

@@ -1,4 +1,4 @@
-"""The search space: every mesh shape (dp x tp x pp, ep inside dp), micro-batch size,
+"""The search space: every mesh shape (dp x cp x tp x pp, ep inside dp), micro-batch size,
 schedule (with virtual stages for interleaving), ZeRO stage and sequence-parallel
 setting that the cluster, the batch and the rules admit. Strategies come out without
 stages; `planner.search.partition` places the layers and chooses recomputation.
@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 from costmodel.problem import Problem, TracedProblem
 from costmodel.specs.loading import SpecError
@@ -22,6 +23,7 @@ from costmodel.strategy import (
     V_SCHEDULES,
     ZERO_BUBBLE_SCHEDULES,
     Strategy,
+    context_parallel_error,
     schedule_microbatch_error,
     schedule_vpp_error,
     schedule_zero_error,
@@ -94,16 +96,21 @@ def check_fix_spec(problem: Problem, fix: dict) -> None:
     """Reject pins that contradict the model, the cluster or the batch (exit code 2)."""
     model, n, batch = problem.model, problem.cluster.num_gpus, problem.training.global_batch
     layers = model.num_hidden_layers
-    for knob in ("dp", "tp", "pp"):
+    for knob in ("dp", "tp", "pp", "cp"):
         if knob in fix and n % fix[knob]:
             raise SpecError(f"--fix {knob}", f"{fix[knob]} does not divide the {n} GPUs of the cluster")
     product = 1
-    for knob in ("dp", "tp", "pp"):
+    for knob in ("dp", "tp", "pp", "cp"):
         product *= fix.get(knob, 1)
     if n % product:
-        raise SpecError("--fix", f"dp x tp x pp = {product} does not divide the {n} GPUs of the cluster")
+        raise SpecError("--fix", f"dp x cp x tp x pp = {product} does not divide the {n} GPUs of the cluster")
     if all(k in fix for k in ("dp", "tp", "pp")) and product != n:
-        raise SpecError("--fix", f"dp x tp x pp = {product}, but the cluster has {n} GPUs")
+        raise SpecError("--fix", f"dp x cp x tp x pp = {product}, but the cluster has {n} GPUs")
+    if why := context_parallel_error(fix.get("cp", 1), problem.training.seq_len):
+        raise SpecError("--fix cp", why)
+    if fix.get("cp", 1) > 1 and fix.get("ep", 1) > 1:
+        raise SpecError("--fix cp", "context parallelism with expert parallelism is not run by the executor; "
+                                    "pin one of them to 1")
     if "tp" in fix and model.hidden_size % fix["tp"]:
         raise SpecError("--fix tp", f"{fix['tp']} does not divide hidden_size {model.hidden_size}")
     if "pp" in fix and fix["pp"] > layers:
@@ -129,8 +136,8 @@ def check_fix_spec(problem: Problem, fix: dict) -> None:
         raise SpecError("--fix dp", f"{fix['dp']} does not divide --global-batch {batch}")
     if fix.get("sp") and fix.get("tp") == 1:
         raise SpecError("--fix sp", "sequence parallelism needs tp of 2 or more")
-    if fix.get("zero", 0) > 0 and fix.get("dp") == 1:
-        raise SpecError("--fix zero", f"ZeRO stage {fix['zero']} shards over dp, but dp is 1")
+    if fix.get("zero", 0) > 0 and fix.get("dp") == 1 and fix.get("cp") == 1:
+        raise SpecError("--fix zero", f"ZeRO stage {fix['zero']} shards over dp x cp, but both are 1")
     if "ep" in fix and fix["ep"] > 1:
         if not model.is_moe:
             raise SpecError("--fix ep", f"{model.name} has no experts")
@@ -204,9 +211,48 @@ def _zero_bubble_refusal(runtime, schedule: str) -> str | None:
     return None
 
 
-def enumerate_space(problem: Problem, rules: Rules) -> tuple[list[Strategy], Exclusions]:
+def _cp_options(problem: Problem, rules: Rules, degrees: list[int], why: Exclusions) -> list[int]:
+    """Context-parallel degrees: 1, and each degree whose 2 cp load-balanced chunks cut
+    the sequence evenly."""
+    out = []
+    for cp in degrees:
+        if not admits(rules, why, "cp", cp):
+            continue
+        if why_not := context_parallel_error(cp, problem.training.seq_len):
+            why.add("cp", why_not)
+        else:
+            out.append(cp)
+    return out
+
+
+def _zero_sp_options(problem: Problem, rules: Rules, why: Exclusions, strategy: Strategy) -> list[Strategy]:
+    """`strategy` at each ZeRO stage and sequence-parallel setting the rules admit. ZeRO
+    shards over every rank holding the same weights (dp x cp); sequence parallelism splits
+    a rank's s / cp tokens evenly over the tp ranks."""
+    s, out = strategy, []
+    local_seq = problem.training.seq_len // s.cp
+    for zero in (range(4) if s.dp_cp > 1 else (0,)):
+        if not admits(rules, why, "zero", zero):
+            continue
+        if why_not := schedule_zero_error(s.schedule, s.pp, s.dp_cp, zero):
+            why.add("schedule", why_not)
+            continue
+        sp_options = (False, True) if s.tp > 1 and local_seq % s.tp == 0 else (False,)
+        if s.tp > 1 and local_seq % s.tp:
+            why.add("sp", f"tp {s.tp} does not divide the {local_seq} tokens of a rank's sequence")
+        for sp in sp_options:
+            if admits(rules, why, "sp", sp):
+                out.append(replace(s, zero_stage=zero, sequence_parallel=sp))
+    return out
+
+
+def enumerate_space(problem: Problem, rules: Rules, context_parallel: bool = True,
+                    cp_wanted: Callable[[Strategy], bool] | None = None) -> tuple[list[Strategy], Exclusions]:
     """All stage-less strategies the rules admit, in a fixed order, and the reasons
-    for what was left out."""
+    for what was left out; cp 1 only unless `context_parallel`. `cp_wanted(strategy)`:
+    whether to offer a strategy with cp > 1 (planner.search.uniform asks only where
+    memory needs it), and then only those: the caller has the cp 1 strategies already;
+    None offers them all."""
     model, cluster, training = problem.model, problem.cluster, problem.training
     n, batch, layers = cluster.num_gpus, training.global_batch, model.num_hidden_layers
     why = Exclusions()
@@ -217,47 +263,39 @@ def enumerate_space(problem: Problem, rules: Rules) -> tuple[list[Strategy], Exc
     default_recompute = modes[0] if len(modes) == 1 else "none"
     out: list[Strategy] = []
     for tp in _tp_options(problem, rules, divisors(n), why):
-        for pp in divisors(n // tp):
-            if pp > layers:
-                why.add("pp", f"{pp} is more than the {layers} layers")
-                continue
-            if not admits(rules, why, "pp", pp):
-                continue
-            dp = n // (tp * pp)
-            if not admits(rules, why, "dp", dp):
-                continue
-            ep_options = [1]
-            if model.is_moe:
-                ep_options = [e for e in divisors(dp) if model.num_local_experts % e == 0]
-            for ep in ep_options:
-                if not admits(rules, why, "ep", ep):
+        degrees = divisors(n // tp) if context_parallel else [1]
+        for cp in _cp_options(problem, rules, degrees[1:] if cp_wanted else degrees, why):
+            for pp in divisors(n // (tp * cp)):
+                if pp > layers:
+                    why.add("pp", f"{pp} is more than the {layers} layers")
                     continue
-                for mbs, m in micro_batches(rules, why, batch, dp, "--global-batch"):
-                    for schedule, vpp in _schedule_options(problem, rules, pp, m, why):
-                        for zero in (range(4) if dp > 1 else (0,)):
-                            if not admits(rules, why, "zero", zero):
-                                continue
-                            if why_not := schedule_zero_error(schedule, pp, dp, zero):
-                                why.add("schedule", why_not)
-                                continue
-                            # Sequence parallelism splits the sequence evenly over the tp ranks.
-                            sp_options = (False, True) if tp > 1 and training.seq_len % tp == 0 else (False,)
-                            if tp > 1 and training.seq_len % tp:
-                                why.add("sp", f"tp {tp} does not divide the sequence of {training.seq_len} tokens")
-                            for sp in sp_options:
-                                if not admits(rules, why, "sp", sp):
-                                    continue
-                                out.append(Strategy(
-                                    dp=dp, tp=tp, pp=pp, micro_batch_size=mbs, num_microbatches=m,
-                                    vpp=vpp, ep=ep, schedule=schedule, zero_stage=zero,
-                                    recompute=default_recompute, sequence_parallel=sp,
-                                ))
+                if not admits(rules, why, "pp", pp):
+                    continue
+                dp = n // (tp * cp * pp)
+                if not admits(rules, why, "dp", dp):
+                    continue
+                ep_options = [1]
+                if model.is_moe and cp == 1:
+                    ep_options = [e for e in divisors(dp) if model.num_local_experts % e == 0]
+                elif model.is_moe:
+                    why.add("ep", f"cp {cp}: the executor runs context parallelism without expert parallelism")
+                for ep in ep_options:
+                    if not admits(rules, why, "ep", ep):
+                        continue
+                    for mbs, m in micro_batches(rules, why, batch, dp, "--global-batch"):
+                        for schedule, vpp in _schedule_options(problem, rules, pp, m, why):
+                            out += [s for s in _zero_sp_options(problem, rules, why, Strategy(
+                                dp=dp, tp=tp, pp=pp, cp=cp, micro_batch_size=mbs, num_microbatches=m,
+                                vpp=vpp, ep=ep, schedule=schedule, recompute=default_recompute))
+                                if cp_wanted is None or cp_wanted(s)]
     return out, why
 
 
 def describe(strategy: Strategy) -> str:
     """Short label: dp8 tp8 pp2 mbs1 1f1b zero1 sp."""
     parts = [f"dp{strategy.dp}", f"tp{strategy.tp}", f"pp{strategy.pp}"]
+    if strategy.cp > 1:
+        parts.append(f"cp{strategy.cp}")
     if strategy.vpp > 1:
         parts.append(f"vpp{strategy.vpp}")
     if strategy.ep > 1:

@@ -36,7 +36,7 @@ from planner.search.partition import memory_limits, usable_memory_bytes
 from planner.search.result import Candidate, Infeasible, SearchResult, SearchStats
 from planner.search.space import describe, enumerate_traced
 
-UNSUPPORTED = {"tp": 1, "vpp": 1, "ep": 1, "sp": False}
+UNSUPPORTED = {"tp": 1, "vpp": 1, "ep": 1, "sp": False, "cp": 1}
 
 
 def check_fix_traced(problem: TracedProblem, fix: dict) -> None:

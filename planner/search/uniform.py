@@ -46,28 +46,71 @@ def unit_key(strategy: Strategy) -> tuple:
     return (s.dp, s.tp, s.pp, s.micro_batch_size, s.ep, s.zero_stage, s.sequence_parallel)
 
 
+def context_parallel_wanted(problem: Problem, space: list[Strategy], units_of: Callable[[Strategy], UnitCosts],
+                            usable_bytes: float, smallest_mbs: int) -> Callable[[Strategy], bool]:
+    """Whether the search offers a strategy with context parallelism.
+
+    cp > 1 buys activation memory (a rank holds s / cp of each sequence) and pays with
+    the K/V exchange and GEMMs cp times shorter; its twin without cp (cp folded into dp:
+    the same GPUs, the same model states per rank) wins wherever that memory is not
+    needed. So cp is offered at a (tp, pp, ZeRO) of `space` (the cp 1 candidates) where
+    the smallest micro-batch does not fit without recomputing but the model states do,
+    and at every (tp, pp, ZeRO) that has no cp 1 candidate (a batch too small for the
+    replicas); and only at the smallest micro-batch, since cp is there to split what the
+    smallest micro-batch holds (a larger one under cp holds what a smaller cp would).
+    Not chased: the smaller pipeline bubble of the cp plan's cp times more micro-batches."""
+    wanted: set[tuple] = set()
+    seen: set[tuple] = set()
+    for strategy in space:
+        key = (strategy.tp, strategy.pp, strategy.zero_stage)
+        if strategy.micro_batch_size != smallest_mbs or key in seen:
+            continue
+        seen.add(key)
+        units = units_of(strategy)
+        plain = bounds.quick(problem, units, strategy, ("none",), usable_bytes).memory_bytes
+        if plain > usable_bytes and bounds.states_memory_bytes(problem, units, strategy) <= usable_bytes:
+            wanted.add(key)
+    def offered(s: Strategy) -> bool:
+        key = (s.tp, s.pp, s.zero_stage)
+        return s.micro_batch_size == smallest_mbs and (key in wanted or key not in seen)
+
+    return offered
+
+
 def search_uniform(problem: Problem, rules: Rules, top: int = 3,
                    progress: Callable[[int, int], None] | None = None, pareto: bool = False) -> SearchResult:
     """The best plans for a transformer on one kind of GPU; as `planner.search.search`."""
     started = time.perf_counter()
     check_specs(problem, rules, pareto)
-    space, why = enumerate_space(problem, rules)
-    if not space:
-        raise Infeasible(f"no strategy satisfies the rules and the cluster ({why.summary()})")
     modes = recompute_modes(problem, rules)
     usable = usable_memory_bytes(problem, rules)
     objective = rules.objective
     budgeted = any(getattr(rules, key) is not None for key in BUDGETS)
-
     cache: dict[tuple, UnitCosts] = {}
+
+    def units_of(strategy: Strategy) -> UnitCosts:
+        key = unit_key(strategy)
+        if key not in cache:
+            cache[key] = unit_costs(problem, strategy)
+        return cache[key]
+
+    space, why = enumerate_space(problem, rules, context_parallel=False)
+    # A cp the rules pin or require is offered whole; otherwise only where memory needs it.
+    chosen = "cp" in rules.pinned or not rules.permits("cp", 1)
+    wanted = (lambda s: True) if chosen else context_parallel_wanted(problem, space, units_of, usable,
+                                                                      rules.micro_batch_min)
+    with_cp, cp_why = enumerate_space(problem, rules, cp_wanted=wanted)
+    space += with_cp
+    why.reasons.update(cp_why.reasons)
+    why.rule_reasons.update(cp_why.rule_reasons)
+    if not space:
+        raise Infeasible(f"no strategy satisfies the rules and the cluster ({why.summary()})")
+
     scored = []
     pruned_memory = 0
     closest: tuple[float, Strategy] | None = None
     for strategy in space:
-        key = unit_key(strategy)
-        if key not in cache:
-            cache[key] = unit_costs(problem, strategy)
-        bound = bounds.quick(problem, cache[key], strategy, modes, usable)
+        bound = bounds.quick(problem, units_of(strategy), strategy, modes, usable)
         if bound.memory_bytes > usable:
             pruned_memory += 1
             if closest is None or bound.memory_bytes < closest[0]:

@@ -22,7 +22,7 @@ def test_space_obeys_rules():
     space, _ = enumerate_space(p, rules)
     assert space and all(s.tp == 2 and s.zero_stage <= 1 and s.schedule != "gpipe" for s in space)
     assert all(s.dp * s.micro_batch_size * s.num_microbatches == 32 for s in space)
-    assert all(s.dp * s.tp * s.pp == 8 for s in space)
+    assert all(s.dp * s.cp * s.tp * s.pp == 8 for s in space)
 
 
 
