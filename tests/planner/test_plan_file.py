@@ -74,6 +74,9 @@ def test_run_reads_a_plan_model_block_as_a_model_file(tmp_path):
      "expected one number per pipeline rank (1), got 0"),
     ("plan.estimate.peak_memory_rank", lambda d: d["estimate"].update(peak_memory_rank=1),
      "expected a pipeline rank, 0 to 0, got 1"),
+    ("plan.strategy.cp", lambda d: d["strategy"].update(cp=0), "expected a positive integer, got 0"),
+    ("plan.strategy", lambda d: d["strategy"].update(cp=2), "dp 2 x cp 2 x tp 1 x pp 1 = 4 ranks, but the plan's "
+                                                           "cluster has 2 GPUs"),
 ])
 def test_every_reader_refuses_a_hand_edited_plan_the_same_way(tmp_path, field, edit, message):
     """check_plan is the one validation: run, explain, replan and export refuse the same
@@ -96,6 +99,21 @@ def test_every_reader_refuses_a_hand_edited_plan_the_same_way(tmp_path, field, e
         out = CliRunner().invoke(main, argv)
         assert out.exit_code == 2, argv
         assert out.output.strip() == expected, argv
+
+
+def test_a_plan_carries_cp_only_above_one(tmp_path):
+    plain = plan("tiny-llama", "cpu", 8, gpus=4, seq_len=64)
+    split = plan("tiny-llama", "cpu", 8, gpus=4, seq_len=64, fix={"cp": 2})
+    assert "cp" not in plain["strategy"] and "cp_comm_s" not in plain["estimate"]["time"]
+    assert split["strategy"]["cp"] == 2 and split["estimate"]["time"]["cp_comm_s"] > 0
+    path = tmp_path / "plan.json"
+    write_plan(split, path)
+    assert strategy_of(read_plan(path)).cp == 2
+    # Each cp rank holds chunks i and 2cp - 1 - i: the sequence must cut into 2 cp.
+    split["training"]["seq_len"] = 62
+    path.write_text(json.dumps(split))
+    with pytest.raises(SpecError, match="plan.strategy.cp: cp 2 splits each sequence into 2 x cp = 4 equal chunks"):
+        read_plan(path)
 
 
 def test_a_stage_off_its_schedules_rank_is_refused_by_every_reader():

@@ -75,6 +75,8 @@ CASES = {
     "mixtral-ep-zero3": (dict(model="mixtral-8x7b", global_batch=16, seq_len=4096, gpus=16),
                          dict(dp=4, tp=2, pp=2, ep=4, zero_stage=3)),
     "llama2-7b-zero2-2nodes": (dict(model="llama2-7b", global_batch=64, gpus=16), dict(dp=16, zero_stage=2)),
+    "llama3-8b-cp2-tp2-zero3": (dict(model="llama3-8b", global_batch=8, seq_len=16384),
+                                dict(dp=2, cp=2, tp=2, zero_stage=3, sequence_parallel=True)),
 }
 
 
@@ -117,7 +119,7 @@ def test_throughput_and_utilisation(case):
         flops = 72 * B * sq * L * h**2 * (1 + sq / (6 * h) + V / (12 * h * L))
     else:
         flops = model_flops_per_step(m, t.global_batch, t.seq_len)
-    gpus = s.dp * s.tp * s.pp
+    gpus = s.dp * s.cp * s.tp * s.pp
     assert e.mfu == pytest.approx(flops / e.step_time_s / gpus / A100_PEAK_BF16, rel=1e-9)
     assert e.tflops_per_gpu == pytest.approx(flops / e.step_time_s / gpus / 1e12, rel=1e-9)
     assert 0 < e.mfu < 1
@@ -195,6 +197,27 @@ def test_tensor_parallel_collectives_of_a_22b_layer():
     assert u_sp.layer_work["none"].tp_comm_s == pytest.approx(
         2 * (ag + ag) + max(0.0, 2 * (ag + ag) - gemm) + 2 * ag, rel=1e-12)
     assert u.layer_backward_s == pytest.approx(u.layer_work["none"].compute_s * 2 / 3 + max(0.0, 2 * ar - gemm))
+
+
+def test_context_parallel_collectives_and_states_of_a_llama_layer():
+    # cp 2 over tp 2 on one DGX node: each layer all-gathers K and V of the whole
+    # sequence (b*s*kv/tp 16-bit values) forward and reduce-scatters their gradients
+    # backward, exposed; full recompute gathers them again. ZeRO-3 shards over dp x cp.
+    prob = problem("llama3-8b", global_batch=8, seq_len=16384)
+    s = strategy(prob, dp=2, cp=2, tp=2, zero_stage=3)
+    u = unit_costs(prob, s)
+    kv_bytes = 2 * 1 * 16384 * 1024 / 2
+    gather = ring_gather(kv_bytes, 2, NVLINK_BW, NVLINK_LAT)   # a reduce-scatter costs the same
+    assert u.layer_work["none"].cp_comm_s == pytest.approx(4 * gather, rel=1e-12)
+    assert u.layer_work["full"].cp_comm_s == pytest.approx(6 * gather, rel=1e-12)
+    # Every other per-token figure is the rank's 8192 tokens: the TP all-reduce of b*s/cp*h.
+    plain = unit_costs(prob, strategy(prob, dp=4, tp=2, zero_stage=3))
+    assert u.p2p_bytes == plain.p2p_bytes / 2
+    assert groups(prob, s)["dp"].size == 4 and groups(prob, s)["cp"].size == 2
+    e, e_dp = estimate(prob, s), estimate(prob, strategy(prob, dp=4, tp=2, zero_stage=3))
+    # Same weight replicas (dp x cp = 4): the same sharded states per rank.
+    assert (e.memory.weights_bytes, e.memory.optimizer_bytes) == (e_dp.memory.weights_bytes, e_dp.memory.optimizer_bytes)
+    assert e.time.cp_comm_s == pytest.approx(u.layer_work["none"].cp_comm_s * 32 * s.num_microbatches, rel=1e-9)
 
 
 def test_layer_work_by_recompute_mode():

@@ -234,3 +234,23 @@ def test_device_gemm_curve_overrides_the_a100_fit():
     assert gemm_efficiency(16, 16, 16, cpu) == pytest.approx((16 / 21) ** 3, rel=1e-12)
     assert gemm_efficiency(16, 16, 16) == pytest.approx(0.84 * (16 / 144) ** 3, rel=1e-12)
     assert gemm_time_s(16, 16, 16, 1e11, device=cpu) == pytest.approx(2 * 16 ** 3 / (1e11 * (16 / 21) ** 3), rel=1e-12)
+
+
+@pytest.mark.parametrize("cp, flash", [(2, True), (4, False)])
+def test_context_parallel_layer_runs_s_over_cp_queries_against_every_key(dgx, cp, flash):
+    # Under cp a rank runs s / cp tokens through the GEMMs; its queries attend all s keys
+    # (Llama 3's all-gather CP), half of them below the diagonal with load balancing.
+    m = load_model("tiny-gpt")
+    b, s, h, a, hd, f = 2, 64, 64, 4, 16, 256
+    q = s / cp
+    tokens = b * q
+    gemm = (gemm_seconds(tokens, 3 * h, h, PEAK) + gemm_seconds(tokens, h, h, PEAK)
+            + gemm_seconds(tokens, f, h, PEAK) + gemm_seconds(tokens, h, f, PEAK))
+    heads = b * a
+    core = gemm_seconds(q, s, hd, PEAK, heads) + gemm_seconds(q, hd, s, PEAK, heads)
+    core = core * 0.5 if flash else core + hbm_seconds(11 * heads * q * s)
+    elementwise = hbm_seconds((2 * (2 * 2) + 2 * (3 * 2) + 2) * tokens * h + 2 * (2 * f) * tokens)
+    lc = layer_compute(m, dgx, training(m, dgx, flash), b, 1, False, cp=cp)
+    assert lc.gemm_s == pytest.approx(gemm, rel=1e-12)
+    assert lc.attention_core_s == pytest.approx(core, rel=1e-12)
+    assert lc.elementwise_s == pytest.approx(elementwise, rel=1e-12)

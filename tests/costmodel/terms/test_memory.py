@@ -364,3 +364,40 @@ def test_zero_bubble_schedules_hold_twice_1f1bs_rank_0_count_on_every_rank():
     assert [in_flight_microbatches("zb-interleaved", 4, r, 6, 2) for r in range(4)] == [6.0] * 4
     assert [in_flight_microbatches("zbv", 4, r, 16, 2) for r in range(4)] == [8.0] * 4
     assert in_flight_microbatches("zbv", 1, 0, 16, 2) == 1.0
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_context_parallel_activations_keep_the_gathered_keys(dgx, cp):
+    # executor.models under torch.autocast at cp: every per-token tensor is the rank's s / cp
+    # tokens, but SDPA keeps K and V (repeated to every head) of the whole sequence.
+    spec = load_model("llama3-8b")
+    s = 1024
+    t = training(spec, dgx, flash=True, seq=s, mixed_precision="autocast")
+    h, q, kv, f = 4096, 4096, 1024, 14336
+    local = s // cp
+    per_local_token = (2 * (8 * h + 4) + 2 * 5 * h) + (2 * q + 2 * q + 4 * 32) + 4 * 128 + 8 * f
+    keys_per_token = 2 * 2 * kv + 4 * (q - kv)   # K, V and their repeated copies, 2 bytes each
+    from costmodel.terms.counts import attention_parameters, expert_parameters
+    copies = 2 * (attention_parameters(spec) + expert_parameters(spec))
+    expected = per_local_token * local + keys_per_token * s + copies
+    assert pytorch_layer_activation_bytes(spec, t, 1, 1, False, "none", cp=cp) == expected
+    assert pytorch_layer_activation_bytes(spec, t, 1, 1, False, "full", cp=cp) == 4 * local * h
+
+
+def test_context_parallel_megatron_activations(gpt22):
+    # Korthikanti et al.'s count with s / cp tokens, but K and V (2 of the 4 s*b*h attention
+    # values: GPT's kv is h wide) over the whole sequence, and s / cp x s scores.
+    m, t = gpt22
+    b, s, h, a, cp = 1, t.seq_len, m.hidden_size, m.num_attention_heads, 2
+    plain = layer_activation_bytes(m, t, b, 1, False, "none")
+    split = layer_activation_bytes(m, t, b, 1, False, "none", cp=cp)
+    # Without cp: sbh(34 + 5as/h). At cp 2: half of every term but K and V (4 sbh, kept
+    # whole), and half the scores.
+    assert plain == pytest.approx(s * b * h * (34 + 5 * a * s / h), rel=1e-12)
+    assert split == pytest.approx(s * b * h * (34 - 4) / cp + 4 * s * b * h + 5 * a * s * s * b / cp, rel=1e-12)
+
+
+def test_context_parallel_logits_are_the_local_tokens(dgx):
+    spec = load_model("llama3-8b")
+    t = training(spec, dgx, seq=4096)
+    assert memory.logits_bytes(spec, t, 1, 1, cp=4) == memory.logits_bytes(spec, t, 1, 1) / 4
