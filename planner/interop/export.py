@@ -52,7 +52,8 @@ def export_strategy(target: str, strategy: Strategy, model: ModelSpec, training:
     """The target's configuration for `strategy`, with what it cannot express as warnings;
     the text is read back and any strategy it describes other than the plan's is one more.
     `runtime`: the profile the plan was priced under (its selective recompute policy);
-    with `cluster` too, the peak memory the engine's own settings give is checked."""
+    with `cluster` too, the peak memory the engine's own settings give is checked. A plan
+    that no setting of the target runs (DeepSpeed with cp > 1) raises SpecError."""
     if target not in _EXPORTERS:
         raise SpecError("--to", f"unknown target {target!r} (known: {', '.join(TARGETS)})")
     exported = _EXPORTERS[target](strategy, model, training)
@@ -121,7 +122,7 @@ def _group_warnings(target: str, strategy: Strategy) -> tuple[str, ...]:
             first += count
         placed = "pipeline ranks " + ", ".join(spans)
         return (f"{target} has no device groups: the plan puts {placed}; start the nodes so that global ranks "
-                f"r x {s.dp * s.tp} onwards are on pipeline rank r's group",)
+                f"r x {s.dp_cp * s.tp} onwards are on pipeline rank r's group",)
     if s.replica_groups:
         runs = itertools.groupby(zip(s.replica_groups, s.replica_microbatches))
         shares = ", ".join(f"{len(list(run))} on {name} {m} each" for (name, m), run in runs)
