@@ -108,6 +108,15 @@ MEGATRON_CHOICE_ARGS = {
 
 MEGATRON_STR_ARGS = ("--pipeline-model-parallel-layout",)   # TransformerConfig.pipeline_model_parallel_layout
 
+# TransformerConfig.cp_comm_type: how the cp ranks exchange K and V, one for all layers or
+# one per layer. "all_gather" gathers the whole sequence's K and V before attention (what
+# Shardwise prices), "p2p" passes chunks around a ring (Megatron-LM's default), "a2a"
+# scatters heads as DeepSpeed Ulysses does, "a2a+p2p" nests the two.
+MEGATRON_CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
+# Without --cp-comm-type: Megatron-LM's default ["p2p"] (arguments.py), and megatron-core
+# hands an unset type to Transformer Engine as "p2p" (extensions/transformer_engine.py).
+MEGATRON_CP_COMM_DEFAULT = "p2p"
+
 # TransformerConfig.moe_expert_capacity_factor (None: dropless), moe_token_drop_policy
 # ("probs" drops the lowest router probabilities, "position" the latest tokens: the
 # executor's) and moe_pad_expert_input_to_capacity.
@@ -132,7 +141,8 @@ MEGATRON_FLAGS = (
 
 
 
-MEGATRON_NARGS_ARGS = ("--recompute-modules",)   # TransformerConfig.recompute_modules
+MEGATRON_NARGS_ARGS = ("--recompute-modules",    # TransformerConfig.recompute_modules
+                       "--cp-comm-type")          # TransformerConfig.cp_comm_type (MEGATRON_CP_COMM_TYPES)
 
 
 
@@ -238,12 +248,15 @@ def read_megatron(text: str, model: ModelSpec, num_gpus: int) -> Imported:
     cp = args.context_parallel_size or 1
     ep = args.expert_model_parallel_size or 1
     if cp > 1:
-        raise SpecError("--context-parallel-size", f"{cp}: Shardwise does not model context parallelism")
+        _check_cp_comm_type(args.cp_comm_type, model.num_hidden_layers, warnings)
     if args.expert_tensor_parallel_size not in (None, tp):
         warnings.append(f"--expert-tensor-parallel-size {args.expert_tensor_parallel_size}: priced with the "
                         f"experts split over tp {tp} as Megatron's default")
+    # Megatron's data-parallel size is what tp x pp x cp leave (parallel_state.py); the
+    # distributed optimizer and Megatron FSDP shard over dp x cp (the data-parallel group
+    # with context parallelism), Shardwise's ZeRO group.
     dp = divide(num_gpus, tp * pp * cp, "--tensor-model-parallel-size",
-                 f"tp {tp} x pp {pp} must divide the cluster's {num_gpus} GPUs")
+                 f"tp {tp} x pp {pp}" + (f" x cp {cp}" if cp > 1 else "") + f" must divide the cluster's {num_gpus} GPUs")
     mbs = args.micro_batch_size or 1
     global_batch = args.global_batch_size or mbs * dp   # arguments.py: defaults to micro x dp
     microbatches = divide(global_batch, mbs * dp, "--global-batch-size", f"micro-batch {mbs} x dp {dp}")
@@ -283,7 +296,7 @@ def read_megatron(text: str, model: ModelSpec, num_gpus: int) -> Imported:
         zero = ("no_shard", "optim", "optim_grads", "optim_grads_params").index(strategy_name)
     else:
         zero = 1 if args.use_distributed_optimizer else 0
-    if dp == 1:
+    if dp * cp == 1:
         zero = 0
 
     recompute = Recompute()
@@ -310,8 +323,24 @@ def read_megatron(text: str, model: ModelSpec, num_gpus: int) -> Imported:
         # store_true); a pasted excerpt often leaves them out.
         warnings.append("neither --bf16 nor --fp16: Megatron-LM trains in fp32, priced as fp32")
     strategy = engine_strategy(dp, tp, pp, mbs, microbatches, vpp, ep, schedule, zero, tp > 1 and args.sequence_parallel,
-                         build_stages(sizes, pp, recompute))
+                         build_stages(sizes, pp, recompute), cp)
     return Imported(strategy, global_batch, args.seq_length, precision, tuple(warnings))
+
+
+def _check_cp_comm_type(given: list[str] | None, layers: int, warnings: list[str]) -> None:
+    """--cp-comm-type against what Shardwise prices, K and V all-gathered: one type for
+    every layer or one per layer (TransformerConfig.__post_init__ asserts the count)."""
+    types = given or [MEGATRON_CP_COMM_DEFAULT]
+    unknown = [t for t in types if t not in MEGATRON_CP_COMM_TYPES]
+    if unknown:
+        raise SpecError("--cp-comm-type", f"{unknown[0]!r} (known: {', '.join(MEGATRON_CP_COMM_TYPES)})")
+    if len(types) > 1 and len(types) != layers:
+        raise SpecError("--cp-comm-type", f"{len(types)} types, one for all layers or one per layer ({layers})")
+    others = sorted(set(types) - {"all_gather"})
+    if others:
+        said = "not given: Megatron-LM's default p2p" if not given else " ".join(others)
+        warnings.append(f"--cp-comm-type {said} exchanges K and V otherwise than all_gather (p2p: chunks around a "
+                        "ring, a2a: heads scattered as in Ulysses); priced as all-gather")
 
 
 def _megatron_partition(strategy: Strategy, layers: int) -> list[str]:
@@ -384,7 +413,11 @@ def export_megatron(strategy: Strategy, model: ModelSpec, training: TrainingSpec
     elif s.zero_stage >= 2:
         args += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy",
                  "optim_grads" if s.zero_stage == 2 else "optim_grads_params"]
-    args += ["--context-parallel-size", "1", "--expert-model-parallel-size", str(s.ep)]
+    args += ["--context-parallel-size", str(s.cp)]
+    if s.cp > 1:
+        # Megatron-LM's default is p2p (a ring); all_gather is the exchange the plan priced.
+        args += ["--cp-comm-type", "all_gather"]
+    args += ["--expert-model-parallel-size", str(s.ep)]
     args += ["--num-layers", str(model.num_hidden_layers), "--hidden-size", str(model.hidden_size),
              "--ffn-hidden-size", str(model.intermediate_size), "--num-attention-heads", str(model.num_attention_heads)]
     if model.num_key_value_heads != model.num_attention_heads:
