@@ -18,7 +18,7 @@ from costmodel.specs.loading import (
     load_cluster,
     load_runtime,
 )
-from costmodel.strategy import Strategy
+from costmodel.strategy import Strategy, context_parallel_error
 from costmodel.units import GIB
 from planner.api import make_problem, resolve_model
 from planner.interop.common import Imported, strategy_changes
@@ -34,12 +34,14 @@ ENGINE_RUNTIMES = {"megatron": "megatron", "deepspeed": "deepspeed-zero", "torch
 # The engine's own name for what the evaluation checks (for error messages).
 ENGINE_FIELDS = {
     "megatron": {"global_batch": "--global-batch-size", "seq": "--seq-length", "precision": "--bf16/--fp16",
-                 "tp": "--tensor-model-parallel-size", "sp": "--sequence-parallel", "ep": "--expert-model-parallel-size"},
+                 "tp": "--tensor-model-parallel-size", "sp": "--sequence-parallel", "ep": "--expert-model-parallel-size",
+                 "cp": "--context-parallel-size"},
     "torchtitan": {"global_batch": "training.global_batch_size", "seq": "training.seq_len",
                    "precision": "training.mixed_precision_param", "tp": "parallelism.tensor_parallel_degree",
-                   "sp": "parallelism.enable_sequence_parallel", "ep": "parallelism.expert_parallel_degree"},
+                   "sp": "parallelism.enable_sequence_parallel", "ep": "parallelism.expert_parallel_degree",
+                   "cp": "parallelism.context_parallel_degree"},
     "deepspeed": {"global_batch": "train_batch_size", "seq": "--seq", "precision": "bf16.enabled/fp16.enabled",
-                  "tp": "tensor_parallel.autotp_size", "sp": "--sp", "ep": "--ep"},
+                  "tp": "tensor_parallel.autotp_size", "sp": "--sp", "ep": "--ep", "cp": "--cp"},
 }
 
 
@@ -103,8 +105,14 @@ def check_runnable(problem: Problem, strategy: Strategy, source: str) -> None:
                        ("num_key_value_heads", model.num_key_value_heads)):
         if size % tp:
             raise SpecError(names["tp"], f"{tp} does not divide {what} {size} of {model.name}")
-    if strategy.sequence_parallel and problem.training.seq_len % tp:
-        raise SpecError(names["sp"], f"tp {tp} does not divide the sequence of {problem.training.seq_len} tokens")
+    if why := context_parallel_error(strategy.cp, problem.training.seq_len):
+        raise SpecError(names["cp"], why)
+    # Under context parallelism a rank holds seq / cp tokens, which sequence parallelism splits over tp.
+    tokens = problem.training.seq_len // strategy.cp
+    if strategy.sequence_parallel and tokens % tp:
+        raise SpecError(names["sp"], f"tp {tp} does not divide the sequence of {tokens} tokens"
+                        + (f" a cp rank holds (seq {problem.training.seq_len} / cp {strategy.cp})"
+                           if strategy.cp > 1 else ""))
     if strategy.ep > 1:
         if not model.is_moe:
             raise SpecError(names["ep"], f"{strategy.ep}, but {model.name} has no experts")

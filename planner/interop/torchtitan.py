@@ -107,7 +107,8 @@ TORCHTITAN_DEFAULTS = {
     "pipeline_parallel_first_stage_less_layers": 1, "pipeline_parallel_last_stage_less_layers": 1,
     "pipeline_parallel_layers_per_stage": None, "pipeline_parallel_schedule": "1F1B",
     "pipeline_parallel_microbatch_size": 1, "context_parallel_degree": 1, "expert_parallel_degree": 1,
-    "module_fqns_per_model_part": None,
+    "module_fqns_per_model_part": None, "context_parallel_load_balancer": "headtail",
+    "context_parallel_rotate_method": "allgather",
     "local_batch_size": 8, "global_batch_size": -1, "seq_len": 2048, "dtype": "float32",
     "mixed_precision_param": "bfloat16",
 }
@@ -256,28 +257,37 @@ def _torchtitan_strategy(sections: dict, ac: Recompute, warnings: list[str], mod
     cp = _tt_int(sections, p, "context_parallel_degree")
     ep = _tt_int(sections, p, "expert_parallel_degree")
     if cp > 1:
-        raise SpecError("parallelism.context_parallel_degree", f"{cp}: Shardwise does not model context parallelism")
+        _context_parallel_warnings(sections, warnings)
     if shard == -1:
         # torchtitan 0.3.0 ParallelismConfig: -1 takes the ranks left after the other degrees.
         shard = divide(num_gpus, replicate * tp * pp * cp, "parallelism.data_parallel_shard_degree",
                         f"replicate x tp x pp x cp of the cluster's {num_gpus} GPUs")
     if replicate * shard * tp * pp * cp != num_gpus:
-        raise SpecError("parallelism", f"replicate {replicate} x shard {shard} x tp {tp} x pp {pp} = "
-                        f"{replicate * shard * tp * pp}, but the cluster has {num_gpus} GPUs")
+        with_cp = f" x cp {cp}" if cp > 1 else ""
+        raise SpecError("parallelism", f"replicate {replicate} x shard {shard}{with_cp} x tp {tp} x pp {pp} = "
+                        f"{replicate * shard * cp * tp * pp}, but the cluster has {num_gpus} GPUs")
+    # torchtitan's world is replicate x shard x cp x tp x pp; its batch is split over
+    # replicate x shard only (the cp ranks share each sequence), which is Shardwise's dp.
     dp = replicate * shard
     reshard = str(_tt_value(sections, p, "fsdp_reshard_after_forward"))
     if reshard not in ("default", "always", "never"):
         raise SpecError("parallelism.fsdp_reshard_after_forward", f"expected default, always or never, got {reshard!r}")
-    if shard == 1:
+    # FSDP2 shards over torchtitan's "fsdp" mesh, data_parallel_shard_degree x
+    # context_parallel_degree (0.3.0 distributed/parallel_dims.py; 0.2.2 "dp_shard_cp"): with
+    # cp > 1 it shards even where data_parallel_shard_degree is 1 (models/llama3/parallelize.py).
+    if shard * cp == 1:
         zero = 0
     else:
         # torchtitan 0.3.0 distributed/fsdp.py get_fsdp_reshard_after_forward_policy:
         # "default" keeps the weights gathered after forward under pp (ZeRO-2-like).
         keeps = reshard == "never" or (reshard == "default" and pp > 1)
         zero = 2 if keeps else 3
-        if replicate > 1:
+        if replicate > 1 and cp == 1:
             warnings.append(f"HSDP (replicate {replicate} x shard {shard}) is priced as ZeRO-{zero} over all {dp} "
                             "data-parallel ranks: Shardwise shards over the whole data-parallel group")
+        elif replicate > 1:
+            warnings.append(f"HSDP (replicate {replicate} x shard {shard} x cp {cp}) is priced as ZeRO-{zero} over "
+                            f"all dp {dp} x cp {cp} ranks: Shardwise shards over every rank holding the same weights")
     sp = tp > 1 and _tt_bool(_tt_value(sections, p, "enable_sequence_parallel"), "parallelism.enable_sequence_parallel")
     name = str(_tt_value(sections, p, "pipeline_parallel_schedule"))
     if pp > 1 and name not in TORCHTITAN_SCHEDULES:
@@ -340,7 +350,7 @@ def _torchtitan_strategy(sections: dict, ac: Recompute, warnings: list[str], mod
     if "mixed_precision_param" not in sections[t] and "dtype" not in sections[t]:
         precision = None   # the config does not say; the caller's --precision decides
     seq = _tt_int(sections, t, "seq_len") if "seq_len" in sections[t] else None
-    strategy = engine_strategy(dp, tp, pp, mbs, microbatches, vpp, ep, schedule, zero, sp, stages)
+    strategy = engine_strategy(dp, tp, pp, mbs, microbatches, vpp, ep, schedule, zero, sp, stages, cp)
     # torchtitan's loss is F.cross_entropy over the upcast logits; under "default" it keeps
     # its [norm, output] unit gathered from forward to backward (0.3.0 distributed/fsdp.py:
     # resharded only under "always").
@@ -356,6 +366,26 @@ def _torchtitan_strategy(sections: dict, ac: Recompute, warnings: list[str], mod
         # costmodel.terms.recompute's op-level policy.
         settings.append(("selective_recompute", "op-level"))
     return Imported(strategy, global_batch, seq, precision, tuple(warnings), tuple(settings))
+
+
+def _context_parallel_warnings(sections: dict, warnings: list[str]) -> None:
+    """How torchtitan's cp ranks exchange K and V and split the sequence, against what
+    Shardwise prices: K and V all-gathered over the cp group, each sequence cut into 2 cp
+    chunks with rank i holding chunks i and 2cp - 1 - i (torch's _HeadTailLoadBalancer)."""
+    p = "parallelism"
+    # torchtitan 0.2.2 job_config.py: Literal["allgather", "alltoall"], handed to torch's
+    # set_rotate_method. 0.3.0 dropped the field: its SDPA path runs torch's default
+    # (_ContextParallelOptions.rotate_method ALL_GATHER), its FlexAttention path flex_cp_allgather.
+    rotate = str(_tt_value(sections, p, "context_parallel_rotate_method"))
+    if rotate not in ("allgather", "alltoall"):
+        raise SpecError("parallelism.context_parallel_rotate_method", f"expected allgather or alltoall, got {rotate!r}")
+    if rotate == "alltoall":
+        warnings.append("parallelism.context_parallel_rotate_method alltoall passes K/V shards around the cp ranks "
+                        "(torch's ring attention); priced as all-gather (K and V gathered once per attention)")
+    balancer = str(_tt_value(sections, p, "context_parallel_load_balancer"))
+    if balancer != "headtail":
+        warnings.append(f"parallelism.context_parallel_load_balancer {balancer}: priced as the head-tail split "
+                        "(2 x cp chunks, rank i holding chunks i and 2cp - 1 - i), each cp rank the same causal work")
 
 
 def _fqn_sizes(fqns, layers: int) -> list[int]:
@@ -434,7 +464,7 @@ def _torchtitan_fields(strategy: Strategy, model: ModelSpec, training: TrainingS
     s, warnings = strategy, []
     release = "torchtitan 0.2" if toml else "torchtitan"
     par: dict = {}
-    if s.zero_stage == 0:
+    if s.zero_stage == 0 and s.cp == 1:
         par.update(data_parallel_replicate_degree=s.dp, data_parallel_shard_degree=1)
         if toml and s.dp > 1 and (s.tp > 1 or s.pp > 1):
             warnings.append("torchtitan 0.2 refuses DDP beside tp or pp (models/llama3/infra/parallelize.py: "
@@ -442,8 +472,15 @@ def _torchtitan_fields(strategy: Strategy, model: ModelSpec, training: TrainingS
     else:
         # FSDP2 over the data-parallel ranks: resharding after forward is ZeRO-3, keeping
         # the weights gathered until backward is ZeRO-2 (Shardwise's executor runs ZeRO-2 so).
+        # torchtitan shards over data_parallel_shard_degree x context_parallel_degree (its
+        # "fsdp" mesh), the plan's dp x cp.
         par.update(data_parallel_replicate_degree=1, data_parallel_shard_degree=s.dp,
                    fsdp_reshard_after_forward="always" if s.zero_stage == 3 else "never")
+        if s.zero_stage == 0:
+            warnings.append(f"torchtitan shards the weights over its cp ranks whenever context_parallel_degree > 1 "
+                            "(FSDP2 on data_parallel_shard_degree x context_parallel_degree, "
+                            f"models/llama3/parallelize.py); the plan's replicated weights over dp {s.dp} x cp {s.cp} "
+                            "exported as FSDP2 with fsdp_reshard_after_forward never, ZeRO-2")
         if s.zero_stage == 1:
             warnings.append("torchtitan has no ZeRO-1 (optimizer states sharded beside replicated weights and "
                             "gradients): its data parallelism is DDP (data_parallel_replicate_degree) or FSDP2 "
@@ -462,7 +499,11 @@ def _torchtitan_fields(strategy: Strategy, model: ModelSpec, training: TrainingS
         par["pipeline_parallel_schedule"] = _TT_SCHEDULE[s.schedule]
         par["pipeline_parallel_microbatch_size"] = s.micro_batch_size
         par.update(_torchtitan_partition(s, model.num_hidden_layers, warnings))
-    par["context_parallel_degree"] = 1
+    par["context_parallel_degree"] = s.cp
+    if s.cp > 1 and toml:
+        # 0.2's choice of K/V exchange (its default, said so the file states what was
+        # priced); 0.3.0 has no such field and always all-gathers (_context_parallel_warnings).
+        par["context_parallel_rotate_method"] = "allgather"
     par["expert_parallel_degree"] = s.ep
     if model.moe_capacity_factor is not None:
         warnings.append(f"torchtitan's MoE routes dropless (torchtitan/models/moe): the model's capacity factor "

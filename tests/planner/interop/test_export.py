@@ -426,8 +426,11 @@ def test_an_export_that_changes_the_plan_is_refused_unless_allowed(tmp_path):
     ("torchtitan", "--parallelism.data_parallel_replicate_degree 3 --parallelism.data_parallel_shard_degree 1",
      [], "parallelism"),
     ("torchtitan", "--parallelism.tensor_parallel_degre 2", [], "--parallelism.tensor_parallel_degre"),
-    ("torchtitan", "--parallelism.context_parallel_degree 2 activation-checkpoint:none", [],
+    # cp 2 cuts each sequence into 4 load-balanced chunks: 2050 tokens do not split so.
+    ("torchtitan", "--parallelism.context_parallel_degree 2 --training.seq_len 2050 activation-checkpoint:none", [],
      "parallelism.context_parallel_degree"),
+    ("megatron", "--context-parallel-size 4 --global-batch-size 64 --seq-length 2052", [], "--context-parallel-size"),
+    ("megatron", "--context-parallel-size 2 --cp-comm-type ring --global-batch-size 64", [], "--cp-comm-type"),
     ("megatron", "--num-layers 40 --global-batch-size 64", [], "--num-layers"),
     ("megatron", "--global-batch-size 64", ["--global-batch", "32"], "--global-batch-size"),
     ("megatron", "--tensor-model-parallel-size 16 --global-batch-size 64", [], "--tensor-model-parallel-size"),
