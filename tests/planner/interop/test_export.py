@@ -22,7 +22,7 @@ from costmodel.strategy import Strategy, even_stages, summarize_recompute
 from costmodel.units import GIB
 from planner.api import make_problem, plan
 from planner.console.cli import main
-from planner.interop.common import Recompute, build_stages
+from planner.interop.common import Recompute, build_stages, strategy_changes
 from planner.interop.export import TARGETS, export_plan, export_strategy
 from planner.interop.importers import read_text
 from planner.interop.torchtitan import torchtitan_split
@@ -58,6 +58,13 @@ CASES = {
                       fix="dp=2,tp=2,pp=4,vpp=2,mbs=1,zero=2,recompute=full,sp=on,schedule=dualpipev"),
     "moe-capacity-ep": dict(model="tiny-moe", gpus=8, batch=32, seq=64, overrides={"moe_capacity_factor": "1.25"},
                             fix="dp=8,tp=1,pp=1,ep=4,mbs=1,zero=3,recompute=none"),
+    # Context parallelism (K/V all-gathered): torchtitan's context_parallel_degree with FSDP2
+    # over shard x cp, Megatron's --context-parallel-size with --cp-comm-type all_gather;
+    # DeepSpeed refuses it.
+    "cp2-zero1-sp": dict(model="llama2-7b", gpus=8, batch=64, seq=4096,
+                         fix="dp=2,cp=2,tp=2,pp=1,mbs=1,zero=1,recompute=full,sp=on"),
+    "cp2-zero3-pp": dict(model="llama2-7b", gpus=16, batch=64, seq=4096,
+                         fix="dp=2,cp=2,tp=2,pp=2,mbs=1,zero=3,recompute=full,sp=on,schedule=1f1b"),
 }
 # (case, target) pairs the target expresses exactly; every other pair must warn.
 EXACT = {
@@ -73,6 +80,8 @@ EXACT = {
     ("zbv-zero2", "torchtitan"), ("zbv-zero2", "torchtitan-toml"),
     ("zb-interleaved", "torchtitan"), ("zb-interleaved", "torchtitan-toml"),
     ("dualpipev", "torchtitan"), ("dualpipev", "torchtitan-toml"),
+    ("cp2-zero1-sp", "megatron"),   # torchtitan has no ZeRO-1
+    ("cp2-zero3-pp", "torchtitan"), ("cp2-zero3-pp", "torchtitan-toml"), ("cp2-zero3-pp", "megatron"),
 }
 
 
@@ -98,6 +107,11 @@ def _doc(case):
 def test_round_trip_gives_the_same_strategy_and_estimate(case, target):
     doc = _doc(case)
     strategy, model = strategy_of(doc), model_of(doc)
+    if target == "deepspeed" and strategy.cp > 1:
+        with pytest.raises(SpecError, match="DeepSpeed has no context parallelism") as err:
+            export_plan(doc, target)
+        assert err.value.field == "plan.strategy.cp"
+        return
     exported = export_plan(doc, target)
     if (case, target) not in EXACT:
         assert exported.warnings, f"{target} cannot express {case} but said nothing"
@@ -247,6 +261,9 @@ def megatron_mirror() -> argparse.ArgumentParser:
     parser.add_argument("--pipeline-model-parallel-layout", type=str)
     parser.add_argument("--moe-expert-capacity-factor", type=float)
     parser.add_argument("--moe-token-drop-policy", choices=["probs", "position"])
+    # arguments.py: nargs="+", a type for all layers or one per layer; the values are
+    # megatron-core 0.16.1 TransformerConfig.cp_comm_type's (what Transformer Engine takes).
+    parser.add_argument("--cp-comm-type", nargs="+", choices=["p2p", "all_gather", "a2a", "a2a+p2p"])
     for flag in ("--sequence-parallel", "--use-distributed-optimizer", "--use-megatron-fsdp", "--group-query-attention",
                  "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split", "--bf16", "--fp16",
                  "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
@@ -266,6 +283,8 @@ def test_megatron_arguments_parse_with_a_mirror_of_megatron_lm(case):
     assert args.num_layers == doc["model"]["num_hidden_layers"] and args.bf16
     assert args.sequence_parallel == s.sequence_parallel
     assert args.use_distributed_optimizer == (s.zero_stage == 1)
+    assert args.context_parallel_size == s.cp
+    assert args.cp_comm_type == (["all_gather"] if s.cp > 1 else None)
     if doc["model"]["num_key_value_heads"] != doc["model"]["num_attention_heads"]:
         assert args.group_query_attention and args.num_query_groups == doc["model"]["num_key_value_heads"]
     model = model_of(doc)
@@ -503,3 +522,136 @@ def test_zero_bubble_schedules_export_by_torch_s_names_and_megatron_refuses_them
     megatron = export_plan(_doc("zbv-zero2"), "megatron")
     assert any("Megatron-LM has no zero-bubble schedule" in w for w in megatron.warnings)
     assert any("schedule zbv→interleaved" in w for w in megatron.warnings)
+
+
+# torchtitan 0.2.2 torchtitan/config/job_config.py: the fields of Parallelism (copied from
+# the released source, pip download torchtitan==0.2.2).
+PARALLELISM_022_FIELDS = {
+    "data_parallel_replicate_degree", "data_parallel_shard_degree", "fsdp_reshard_after_forward",
+    "tensor_parallel_degree", "disable_loss_parallel", "enable_async_tensor_parallel", "pipeline_parallel_degree",
+    "module_fqns_per_model_part", "pipeline_parallel_first_stage_less_layers",
+    "pipeline_parallel_last_stage_less_layers", "pipeline_parallel_layers_per_stage", "pipeline_parallel_schedule",
+    "pipeline_parallel_schedule_csv", "pipeline_parallel_microbatch_size", "pipeline_parallel_expert_parallel_overlap",
+    "context_parallel_degree", "context_parallel_load_balancer", "context_parallel_rotate_method",
+    "expert_parallel_degree", "expert_tensor_parallel_degree", "expert_parallel_comm_backend",
+}
+
+
+def test_context_parallel_exports_say_the_degree_and_the_all_gather():
+    doc = _doc("cp2-zero3-pp")
+    overrides = export_plan(doc, "torchtitan").text
+    assert "--parallelism.context_parallel_degree 2 \\\n" in overrides
+    # FSDP2 shards over data_parallel_shard_degree x context_parallel_degree: the plan's dp x cp.
+    assert "--parallelism.data_parallel_shard_degree 2 \\\n" in overrides
+    toml = tomllib.loads(export_plan(doc, "torchtitan-toml").text)["parallelism"]
+    assert set(toml) <= PARALLELISM_022_FIELDS
+    assert (toml["context_parallel_degree"], toml["context_parallel_rotate_method"]) == (2, "allgather")
+    assert (toml["data_parallel_replicate_degree"], toml["data_parallel_shard_degree"]) == (1, 2)
+    megatron = export_plan(doc, "megatron").text
+    assert "--context-parallel-size 2 \\\n--cp-comm-type all_gather \\\n" in megatron
+    # Without context parallelism nothing of it is said beyond the degree 1.
+    plain = export_plan(_doc("zero2-full"), "torchtitan-toml").text
+    assert "context_parallel_degree = 1\n" in plain and "rotate" not in plain
+    assert "--cp-comm-type" not in export_plan(_doc("zero2-full"), "megatron").text
+
+
+def test_torchtitan_cannot_replicate_over_cp_ranks():
+    """torchtitan runs FSDP2 over its cp ranks whenever cp > 1: a plan with replicated
+    weights (ZeRO-0) over dp x cp is exported as ZeRO-2 and says so."""
+    s = replace(strategy_of(_doc("cp2-zero3-pp")), zero_stage=0)
+    exported = export_strategy("torchtitan", s, LLAMA, _problem("cp2-zero3-pp").training)
+    assert any("shards the weights over its cp ranks" in w for w in exported.warnings)
+    assert exported.changes == ("torchtitan will run this configuration with zero 0→2 (plan → exported)",)
+    # Megatron replicates over dp x cp without the distributed optimizer: exact.
+    assert export_strategy("megatron", s, LLAMA, _problem("cp2-zero3-pp").training).warnings == ()
+
+
+def test_torchtitan_reads_cp_with_its_fsdp_over_shard_x_cp():
+    base = "--parallelism.tensor_parallel_degree 2 --parallelism.context_parallel_degree 2 " \
+           "--training.local_batch_size 1 --training.global_batch_size 8 activation-checkpoint:none"
+    # replicate 1, shard 2: FSDP2 over shard x cp, ZeRO-3 over dp x cp with nothing to say.
+    back = read_text("torchtitan", base, LLAMA, 8)
+    s = back.strategy
+    assert (s.dp, s.cp, s.tp, s.zero_stage, s.num_microbatches) == (2, 2, 2, 3, 4)
+    assert not any("context_parallel" in w or "HSDP" in w for w in back.warnings)
+    # replicate 2, shard 1: torchtitan still shards over its cp ranks (HSDP), priced over dp x cp.
+    hsdp = read_text("torchtitan", base + " --parallelism.data_parallel_replicate_degree 2 "
+                     "--parallelism.data_parallel_shard_degree 1", LLAMA, 8)
+    assert (hsdp.strategy.dp, hsdp.strategy.cp, hsdp.strategy.zero_stage) == (2, 2, 3)
+    assert any("HSDP (replicate 2 x shard 1 x cp 2) is priced as ZeRO-3 over all dp 2 x cp 2 ranks" in w
+               for w in hsdp.warnings)
+    balancer = read_text("torchtitan", base + " --parallelism.context_parallel_load_balancer ptrr", LLAMA, 8)
+    assert any("context_parallel_load_balancer ptrr: priced as the head-tail split" in w for w in balancer.warnings)
+    with pytest.raises(SpecError, match="^--parallelism.context_parallel_rotate_method: not a field"):
+        read_text("torchtitan", base + " --parallelism.context_parallel_rotate_method alltoall", LLAMA, 8)
+
+
+def test_an_alltoall_or_p2p_cp_config_is_priced_as_all_gather_and_says_so():
+    doc = _doc("cp2-zero3-pp")
+    toml = export_plan(doc, "torchtitan-toml").text
+    assert not read_text("torchtitan-toml", toml, LLAMA, 16).warnings
+    alltoall = read_text("torchtitan-toml", toml.replace('"allgather"', '"alltoall"'), LLAMA, 16)
+    assert alltoall.strategy == strategy_of(doc)
+    assert any(w.startswith("parallelism.context_parallel_rotate_method alltoall") and "priced as all-gather" in w
+               for w in alltoall.warnings)
+    with pytest.raises(SpecError, match="^parallelism.context_parallel_rotate_method: expected allgather or alltoall"):
+        read_text("torchtitan-toml", toml.replace('"allgather"', '"ring"'), LLAMA, 16)
+
+    megatron = export_plan(doc, "megatron").text
+    assert not read_text("megatron", megatron, LLAMA, 16).warnings
+    for given, said in (("--cp-comm-type p2p", "--cp-comm-type p2p"), ("--cp-comm-type a2a", "--cp-comm-type a2a"),
+                        ("", "--cp-comm-type not given: Megatron-LM's default p2p")):
+        back = read_text("megatron", megatron.replace("--cp-comm-type all_gather", given), LLAMA, 16)
+        assert back.strategy == strategy_of(doc)
+        assert any(w.startswith(said) and w.endswith("priced as all-gather") for w in back.warnings), back.warnings
+    per_layer = megatron.replace("--cp-comm-type all_gather", "--cp-comm-type " + " ".join(["all_gather"] * 32))
+    assert not read_text("megatron", per_layer, LLAMA, 16).warnings
+    with pytest.raises(SpecError, match="^--cp-comm-type: 3 types, one for all layers or one per layer"):
+        read_text("megatron", megatron.replace("all_gather", "all_gather p2p p2p"), LLAMA, 16)
+
+
+def test_megatron_shards_the_distributed_optimizer_over_dp_x_cp():
+    # dp 1 x cp 2: the distributed optimizer still shards over the two cp ranks (ZeRO-1).
+    back = read_text("megatron", "--context-parallel-size 2 --tensor-model-parallel-size 4 --cp-comm-type all_gather "
+                     "--use-distributed-optimizer --global-batch-size 8 --seq-length 4096 --bf16", LLAMA, 8)
+    s = back.strategy
+    assert (s.dp, s.cp, s.tp, s.zero_stage, s.num_microbatches) == (1, 2, 4, 1, 8)
+    assert strategy_changes(s, replace(s, dp=2, cp=1)) == ["dp 1→2", "cp 2→1"]
+
+
+def test_deepspeed_export_of_a_cp_plan_exits_2_naming_cp(tmp_path):
+    path = tmp_path / "plan.json"
+    write_plan(_doc("cp2-zero1-sp"), path)
+    out = CliRunner().invoke(main, ["export", str(path), "--to", "deepspeed", "-o", str(tmp_path / "ds.json")])
+    assert out.exit_code == 2 and not (tmp_path / "ds.json").exists()
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: plan.strategy.cp: 2: DeepSpeed has no context parallelism")
+    assert "Traceback" not in out.output
+
+
+def test_evaluate_prices_a_cp_config_and_finds_an_exported_plan_best(tmp_path):
+    """plan (cp 2) -> export -> evaluate under the same pins: the plan's own strategy,
+    figures and no change, for Megatron's arguments and torchtitan's TOML."""
+    case = CASES["cp2-zero1-sp"]
+    doc = _doc("cp2-zero1-sp")
+    args = ["--format", "json", "--runtime", "pytorch-native", "--fix", case["fix"]] + EVAL
+    data = json.loads(CliRunner().invoke(main, ["evaluate", "--from", "megatron", export_plan(doc, "megatron").text]
+                                         + args).stdout)
+    assert data["yours"]["strategy"] == doc["strategy"] and data["yours"]["strategy"]["cp"] == 2
+    assert data["yours"]["estimate"]["step_time_s"] == doc["estimate"]["step_time_s"]
+    assert data["changes"] == [] and data["gain"] == pytest.approx(0.0, abs=1e-9)
+
+    zero3 = dict(case, fix=case["fix"].replace("zero=1", "zero=3"))
+    doc3 = plan(zero3["model"], "dgx-a100-80gb", zero3["batch"], gpus=zero3["gpus"], seq_len=zero3["seq"],
+                fix=zero3["fix"], top=1)
+    toml = tmp_path / "job.toml"
+    toml.write_text(export_plan(doc3, "torchtitan-toml").text)
+    out = CliRunner().invoke(main, ["evaluate", "--from", "torchtitan", str(toml), "--format", "json",
+                                    "--fix", zero3["fix"]] + EVAL)
+    assert out.exit_code == 0, out.output
+    data = json.loads(out.stdout)
+    assert data["yours"]["strategy"] == doc3["strategy"]
+    problem = make_problem("llama2-7b", "dgx-a100-80gb", 64, gpus=8, seq_len=4096,
+                           runtime=replace(load_runtime("pytorch-native"), chunked_loss=False))
+    assert data["yours"]["estimate"]["step_time_s"] == pytest.approx(
+        estimate(problem, strategy_of(doc3)).step_time_s, rel=1e-5)
