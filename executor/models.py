@@ -18,7 +18,9 @@ parameter from a generator seeded by (seed, name): the same model whatever the s
 Under context parallelism (`ContextShard`, set by executor.parallelize) a model holds its
 rank's tokens of each sequence: it reads the RoPE rows and learned positions at their
 global positions, and each attention gathers the keys and values of the whole sequence
-and attends to them under one additive position mask per forward.
+and runs each of its two chunks against the keys up to that chunk's end, causal at the
+bottom-right (no mask is made: CUDA's fused kernels take the lower-right causal bias as
+it is).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.nn.attention.bias import causal_lower_right
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -82,26 +85,31 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flash: bool,
-                   mask: torch.Tensor | None = None) -> torch.Tensor:
+                   shard: ContextShard | None = None) -> torch.Tensor:
     """Causal softmax(q k^T / sqrt(d)) v over [B, heads, T, head_dim]; k and v may have
     fewer heads (grouped-query attention). `flash` uses PyTorch's fused SDPA kernel;
-    otherwise the score matrix is materialised (and counted by FlopCounterMode).
-    `mask` ([T_q, T_k], added to the scores: 0 where a query sees a key, -inf elsewhere,
-    in q's dtype) replaces the square causal mask when queries and keys differ (context
-    parallelism: local queries, gathered keys)."""
+    otherwise the score matrix is materialised (and counted by FlopCounterMode). Under
+    context parallelism (`shard`) q holds this rank's two chunks and k, v the whole
+    sequence in position order."""
     repeat = q.shape[1] // k.shape[1]
     if repeat > 1:
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+    if shard is not None:
+        return shard.attend(q, k, v, flash)
+    return causal_attention(q, k, v, flash)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flash: bool) -> torch.Tensor:
+    """q's T_q queries are the last T_q of k's T_k positions: each sees the keys up to its
+    own (causal at the bottom-right; the usual square causal mask when T_q = T_k)."""
+    t_q, t_k = q.shape[2], k.shape[2]
     if flash:
-        if mask is not None:
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    t = q.shape[2]
+        if t_q == t_k:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(t_q, t_k))
     scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
-    if mask is not None:
-        return (scores + mask).softmax(-1) @ v
-    mask = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
-    return scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
+    seen = torch.ones(t_q, t_k, dtype=torch.bool, device=q.device).tril(diagonal=t_k - t_q)
+    return scores.masked_fill(~seen, float("-inf")).softmax(-1) @ v
 
 
 @dataclass(frozen=True, eq=False)   # eq=False: a process group has no meaningful ==
@@ -119,15 +127,19 @@ class ContextShard:
         """Global positions of this rank's `local_len` tokens of each sequence."""
         return context_positions(local_len * self.size, self.rank, self.size, device)
 
-    def causal_mask(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """[local tokens, whole sequence], added to the attention scores: 0 where a query
-        sees a key (key position <= query position; the keys gathered in position order),
-        -inf elsewhere. Additive in the attention's dtype rather than boolean: SDPA turns
-        a boolean mask into this in every call, a copy each layer's backward would keep
-        (s^2 / cp elements per layer); built once, every layer saves the same tensor."""
-        keys = torch.arange(positions.numel() * self.size, device=positions.device)
-        seen = keys.unsqueeze(0) <= positions.unsqueeze(1)
-        return torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill_(~seen, float("-inf"))
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flash: bool) -> torch.Tensor:
+        """Attention of this rank's two chunks of queries (global chunks `rank` and
+        2 size - 1 - rank of 2 size) over the gathered keys in position order: chunk g
+        sees the keys of chunks 0 to g, causal within its own, so each call is causal at
+        the bottom-right and no mask is made (an s/cp x s one would be 4 GiB in bf16 at
+        128K tokens and cp 8). The key slices are views of the gathered K and V, which
+        every chunk's backward shares."""
+        chunk = q.shape[2] // 2
+        outs = []
+        for j, g in enumerate((self.rank, 2 * self.size - 1 - self.rank)):
+            end = (g + 1) * chunk
+            outs.append(causal_attention(q[:, :, j * chunk:(j + 1) * chunk], k[:, :, :end], v[:, :, :end], flash))
+        return torch.cat(outs, dim=2)
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """[B, heads, local tokens, head_dim] of every cp rank, gathered along the sequence
@@ -208,8 +220,7 @@ class Attention(nn.Module):
         self.flash = True
         self.context_shard: ContextShard | None = None   # set by executor.parallelize under cp > 1
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         q, k, v = (w(x).view(b, t, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
         if self.q_norm is not None:
@@ -220,7 +231,7 @@ class Attention(nn.Module):
             # After RoPE (each rank rotates its own positions) and before the grouped-query
             # repeat, so the all-gather carries kv heads only.
             k, v = self.context_shard.gather(k), self.context_shard.gather(v)
-        out = attention_core(q, k, v, self.flash, mask)
+        out = attention_core(q, k, v, self.flash, self.context_shard)
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -360,24 +371,21 @@ class Block(nn.Module):
             raise ValueError(f"recompute: expected one of {RECOMPUTE_MODES}, got {mode!r}")
         self.recompute = mode
 
-    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 mask: torch.Tensor | None) -> torch.Tensor:
+    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         normed = self.attention_norm(x)
         if self.parallel:
             mlp_in = normed if self.ffn_norm is None else self.ffn_norm(x)
-            return x + self.attention(normed, cos, sin, mask) + self.feed_forward(mlp_in)
-        x = x + self.attention(normed, cos, sin, mask)
+            return x + self.attention(normed, cos, sin) + self.feed_forward(mlp_in)
+        x = x + self.attention(normed, cos, sin)
         return x + self.feed_forward(self.ffn_norm(x) if self.ffn_norm is not None else self.attention_norm(x))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | None = None) -> torch.Tensor:
-        """`cos` and `sin`: RoPE rows of this rank's positions; `mask`: the additive
-        attention mask under context parallelism (None: plain causal)."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """`cos` and `sin`: RoPE rows of this rank's positions."""
         if self.recompute == "full":
-            return checkpoint(self._forward, x, cos, sin, mask, use_reentrant=False)
+            return checkpoint(self._forward, x, cos, sin, use_reentrant=False)
         if self.recompute == "selective":
-            return checkpoint(self._forward, x, cos, sin, mask, use_reentrant=False, context_fn=op_level_context)
-        return self._forward(x, cos, sin, mask)
+            return checkpoint(self._forward, x, cos, sin, use_reentrant=False, context_fn=op_level_context)
+        return self._forward(x, cos, sin)
 
 
 class Transformer(nn.Module):
@@ -426,14 +434,11 @@ class Transformer(nn.Module):
                 first = self.sequence_shard[0] * t if self.sequence_shard else 0
                 rows = slice(first, first + t) if positions is None else positions[first:first + t]
                 x = x + self.pos_embeddings.weight[rows]
-        cos, sin, mask = self.rope_cos, self.rope_sin, None
+        cos, sin = self.rope_cos, self.rope_sin
         if positions is not None:
-            # One mask for every layer, in the dtype attention runs in (autocast's, or
-            # the stream's): local queries against the gathered keys.
             cos, sin = cos[positions], sin[positions]
-            mask = self.context_shard.causal_mask(positions, _matmul_dtype(x))
         for layer in self.layers.values():
-            x = layer(x, cos, sin, mask)
+            x = layer(x, cos, sin)
         if self.norm is not None:
             x = self.norm(x)
         if self.output is not None:

@@ -137,9 +137,9 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, sequence_para
     seq = Shard(1) if sequence_parallel else Replicate()
     for layer in model.layers.values():
         plan = {
-            # (x, cos, sin, mask): the RoPE rows and the context-parallel mask are plain tensors.
-            "attention": PrepareModuleInput(input_layouts=(seq, None, None, None),
-                                            desired_input_layouts=(Replicate(), None, None, None)),
+            # (x, cos, sin): the RoPE rows are plain tensors.
+            "attention": PrepareModuleInput(input_layouts=(seq, None, None),
+                                            desired_input_layouts=(Replicate(), None, None)),
             "attention.wq": ColwiseParallel(),
             "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(),

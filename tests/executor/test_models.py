@@ -22,6 +22,7 @@ from executor.launch import run_local
 from executor.models import (
     ContextShard,
     attention_core,
+    causal_attention,
     build_model,
     initial_value,
     materialize,
@@ -232,18 +233,27 @@ def whole_attention(heads=4, kv_heads=2, seq_len=16, head_dim=8):
 
 
 def context_attention_rank(rank, world, flash):
-    """This cp rank's output and input gradients: its queries against the keys and values
-    gathered over the ranks, under the position mask."""
+    """This cp rank's output and input gradients: its two chunks of queries against the
+    keys and values gathered over the ranks."""
     import torch.distributed as dist
 
     q, k, v, grad = whole_attention()
     shard = ContextShard(rank, world, dist.group.WORLD)
     positions = context_positions(q.shape[2], rank, world)
     local = [t[:, :, positions].clone().requires_grad_() for t in (q, k, v)]
-    out = attention_core(local[0], shard.gather(local[1]), shard.gather(local[2]), flash,
-                         shard.causal_mask(positions, q.dtype))
+    out = attention_core(local[0], shard.gather(local[1]), shard.gather(local[2]), flash, shard)
     out.backward(grad[:, :, positions])
     return {"positions": positions, "out": out.detach(), "grads": [t.grad for t in local]}
+
+
+def test_causal_attention_of_the_last_queries_is_the_square_causal_attention_cut():
+    """Queries that are the last T_q of T_k positions (causal at the bottom-right, as each
+    context-parallel chunk attends) equal those rows of causal attention over all T_k,
+    fused and materialised."""
+    q, k, v, _ = whole_attention(kv_heads=4)
+    for flash in (True, False):
+        whole = attention_core(q, k, v, flash)
+        torch.testing.assert_close(causal_attention(q[:, :, 10:], k, v, flash), whole[:, :, 10:], rtol=0, atol=1e-13)
 
 
 @pytest.mark.parametrize("flash", [True, False])
@@ -261,3 +271,52 @@ def test_context_parallel_attention_is_causal_attention_on_the_whole_sequence(fl
         torch.testing.assert_close(rank["out"], out.detach()[:, :, at], rtol=0, atol=1e-13)
         for mine, reference in zip(rank["grads"], whole):
             torch.testing.assert_close(mine, reference.grad[:, :, at], rtol=0, atol=1e-13)
+
+
+def context_saved_bytes_rank(rank, world, seq_len):
+    """What autograd saves for one of the executor's layers on this cp rank (2 layers
+    less 1, bf16 autocast, parameters left out), its tokens those executor.data gives it."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from executor.parallelize import apply_context_parallel
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+
+    def saved(layers: int) -> int:
+        spec = load_model("tiny-llama", {"num_hidden_layers": str(layers)})
+        model = materialize(build_model(spec, seq_len), "cpu", 0)
+        apply_context_parallel(model, mesh["cp"])
+        own = {t.untyped_storage()._cdata for t in (*model.parameters(), *model.buffers())}
+        seen: dict[int, int] = {}
+
+        def pack(t):
+            seen[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+            return t
+        tokens = torch.randint(0, spec.vocab_size, (1, seq_len), generator=torch.Generator().manual_seed(0))
+        local = tokens[:, context_positions(seq_len, rank, world)]
+        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False), \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(local)
+        return sum(n for k, n in seen.items() if k not in own)
+    return saved(2) - saved(1)
+
+
+def test_a_context_parallel_layer_saves_what_the_cost_model_counts():
+    """cp 2, bf16 autocast: one layer keeps its s/cp tokens' tensors and K and V of the
+    whole sequence, repeated to every query head (costmodel.terms.memory, with the gathers'
+    index), and on CPU what CUDA does not make: the head-major SDPA output copy, and the
+    lower-right causal mask of each chunk that is not the first (CPU's SDPA makes it, in
+    bf16; CUDA's fused kernels take the causal bias as it is)."""
+    from costmodel.specs.loading import load_cluster, make_training
+    from costmodel.terms.memory import pytorch_layer_activation_bytes
+
+    seq_len, cp = 64, 2
+    spec = load_model("tiny-llama")
+    training = make_training(spec, load_cluster("dgx-h100", gpus=1), 1, seq_len, precision="bf16",
+                             mixed_precision="autocast")
+    counted = pytorch_layer_activation_bytes(spec, training, 1, 1, False, "none", cp=cp)
+    chunk = seq_len // (2 * cp)
+    cpu_output_copy = 2 * spec.q_size * seq_len // cp
+    for rank, measured in enumerate(run_local(context_saved_bytes_rank, cp, seq_len)):
+        cpu_masks = sum(2 * chunk * (g + 1) * chunk for g in (rank, 2 * cp - 1 - rank) if g > 0)
+        assert measured == counted + cpu_output_copy + cpu_masks
