@@ -62,11 +62,23 @@ def test_the_best_mixtral_plan_on_16_h100s_runs():
         check_supported(model_of(doc), s, training_of(doc).seq_len)
 
 
+@pytest.mark.parametrize("model, gpus, batch", [("llama3-8b", 8, 8), ("llama3-70b", 64, 32)])
+def test_long_context_plans_pass_the_executors_check(tmp_path, model, gpus, batch):
+    """At 128K tokens the search splits sequences (cp > 1): every plan it offers is one
+    `run` accepts."""
+    docs = searched(model, "dgx-h100", gpus, batch, 131072, "default")
+    assert any(strategy_of(d).cp > 1 for d in docs)
+    for i, doc in enumerate(docs):
+        path = tmp_path / f"plan{i}.json"
+        write_plan(doc, path)
+        assert load_job(str(path)).strategy == strategy_of(doc)
+
+
 def kind(strategy) -> tuple:
     """What tells the executor's code paths apart: how dp replicas are kept, whether tp,
-    pp, ep and sequence parallelism are on, and the schedule when pp > 1."""
+    pp, ep, cp and sequence parallelism are on, and the schedule when pp > 1."""
     return (data_parallel_kind(strategy), strategy.tp > 1, strategy.pp > 1, strategy.ep > 1,
-            strategy.sequence_parallel, strategy.schedule if strategy.pp > 1 else None)
+            strategy.sequence_parallel, strategy.schedule if strategy.pp > 1 else None, strategy.cp > 1)
 
 
 @pytest.mark.parametrize("model", ["tiny-gpt", "tiny-moe"])
