@@ -115,7 +115,7 @@ def main() -> None:
 @click.option("--global-batch", metavar="INT>=1", required=True, type=str, help="Global batch in sequences.")
 @training_options
 @click.option("--rules", "rules_name", default=None, help="Rule set: built-in (default, megatron, fsdp) or a YAML path.")
-@click.option("--fix", default=None, help="Pin knobs: dp=,tp=,pp=,vpp=,ep=,mbs=,zero=,recompute=none|selective|full,sp=on|off,schedule=gpipe|1f1b|interleaved|zb-interleaved|zbv|dualpipev.")
+@click.option("--fix", default=None, help="Pin knobs: dp=,tp=,pp=,vpp=,ep=,cp=,mbs=,zero=,recompute=none|selective|full,sp=on|off,schedule=gpipe|1f1b|interleaved|zb-interleaved|zbv|dualpipev (cp: context-parallel ranks splitting each sequence).")
 @click.option("--set", "overrides", default=None, help="Override model fields: key=value,...")
 @click.option("--profile", "profile_file", default=None,
               help="A `shardwise profile --model` JSON of this model, --seq, --precision and --attention: its "

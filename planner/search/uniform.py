@@ -37,7 +37,7 @@ from planner.search.result import (
     solve_in_bound_order,
     time_bound_scale,
 )
-from planner.search.space import describe, enumerate_space, recompute_modes
+from planner.search.space import Exclusions, describe, enumerate_space, recompute_modes
 
 
 def unit_key(strategy: Strategy) -> tuple:
@@ -77,6 +77,23 @@ def context_parallel_wanted(problem: Problem, space: list[Strategy], units_of: C
     return offered
 
 
+def searched_space(problem: Problem, rules: Rules,
+                   units_of: Callable[[Strategy], UnitCosts]) -> tuple[list[Strategy], Exclusions]:
+    """The candidates the search considers and why others were left out: the space
+    without context parallelism, and the cp > 1 strategies `context_parallel_wanted`
+    offers (all of them when the rules pin cp or forbid cp 1)."""
+    space, why = enumerate_space(problem, rules, context_parallel=False)
+    if "cp" in rules.pinned or not rules.permits("cp", 1):
+        wanted = lambda s: True   # noqa: E731
+    else:
+        wanted = context_parallel_wanted(problem, space, units_of, usable_memory_bytes(problem, rules),
+                                         rules.micro_batch_min)
+    with_cp, cp_why = enumerate_space(problem, rules, cp_wanted=wanted)
+    why.reasons.update(cp_why.reasons)
+    why.rule_reasons.update(cp_why.rule_reasons)
+    return space + with_cp, why
+
+
 def search_uniform(problem: Problem, rules: Rules, top: int = 3,
                    progress: Callable[[int, int], None] | None = None, pareto: bool = False) -> SearchResult:
     """The best plans for a transformer on one kind of GPU; as `planner.search.search`."""
@@ -94,15 +111,7 @@ def search_uniform(problem: Problem, rules: Rules, top: int = 3,
             cache[key] = unit_costs(problem, strategy)
         return cache[key]
 
-    space, why = enumerate_space(problem, rules, context_parallel=False)
-    # A cp the rules pin or require is offered whole; otherwise only where memory needs it.
-    chosen = "cp" in rules.pinned or not rules.permits("cp", 1)
-    wanted = (lambda s: True) if chosen else context_parallel_wanted(problem, space, units_of, usable,
-                                                                      rules.micro_batch_min)
-    with_cp, cp_why = enumerate_space(problem, rules, cp_wanted=wanted)
-    space += with_cp
-    why.reasons.update(cp_why.reasons)
-    why.rule_reasons.update(cp_why.rule_reasons)
+    space, why = searched_space(problem, rules, units_of)
     if not space:
         raise Infeasible(f"no strategy satisfies the rules and the cluster ({why.summary()})")
 
