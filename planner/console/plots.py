@@ -81,6 +81,7 @@ COLOURS = {
     "ep_comm": "#a0a0ff",
     "pp_comm": "#600060",
     "dp_comm": "#ff9896",
+    "cp_comm": "#c5b0d5",
     "optimizer_step": "#804000",
     "fixed": "#ffd700",          # the runtime's per-step fixed cost
 }

@@ -153,6 +153,17 @@ def test_a_zbv_plan_draws_its_weight_gradients(tmp_path):
     assert _count(_pixels((tmp_path / "out.png").read_bytes()), COLOURS["weight"]) > LEGEND_PX
 
 
+def test_a_context_parallel_plan_draws_its_kv_exchange(tmp_path):
+    doc = plan("llama3-8b", "dgx-h100", global_batch=8, nodes=1, seq_len=32768, fix="cp=4,tp=1,pp=1", top=1)
+    assert doc["estimate"]["time"]["cp_comm_s"] > 0
+    path = tmp_path / "plan.json"
+    write_plan(doc, path)
+    result = CliRunner().invoke(main, ["explain", str(path), "--plot", str(tmp_path / "out.png")])
+    assert result.exit_code == 0, result.output
+    assert "cp 4" in result.output
+    assert _count(_pixels((tmp_path / "out.png").read_bytes()), COLOURS["cp_comm"]) > LEGEND_PX
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_recomputed_rank_breakdowns_add_up_to_the_plans_totals(plans, schedule):
     doc = plans[schedule]
