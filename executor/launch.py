@@ -73,7 +73,7 @@ def check_supported(spec: ModelSpec, strategy: Strategy, seq_len: int) -> None:
     if layout := layout_error(strategy):
         field, why = layout
         raise UnsupportedPlan(f"strategy.{field.split('[')[0]}: {why}")
-    if why := schedule_zero_error(strategy.schedule, strategy.pp, strategy.dp, strategy.zero_stage):
+    if why := schedule_zero_error(strategy.schedule, strategy.pp, strategy.dp_cp, strategy.zero_stage):
         raise UnsupportedPlan(f"strategy.zero_stage: {why}")
     if spec.is_moe and strategy.tp > 1:
         raise UnsupportedPlan("strategy.tp: tensor parallelism inside the experts of an MoE model is not supported; plan with --fix tp=1")
