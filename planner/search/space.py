@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from costmodel.problem import Problem, TracedProblem
 from costmodel.specs.loading import SpecError
@@ -225,34 +225,36 @@ def _cp_options(problem: Problem, rules: Rules, degrees: list[int], why: Exclusi
     return out
 
 
-def _zero_sp_options(problem: Problem, rules: Rules, why: Exclusions, strategy: Strategy) -> list[Strategy]:
-    """`strategy` at each ZeRO stage and sequence-parallel setting the rules admit. ZeRO
-    shards over every rank holding the same weights (dp x cp); sequence parallelism splits
-    a rank's s / cp tokens evenly over the tp ranks."""
-    s, out = strategy, []
-    local_seq = problem.training.seq_len // s.cp
-    for zero in (range(4) if s.dp_cp > 1 else (0,)):
-        if not admits(rules, why, "zero", zero):
+def _zero_sp_options(problem: Problem, rules: Rules, why: Exclusions, wanted: Callable[[int], bool],
+                     **fields) -> list[Strategy]:
+    """The strategy of `fields` at each ZeRO stage (that `wanted` takes) and sequence-
+    parallel setting the rules admit. ZeRO shards over every rank holding the same weights
+    (dp x cp); sequence parallelism splits a rank's s / cp tokens evenly over the tp ranks."""
+    tp, pp, dp_cp, schedule = fields["tp"], fields["pp"], fields["dp"] * fields["cp"], fields["schedule"]
+    local_seq = problem.training.seq_len // fields["cp"]
+    out = []
+    for zero in (range(4) if dp_cp > 1 else (0,)):
+        if not wanted(zero) or not admits(rules, why, "zero", zero):
             continue
-        if why_not := schedule_zero_error(s.schedule, s.pp, s.dp_cp, zero):
+        if why_not := schedule_zero_error(schedule, pp, dp_cp, zero):
             why.add("schedule", why_not)
             continue
-        sp_options = (False, True) if s.tp > 1 and local_seq % s.tp == 0 else (False,)
-        if s.tp > 1 and local_seq % s.tp:
-            why.add("sp", f"tp {s.tp} does not divide the {local_seq} tokens of a rank's sequence")
+        sp_options = (False, True) if tp > 1 and local_seq % tp == 0 else (False,)
+        if tp > 1 and local_seq % tp:
+            why.add("sp", f"tp {tp} does not divide the {local_seq} tokens of a rank's sequence")
         for sp in sp_options:
             if admits(rules, why, "sp", sp):
-                out.append(replace(s, zero_stage=zero, sequence_parallel=sp))
+                out.append(Strategy(**fields, zero_stage=zero, sequence_parallel=sp))
     return out
 
 
 def enumerate_space(problem: Problem, rules: Rules, context_parallel: bool = True,
-                    cp_wanted: Callable[[Strategy], bool] | None = None) -> tuple[list[Strategy], Exclusions]:
+                    cp_wanted: Callable[[int, int, int, int], bool] | None = None) -> tuple[list[Strategy], Exclusions]:
     """All stage-less strategies the rules admit, in a fixed order, and the reasons
-    for what was left out; cp 1 only unless `context_parallel`. `cp_wanted(strategy)`:
-    whether to offer a strategy with cp > 1 (planner.search.uniform asks only where
-    memory needs it), and then only those: the caller has the cp 1 strategies already;
-    None offers them all."""
+    for what was left out; cp 1 only unless `context_parallel`. `cp_wanted(tp, pp,
+    zero_stage, mbs)`: whether to offer cp > 1 there (planner.search.uniform asks only
+    where memory needs it), and then only those strategies: the caller has the cp 1 ones
+    already; None offers them all."""
     model, cluster, training = problem.model, problem.cluster, problem.training
     n, batch, layers = cluster.num_gpus, training.global_batch, model.num_hidden_layers
     why = Exclusions()
@@ -283,11 +285,14 @@ def enumerate_space(problem: Problem, rules: Rules, context_parallel: bool = Tru
                     if not admits(rules, why, "ep", ep):
                         continue
                     for mbs, m in micro_batches(rules, why, batch, dp, "--global-batch"):
+                        def wanted(zero: int, mbs=mbs) -> bool:
+                            return cp_wanted is None or cp_wanted(tp, pp, zero, mbs)
+                        if not any(wanted(zero) for zero in range(4)):
+                            continue
                         for schedule, vpp in _schedule_options(problem, rules, pp, m, why):
-                            out += [s for s in _zero_sp_options(problem, rules, why, Strategy(
-                                dp=dp, tp=tp, pp=pp, cp=cp, micro_batch_size=mbs, num_microbatches=m,
-                                vpp=vpp, ep=ep, schedule=schedule, recompute=default_recompute))
-                                if cp_wanted is None or cp_wanted(s)]
+                            out += _zero_sp_options(problem, rules, why, wanted, dp=dp, tp=tp, pp=pp, cp=cp,
+                                                    micro_batch_size=mbs, num_microbatches=m, vpp=vpp, ep=ep,
+                                                    schedule=schedule, recompute=default_recompute)
     return out, why
 
 

@@ -47,8 +47,9 @@ def unit_key(strategy: Strategy) -> tuple:
 
 
 def context_parallel_wanted(problem: Problem, space: list[Strategy], units_of: Callable[[Strategy], UnitCosts],
-                            usable_bytes: float, smallest_mbs: int) -> Callable[[Strategy], bool]:
-    """Whether the search offers a strategy with context parallelism.
+                            usable_bytes: float, smallest_mbs: int) -> Callable[[int, int, int, int], bool]:
+    """Whether the search offers context parallelism at a (tp, pp, ZeRO stage, micro-batch
+    size).
 
     cp > 1 buys activation memory (a rank holds s / cp of each sequence) and pays with
     the K/V exchange and GEMMs cp times shorter; its twin without cp (cp folded into dp:
@@ -70,9 +71,9 @@ def context_parallel_wanted(problem: Problem, space: list[Strategy], units_of: C
         plain = bounds.quick(problem, units, strategy, ("none",), usable_bytes).memory_bytes
         if plain > usable_bytes and bounds.states_memory_bytes(problem, units, strategy) <= usable_bytes:
             wanted.add(key)
-    def offered(s: Strategy) -> bool:
-        key = (s.tp, s.pp, s.zero_stage)
-        return s.micro_batch_size == smallest_mbs and (key in wanted or key not in seen)
+    def offered(tp: int, pp: int, zero: int, mbs: int) -> bool:
+        key = (tp, pp, zero)
+        return mbs == smallest_mbs and (key in wanted or key not in seen)
 
     return offered
 
@@ -84,7 +85,8 @@ def searched_space(problem: Problem, rules: Rules,
     offers (all of them when the rules pin cp or forbid cp 1)."""
     space, why = enumerate_space(problem, rules, context_parallel=False)
     if "cp" in rules.pinned or not rules.permits("cp", 1):
-        wanted = lambda s: True   # noqa: E731
+        def wanted(tp: int, pp: int, zero: int, mbs: int) -> bool:
+            return True   # every degree the rules admit
     else:
         wanted = context_parallel_wanted(problem, space, units_of, usable_memory_bytes(problem, rules),
                                          rules.micro_batch_min)
