@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -35,7 +35,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.nn.attention.bias import causal_lower_right
+from torch.nn.attention.bias import CausalBias, causal_lower_right
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -99,14 +99,17 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flash: boo
     return causal_attention(q, k, v, flash)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flash: bool) -> torch.Tensor:
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, flash: bool,
+                     bias: CausalBias | None = None) -> torch.Tensor:
     """q's T_q queries are the last T_q of k's T_k positions: each sees the keys up to its
-    own (causal at the bottom-right; the usual square causal mask when T_q = T_k)."""
+    own (causal at the bottom-right; the usual square causal mask when T_q = T_k).
+    `bias`: torch's lower-right CausalBias for these shapes, made beforehand (a tensor
+    subclass, which cannot be made under a dispatch mode such as FlopCounterMode)."""
     t_q, t_k = q.shape[2], k.shape[2]
     if flash:
         if t_q == t_k:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(t_q, t_k))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(t_q, t_k) if bias is None else bias)
     scores = (q @ k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
     seen = torch.ones(t_q, t_k, dtype=torch.bool, device=q.device).tril(diagonal=t_k - t_q)
     return scores.masked_fill(~seen, float("-inf")).softmax(-1) @ v
@@ -122,6 +125,17 @@ class ContextShard:
     rank: int
     size: int
     group: dist.ProcessGroup
+    # torch's lower-right causal biases by (queries, keys), made when the shard is set up
+    # (`prepare`): CausalBias is a tensor subclass that cannot be made under a dispatch
+    # mode (FlopCounterMode, the memory trackers, executor.collective_log), as a step may run.
+    biases: dict = field(default_factory=dict)
+
+    def prepare(self, seq_len: int) -> None:
+        """Make the causal biases this rank's two chunks take for sequences of `seq_len`."""
+        chunk = seq_len // (2 * self.size)
+        for g in (self.rank, 2 * self.size - 1 - self.rank):
+            if g > 0:
+                self.biases[(chunk, (g + 1) * chunk)] = causal_lower_right(chunk, (g + 1) * chunk)
 
     def positions(self, local_len: int, device: torch.device) -> torch.Tensor:
         """Global positions of this rank's `local_len` tokens of each sequence."""
@@ -138,18 +152,21 @@ class ContextShard:
         outs = []
         for j, g in enumerate((self.rank, 2 * self.size - 1 - self.rank)):
             end = (g + 1) * chunk
-            outs.append(causal_attention(q[:, :, j * chunk:(j + 1) * chunk], k[:, :, :end], v[:, :, :end], flash))
+            outs.append(causal_attention(q[:, :, j * chunk:(j + 1) * chunk], k[:, :, :end], v[:, :, :end], flash,
+                                         self.biases.get((chunk, end))))
         return torch.cat(outs, dim=2)
 
-    def gather(self, x: torch.Tensor) -> torch.Tensor:
-        """[B, heads, local tokens, head_dim] of every cp rank, gathered along the sequence
-        and put in position order; the backward reduce-scatters the gradient to the
-        ranks' own tokens."""
-        local_len = x.shape[2]
-        gathered = all_gather_autograd(x.contiguous(), 2, self.group)   # rank r's tokens at [r T, (r + 1) T)
-        source = torch.cat([context_positions(local_len * self.size, r, self.size, x.device)
+    def gather(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V ([B, heads, local tokens, head_dim]) of every cp rank, gathered along the
+        sequence in one all-gather (one collective's latency and message overhead, not
+        two) and put in position order; the backward reduce-scatters their gradients to
+        the ranks' own tokens, again in one."""
+        local_len = k.shape[2]
+        both = torch.stack((k, v))   # [2, B, heads, T, head_dim]
+        gathered = all_gather_autograd(both, 3, self.group)   # rank r's tokens at [r T, (r + 1) T)
+        source = torch.cat([context_positions(local_len * self.size, r, self.size, k.device)
                             for r in range(self.size)])
-        return gathered.index_select(2, source.argsort())
+        return gathered.index_select(3, source.argsort()).unbind(0)
 
 
 # The differentiable all-gather: all_gather_single_autograd in recent torch, which warns
@@ -230,7 +247,7 @@ class Attention(nn.Module):
         if self.context_shard is not None:
             # After RoPE (each rank rotates its own positions) and before the grouped-query
             # repeat, so the all-gather carries kv heads only.
-            k, v = self.context_shard.gather(k), self.context_shard.gather(v)
+            k, v = self.context_shard.gather(k, v)
         out = attention_core(q, k, v, self.flash, self.context_shard)
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))
 

@@ -182,6 +182,7 @@ def apply_context_parallel(model: Transformer, cp_mesh: DeviceMesh) -> None:
     and rotates them at their global positions, and each attention gathers K and V over
     the cp group (executor.models.ContextShard)."""
     shard = ContextShard(cp_mesh.get_local_rank(), cp_mesh.size(), cp_mesh.get_group())
+    shard.prepare(model.seq_len)
     model.context_shard = shard
     for layer in model.layers.values():
         layer.attention.context_shard = shard

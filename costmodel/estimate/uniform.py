@@ -129,13 +129,14 @@ def unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
     # rank receives moe_load_imbalance times the mean, and the exchange waits for it.
     # Context parallelism (Llama 3, Dubey et al. 2024 §3.3.2, the executor's attention):
     # K and V all-gathered over the cp ranks before attention, their gradients
-    # reduce-scattered in backward, each the whole sequence's K or V of the rank's heads.
-    # Exposed: the attention waits for its keys, and backward's reduce-scatter for it.
+    # reduce-scattered in backward, one collective each way of the whole sequence's K and
+    # V of the rank's heads. Exposed: the attention waits for its keys, and backward's
+    # reduce-scatter for it.
     cp_forward = cp_backward = 0.0
     if cp > 1:
-        kv_bytes = value * b * training.seq_len * model.kv_size / tp
-        cp_forward = 2 * coll("all_gather", kv_bytes, where["cp"])
-        cp_backward = 2 * coll("reduce_scatter", kv_bytes, where["cp"])
+        kv_bytes = value * b * training.seq_len * 2 * model.kv_size / tp
+        cp_forward = coll("all_gather", kv_bytes, where["cp"])
+        cp_backward = coll("reduce_scatter", kv_bytes, where["cp"])
     ep_one_way = 0.0
     if model.is_moe:
         ep_one_way = 2 * coll("all_to_all", message * model.busiest_rank_rows_per_token(ep) / tp, where["ep"])

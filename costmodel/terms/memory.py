@@ -269,10 +269,9 @@ def pytorch_layer_activation_bytes(model: ModelSpec, training: TrainingSpec, mic
         # Eager attention: the softmax output (fp32 in Hugging Face, upcast) and its
         # bf16 cast per score element.
         scores = (4.0 + v) * b * model.num_attention_heads * s * s / (cp * tp)
-    # Under cp the gathers' reordering keeps an int64 index of the sequence's positions,
-    # one for K and one for V (executor.models.ContextShard.gather; measured with
-    # saved_tensors_hooks: 1,024 B per layer at s 64).
-    gather_index = 2 * 8.0 * s if cp > 1 else 0.0
+    # Under cp the gather's reordering keeps an int64 index of the sequence's positions
+    # (executor.models.ContextShard.gather; measured with saved_tensors_hooks).
+    gather_index = 8.0 * s if cp > 1 else 0.0
     return split + replicated / seq_split + router + weight_copies + scores + gather_index
 
 

@@ -25,6 +25,9 @@ PLANS = {
     "zero3": ("tiny-llama", strategy(dp=2, zero=3, m=2)),
     "zero3-recompute": ("tiny-llama", strategy(dp=2, zero=3, recompute="full")),
     "ep2": ("tiny-moe", strategy(dp=2, ep=2)),
+    "cp2": ("tiny-llama", strategy(cp=2)),
+    "cp2-recompute": ("tiny-llama", strategy(cp=2, recompute="full")),
+    "cp2-zero3": ("tiny-llama", strategy(cp=2, zero=3, m=2)),
 }
 
 

@@ -241,7 +241,7 @@ def context_attention_rank(rank, world, flash):
     shard = ContextShard(rank, world, dist.group.WORLD)
     positions = context_positions(q.shape[2], rank, world)
     local = [t[:, :, positions].clone().requires_grad_() for t in (q, k, v)]
-    out = attention_core(local[0], shard.gather(local[1]), shard.gather(local[2]), flash, shard)
+    out = attention_core(local[0], *shard.gather(local[1], local[2]), flash, shard)
     out.backward(grad[:, :, positions])
     return {"positions": positions, "out": out.detach(), "grads": [t.grad for t in local]}
 

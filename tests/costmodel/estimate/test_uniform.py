@@ -201,15 +201,16 @@ def test_tensor_parallel_collectives_of_a_22b_layer():
 
 def test_context_parallel_collectives_and_states_of_a_llama_layer():
     # cp 2 over tp 2 on one DGX node: each layer all-gathers K and V of the whole
-    # sequence (b*s*kv/tp 16-bit values) forward and reduce-scatters their gradients
-    # backward, exposed; full recompute gathers them again. ZeRO-3 shards over dp x cp.
+    # sequence (b*s*2kv/tp 16-bit values, one collective) forward and reduce-scatters their
+    # gradients backward, exposed; full recompute gathers them again. ZeRO-3 shards over
+    # dp x cp.
     prob = problem("llama3-8b", global_batch=8, seq_len=16384)
     s = strategy(prob, dp=2, cp=2, tp=2, zero_stage=3)
     u = unit_costs(prob, s)
-    kv_bytes = 2 * 1 * 16384 * 1024 / 2
+    kv_bytes = 2 * 1 * 16384 * 2 * 1024 / 2
     gather = ring_gather(kv_bytes, 2, NVLINK_BW, NVLINK_LAT)   # a reduce-scatter costs the same
-    assert u.layer_work["none"].cp_comm_s == pytest.approx(4 * gather, rel=1e-12)
-    assert u.layer_work["full"].cp_comm_s == pytest.approx(6 * gather, rel=1e-12)
+    assert u.layer_work["none"].cp_comm_s == pytest.approx(2 * gather, rel=1e-12)
+    assert u.layer_work["full"].cp_comm_s == pytest.approx(3 * gather, rel=1e-12)
     # Every other per-token figure is the rank's 8192 tokens: the TP all-reduce of b*s/cp*h.
     plain = unit_costs(prob, strategy(prob, dp=4, tp=2, zero_stage=3))
     assert u.p2p_bytes == plain.p2p_bytes / 2

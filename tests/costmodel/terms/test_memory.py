@@ -379,7 +379,7 @@ def test_context_parallel_activations_keep_the_gathered_keys(dgx, cp):
     keys_per_token = 2 * 2 * kv + 4 * (q - kv)   # K, V and their repeated copies, 2 bytes each
     from costmodel.terms.counts import attention_parameters, expert_parameters
     copies = 2 * (attention_parameters(spec) + expert_parameters(spec))
-    expected = per_local_token * local + keys_per_token * s + copies + 2 * 8 * s   # + the gathers' int64 index
+    expected = per_local_token * local + keys_per_token * s + copies + 8 * s   # + the gather's int64 index
     assert pytorch_layer_activation_bytes(spec, t, 1, 1, False, "none", cp=cp) == expected
     assert pytorch_layer_activation_bytes(spec, t, 1, 1, False, "full", cp=cp) == 4 * local * h
 
