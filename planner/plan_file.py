@@ -37,7 +37,12 @@ from costmodel.specs.loading import (
     read_json_object,
     runtime_from_dict,
 )
-from costmodel.specs.training import MIXED_PRECISION, OPTIMIZERS, PRECISIONS
+from costmodel.specs.training import (
+    FP8_RECIPES,
+    MIXED_PRECISION,
+    OPTIMIZERS,
+    PRECISIONS,
+)
 from costmodel.strategy import (
     RECOMPUTE_MODES,
     SCHEDULES,
@@ -127,6 +132,14 @@ def cluster_dict(cluster: ClusterSpec | MixedClusterSpec) -> dict:
     return out
 
 
+def training_dict(training: TrainingSpec) -> dict:
+    """The training block; `fp8` only when set, so plans without FP8 keep their bytes."""
+    out = asdict(training)
+    if out["fp8"] is None:
+        del out["fp8"]
+    return out
+
+
 def parameter_counts(problem) -> dict:
     """The model's total parameters and those one token uses (costmodel.terms.counts;
     a traced module: the parameters of its layers and root, all of them active)."""
@@ -147,7 +160,7 @@ def plan_document(problem, rules_name: str, result: SearchResult) -> dict:
         "model_fingerprint": fingerprint(problem.model),
         **parameter_counts(problem),
         "cluster": cluster_dict(problem.cluster),
-        "training": asdict(problem.training),
+        "training": training_dict(problem.training),
         **({"runtime": runtime_dict(problem.runtime)} if isinstance(problem, Problem) else {}),
         "rules": rules_name,
         **candidate_dict(result.best, problem.cluster, runtime),
@@ -248,6 +261,9 @@ def _check_training(data: dict) -> None:
     for key in ("flash_attention",):
         if key in data and not isinstance(data[key], bool):
             raise SpecError(f"plan.training.{key}", f"expected true or false, got {data[key]!r}")
+    if data.get("fp8") is not None and (data["fp8"] not in FP8_RECIPES or data.get("precision") != "bf16"):
+        raise SpecError("plan.training.fp8", f"expected one of {', '.join(FP8_RECIPES)} with precision bf16, got "
+                                             f"{data['fp8']!r} with {data.get('precision')!r}")
 
 
 def _check_estimate(data: dict, strategy: Strategy) -> None:

@@ -48,8 +48,9 @@ from costmodel.specs.training import (
     DATA_SHEET_PRECISIONS,
     MIXED_PRECISION,
     OPTIMIZERS,
-    PRECISIONS,
+    PRECISION_CHOICES,
     TrainingSpec,
+    split_precision,
 )
 
 COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
@@ -656,17 +657,21 @@ def make_training(model: ModelSpec, cluster: ClusterSpec | MixedClusterSpec, glo
                   mixed_precision: str = "autocast") -> TrainingSpec:
     batch = as_int(global_batch, "--global-batch")
     seq = model.max_position_embeddings if seq_len is None else as_int(seq_len, "--seq")
-    if precision not in PRECISIONS:
-        raise SpecError("--precision", f"unknown {precision!r} (known: {', '.join(PRECISIONS)})")
+    if precision not in PRECISION_CHOICES:
+        raise SpecError("--precision", f"unknown {precision!r} (known: {', '.join(PRECISION_CHOICES)})")
+    name, (precision, fp8) = precision, split_precision(precision)
     for group in getattr(cluster, "groups", (cluster,)):
-        if precision not in group.gpu.peak_flops_per_s:
-            have = ", ".join(p for p in group.gpu.peak_flops_per_s if p in PRECISIONS) or "none a plan can use"
-            raise SpecError("--precision", f"{group.gpu.name} has no {precision} peak (has: {have}; pass one of those)")
+        peaks = group.gpu.peak_flops_per_s
+        if precision not in peaks or (fp8 and "fp8" not in peaks):
+            have = ", ".join(c for c in PRECISION_CHOICES if split_precision(c)[0] in peaks
+                             and (split_precision(c)[1] is None or "fp8" in peaks)) or "none a plan can use"
+            needed = f"fp8 peak for {name}" if fp8 else f"{precision} peak"
+            raise SpecError("--precision", f"{group.gpu.name} has no {needed} (has: {have}; pass one of those)")
     if optimizer not in OPTIMIZERS:
         raise SpecError("--optimizer", f"unknown {optimizer!r} (known: {', '.join(OPTIMIZERS)})")
     if mixed_precision not in MIXED_PRECISION:
         raise SpecError("mixed_precision", f"unknown {mixed_precision!r} (known: {', '.join(MIXED_PRECISION)})")
-    return TrainingSpec(batch, seq, precision, optimizer, flash_attention, mixed_precision)
+    return TrainingSpec(batch, seq, precision, optimizer, flash_attention, mixed_precision, fp8)
 
 
 def _check_keys(data: dict, allowed: set[str], field: str) -> None:

@@ -38,7 +38,8 @@ def training_options(command):
         click.option("--seq", metavar="INT>=1", type=str, default=None,
                      help="Sequence length [default: the model's max_position_embeddings]."),
         click.option("--precision", default="bf16", show_default=True,
-                     help="bf16 | fp16 (mixed, fp32 master weights) | fp32."),
+                     help="bf16 | fp16 (mixed, fp32 master weights) | fp32 | fp8 | fp8-rowwise (bf16 with the "
+                          "layers' linear GEMMs in FP8, torchao's tensorwise or rowwise dynamic scaling)."),
         click.option("--optimizer", default="adamw", show_default=True, help="adam | adamw | sgd."),
         click.option("--attention", type=click.Choice(["flash", "eager"]), default="flash", show_default=True,
                      help="Attention kernel: flash keeps no score matrix."),
@@ -340,6 +341,8 @@ def _print_sweep(rows, tokens: float | None) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from costmodel.specs.training import precision_name
+
 
     def table(title: str, columns: list[str]) -> Table:
         out = Table(title=title, box=box.SIMPLE_HEAD)
@@ -353,7 +356,8 @@ def _print_sweep(rows, tokens: float | None) -> None:
         doc = planned[0].plan
         t = doc["training"]
         click.echo(f"{doc['model']['name']} on {doc['cluster']['gpu']['name']} ({doc['cluster']['name']}), "
-                   f"global batch {t['global_batch']} x {t['seq_len']} tokens, {t['precision']}, rules {doc['rules']}")
+                   f"global batch {t['global_batch']} x {t['seq_len']} tokens, "
+                   f"{precision_name(t['precision'], t.get('fp8'))}, rules {doc['rules']}")
     sizes = table("Plans by size", ["GPUs", "strategy", "step s", "tokens/s", "per GPU", "scaling", "MFU", "peak GiB"])
     for r in rows:
         if r.plan is None:

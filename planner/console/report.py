@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from costmodel.specs.training import precision_name
 from costmodel.units import GIB
 
 
@@ -47,7 +48,7 @@ def print_plan(doc: dict, seconds: float, console: Console | None = None) -> Non
     model, cluster = doc["model"], doc["cluster"]
     console.print(f"[bold]{model['name']}[/]{parameters_note(doc)} on {cluster_line(cluster)}, global batch "
                   f"{doc['training']['global_batch']} x {doc['training']['seq_len']} tokens, "
-                  f"{doc['training']['precision']}")
+                  f"{precision_name(doc['training']['precision'], doc['training'].get('fp8'))}")
     banded = "band" in doc   # plans from before runtime profiles carry none
     docs = [doc] + [{**doc, **alternative} for alternative in doc["alternatives"]]
     _print_side_by_side(docs, [f"#{i + 1}" for i in range(len(docs))], "Plans, best first", console)

@@ -23,6 +23,7 @@ from costmodel.specs.loading import (
     load_cluster,
     make_training,
 )
+from costmodel.specs.training import precision_name
 from costmodel.strategy import Strategy
 from costmodel.units import GIB
 from planner.plan_file import (
@@ -186,8 +187,8 @@ def replan(doc: dict, *, gpus: Any = None, nodes: Any = None, cluster: str | Non
         new_cluster = resized(old_cluster, nodes=nodes, gpus=gpus)
     t = doc["training"]
     try:
-        training = make_training(model, new_cluster, t["global_batch"], t["seq_len"], t["precision"],
-                                 t["optimizer"], t["flash_attention"])
+        training = make_training(model, new_cluster, t["global_batch"], t["seq_len"],
+                                 precision_name(t["precision"], t.get("fp8")), t["optimizer"], t["flash_attention"])
     except SpecError as err:
         raise SpecError(_TRAINING_FIELDS.get(err.field, err.field), str(err).split(": ", 1)[1]) from None
     except (KeyError, TypeError) as err:

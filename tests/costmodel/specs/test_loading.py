@@ -170,14 +170,20 @@ def test_an_nvlink_domain_is_whole_nodes(tmp_path, domain, message):
     assert err.value.field == "cluster.nvlink_domain_gpus" and message in str(err.value)
 
 
-def test_data_sheet_fp8_and_fp4_peaks_load_but_plan_no_run():
+def test_data_sheet_fp8_peaks_plan_fp8_training_and_fp4_none():
     b200 = load_cluster("dgx-b200").gpu
     assert (b200.peak_for("bf16"), b200.peak_for("fp8"), b200.peak_for("fp4")) == (2.25e15, 4.5e15, 9.0e15)
     model = load_model("llama2-7b")
-    with pytest.raises(SpecError, match="unknown 'fp8'"):
-        make_training(model, load_cluster("dgx-b200"), 64, precision="fp8")
-    with pytest.raises(SpecError, match=r"B200 has no fp32 peak \(has: bf16, fp16;"):
+    fp8 = make_training(model, load_cluster("dgx-b200"), 64, precision="fp8")
+    assert (fp8.precision, fp8.fp8) == ("bf16", "tensorwise")
+    rowwise = make_training(model, load_cluster("dgx-h100"), 64, precision="fp8-rowwise")
+    assert (rowwise.precision, rowwise.fp8) == ("bf16", "rowwise")
+    with pytest.raises(SpecError, match="unknown 'fp4'"):
+        make_training(model, load_cluster("dgx-b200"), 64, precision="fp4")
+    with pytest.raises(SpecError, match=r"B200 has no fp32 peak \(has: bf16, fp16, fp8, fp8-rowwise;"):
         make_training(model, load_cluster("dgx-b200"), 64, precision="fp32")
+    with pytest.raises(SpecError, match=r"A100-80GB has no fp8 peak for fp8-rowwise \(has: bf16, fp16, fp32;"):
+        make_training(model, load_cluster("dgx-a100-80gb"), 64, precision="fp8-rowwise")
 
 
 def test_dgx_a100_80gb_figures():
