@@ -5,8 +5,9 @@ predict the other, both directions).
 Rows (../shared/reference/):
 - torchtitan: torchtitan_h100_runs.json, Llama 3.1 8B / 70B on 8-256 H100 96 GB HBM2e at
   500 W (configs/clusters/grand-teton-h100.yaml), FSDP2, FSDP2 + TP (async or not),
-  eager or compiled; pytorch-native runtime. Float8 rows are left out: the cost model has
-  no fp8 precision yet (that leaves out both 405B PP rows and the two H200 rows too).
+  eager or compiled; pytorch-native runtime. Float8 rows are held out of every fit:
+  bench/fp8.py prices them as a check of the FP8 terms (both 405B PP rows and the two
+  H200 rows are left out too).
 - h200: h200/executor_runs.json, Shardwise's executor on one H200 (eager), and its layer
   profile h200/llama3-8b_layers_profile.json (layer and LM head + loss at TP shards 1-8);
   pytorch-native. The planner's own first plan ran out of memory: printed with the
@@ -127,21 +128,32 @@ class Fit:
         return replace(self, runtime=replace(self.runtime, **{name: value}))
 
 
-def torchtitan_rows() -> tuple[list[Row], list[str]]:
+def torchtitan_rows(float8: bool = False) -> tuple[list[Row], list[str]]:
+    """The torchtitan H100 runs as rows: the bf16 ones, or with `float8` the float8 ones,
+    which no fit sees (bench/fp8.py holds them out to check FP8 pricing)."""
     data = json.loads((REFERENCE / "torchtitan_h100_runs.json").read_text())
     rows, left_out = [], []
     for run in data["runs"]:
-        if run["runtime"]["float8"]:
-            left_out.append(f"{run['id']} (float8: no fp8 precision in the cost model yet)")
+        if bool(run["runtime"]["float8"]) != float8:
+            left_out.append(f"{run['id']} (float8: held out, bench/fp8.py)" if not float8 else run["id"])
             continue
         s, gpus = run["strategy"], run["gpus"]
         model = load_model(TORCHTITAN_MODELS[run["model"]["name"]])
         cluster = load_cluster("grand-teton-h100", gpus=gpus)
         # torchtitan shards with FSDP2's MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
         # (torchtitan/distributed/utils.py), which gathers 16-bit weights: "param_dtype".
-        training = make_training(model, cluster, s["global_batch_size"], s["seq_len"], "bf16", "adamw", True,
+        # "tensorwise", "rowwise", or "tensorwise (FSDP float8 all-gather, precomputed scales)".
+        recipe = (run["runtime"]["float8"] or "").split(" ")[0]
+        precision = "bf16" if not recipe else "fp8" if recipe == "tensorwise" else f"fp8-{recipe}"
+        training = make_training(model, cluster, s["global_batch_size"], s["seq_len"], precision, "adamw", True,
                                  "param_dtype")
         recompute = "full" if s["activation_checkpointing"] == "full" else "selective"
+        if s["pp"] > 1 and float8:
+            left_out.append(f"{run['id']} (pipelined: its schedule is not mapped)")
+            continue
+        if "H200" in run["hardware"]["gpu"]:
+            left_out.append(f"{run['id']} (H200, not the Grand Teton H100s)")
+            continue
         if s["pp"] > 1:
             raise SystemExit(f"{run['id']}: a bf16 PP row; map its schedule before using it")
         strategy = Strategy(dp=s["fsdp"], tp=s["tp"], pp=1, micro_batch_size=s["local_batch_size"], num_microbatches=1,

@@ -85,7 +85,7 @@ def unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
     message = value * b * training.seq_len / cp * model.hidden_size
 
     layer = compute.layer_compute(model, cluster, training, b, tp, sp, ep, runtime, cp)
-    layer_backward = compute.BACKWARD_FACTOR * layer.forward_s
+    layer_backward = layer.backward_s
     # Measured times (costmodel.measured, `--profile`) replace the analytic layer where
     # the profile covers this micro-batch size and TP width (its layers ran whole
     # sequences: not under context parallelism).
@@ -149,7 +149,12 @@ def unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
     # `zero3_overlap` says.
     zero3_fwd = zero3_bwd = 0.0
     if strategy.zero_stage == 3:
-        gather = (sharded_collective_s("all_gather", dense_local * states.weights, where["dp"], cluster, runtime)
+        # Tensorwise FP8 gathers the converted linears' weights in fp8, 1 byte each
+        # (FSDP2's float8 all-gather: torchao fsdp_utils, torchtitan's
+        # enable_fsdp_float8_all_gather), the layer's other weights as they are held.
+        fp8_weights = sum(k * n for k, n in compute.fp8_linears(model, tp)) if training.fp8 == "tensorwise" else 0.0
+        gathered_bytes = (dense_local - fp8_weights) * states.weights + fp8_weights
+        gather = (sharded_collective_s("all_gather", gathered_bytes, where["dp"], cluster, runtime)
                   + sharded_collective_s("all_gather", expert_local * states.weights, where["expert_dp"], cluster,
                                          runtime))
         scatter = (sharded_collective_s("reduce_scatter", dense_local * states.gradients, where["dp"], cluster,
@@ -163,8 +168,13 @@ def unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
     # The runtime's per-layer launch time, a third of it in forward (one forward kernel
     # for two in backward, as the GEMMs); measured layer times hold their own.
     launch = runtime.layer_launch_s if measured is None else 0.0
-    fwd_compute = layer.forward_s + launch / 3
-    bwd_compute = layer_backward + 2 * launch / 3
+    # FP8 training casts each weight per micro-batch, or its shard per gather under ZeRO-3
+    # with tensorwise scaling (FSDP2's float8 all-gather).
+    fp8_gathered = strategy.zero_stage == 3 and training.fp8 == "tensorwise"
+    weight_cast_fwd, weight_cast_bwd = compute.fp8_weight_cast_s(model, cluster, training, tp,
+                                                                 strategy.dp_cp if fp8_gathered else 1, runtime)
+    fwd_compute = layer.forward_s + launch / 3 + weight_cast_fwd
+    bwd_compute = layer_backward + 2 * launch / 3 + weight_cast_bwd
     base = Work(compute_s=fwd_compute + bwd_compute, tp_comm_s=tp_forward + tp_backward,
                 ep_comm_s=2 * ep_one_way, dp_comm_s=zero3_fwd + zero3_bwd, cp_comm_s=cp_forward + cp_backward)
     # The runtime's selective recompute (costmodel.terms.recompute): the attention core

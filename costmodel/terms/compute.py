@@ -42,6 +42,16 @@ FLASH_CAUSAL_FRACTION = 0.5
 # gradients); backward of an elementwise op reads the saved input and the output
 # gradient and writes the input gradient: about twice the forward traffic.
 BACKWARD_FACTOR = 2.0
+# FP8 training (TrainingSpec.fp8; torchao.float8 0.18, float8_linear.py
+# matmul_with_hp_or_float8_args): every cast to fp8 is a dynamic-scaling pass, an amax
+# read of the high-precision tensor then a scaling read and a 1-byte write. Forward casts
+# the input and the weight; it saves both in high precision, so backward casts the
+# weight and the input again and the output gradient twice (once per backward GEMM).
+FP8_CAST_WRITE_BYTES = 1.0
+# Eager torchao makes each cast five passes where a compiled graph makes the two above
+# (float8_utils.tensor_to_amax: abs, then max; to_fp8_saturated: upcast, scale, clamp,
+# downcast): 25 bytes a bf16 value against 5.
+FP8_EAGER_CAST_FACTOR = 5.0
 
 
 def gemm_efficiency(m: float, n: float, k: float, device: GPUSpec | None = None) -> float:
@@ -73,10 +83,20 @@ class LayerCompute:
     gemm_s: float           # QKV, output projection, MLP or experts, router
     attention_core_s: float  # QK^T, softmax, AV (recomputed by selective recompute)
     elementwise_s: float     # norms, activation function, residuals, dropout
+    # FP8 training's casts (fp8_cast_s), in forward (input and weight) and in backward
+    # (weight, input, output gradient twice): not in proportion to the rest, so apart.
+    cast_forward_s: float = 0.0
+    cast_backward_s: float = 0.0
 
     @property
     def forward_s(self) -> float:
-        return self.gemm_s + self.attention_core_s + self.elementwise_s
+        return self.gemm_s + self.attention_core_s + self.elementwise_s + self.cast_forward_s
+
+    @property
+    def backward_s(self) -> float:
+        """Backward: two GEMMs per forward GEMM and twice the elementwise traffic
+        (BACKWARD_FACTOR), and the backward FP8 casts."""
+        return BACKWARD_FACTOR * (self.forward_s - self.cast_forward_s) + self.cast_backward_s
 
 
 def activation_bytes_per_value(training: TrainingSpec) -> int:
@@ -108,7 +128,14 @@ def layer_compute(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
     hd = model.head_dim
     qkv_width = (model.num_attention_heads * hd + 2 * model.kv_size) / tp
 
-    gemm = gemm_s(tokens, qkv_width, h) + gemm_s(tokens, h, model.q_size / tp)
+    # FP8 training runs the layers' linear GEMMs at the FP8 peak (the experts and the
+    # router stay in bf16: executor.parallelize converts attention and dense MLPs only).
+    linear_peak = cluster.gpu.peak_for("fp8") * gemm_scale if training.fp8 else peak
+
+    def linear_s(m: float, n: float, k: float) -> float:
+        return gemm_time_s(m, n, k, linear_peak, 1.0, cluster.gpu)
+
+    gemm = linear_s(tokens, qkv_width, h) + linear_s(tokens, h, model.q_size / tp)
     if model.is_moe:
         # Each rank's experts see tokens * k * ep / E tokens each under balanced routing
         # (the all-to-all gathers them from the ep group), E / ep experts per rank; a
@@ -120,9 +147,9 @@ def layer_compute(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
         per_expert = gemm_s(tokens_per_expert, 2 * f / tp, h) + gemm_s(tokens_per_expert, h, f / tp)
         gemm += local_experts * per_expert + gemm_s(tokens, model.num_local_experts, h)
     elif not model.gated_mlp:
-        gemm += gemm_s(tokens, f / tp, h) + gemm_s(tokens, h, f / tp)
+        gemm += linear_s(tokens, f / tp, h) + linear_s(tokens, h, f / tp)
     else:
-        gemm += gemm_s(tokens, 2 * f / tp, h) + gemm_s(tokens, h, f / tp)
+        gemm += linear_s(tokens, 2 * f / tp, h) + linear_s(tokens, h, f / tp)
 
     # Attention core: b * heads_local batched (q x hd) @ (hd x s) and (q x s) @ (s x hd),
     # q = s / cp queries. Under cp, the load-balanced split (chunks i and 2cp - 1 - i of
@@ -155,7 +182,77 @@ def layer_compute(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
         # F.gelu) and are charged one pass.
         traffic = 1.0
     elementwise = memory_bound_time_s(traffic * (replicated + activation), cluster)
-    return LayerCompute(gemm, core, elementwise)
+    if not training.fp8:
+        return LayerCompute(gemm, core, elementwise)
+    # The activations' casts (the weights' are the step's: fp8_weight_cast_s).
+    compiled = runtime is not None and runtime.torch_compile
+    inputs, outputs = fp8_cast_values(model, tp, sequence_parallel, training.fp8, compiled)
+    factor = fp8_cast_factor(runtime)
+    return LayerCompute(gemm, core, elementwise,
+                        memory_bound_time_s(factor * fp8_cast_bytes(2.0, inputs * tokens), cluster),
+                        memory_bound_time_s(factor * fp8_cast_bytes(2.0, (inputs + outputs) * tokens), cluster))
+
+
+def fp8_linears(model: ModelSpec, tp: int) -> list[tuple[float, float]]:
+    """(in, out) widths of a rank's linear layers FP8 training converts, one module each
+    as the executor and torchtitan write them (wq, wk, wv, wo; w1, w3, w2), each casting
+    its own input; an MoE layer's experts and router stay in bf16."""
+    h, q, kv, f = model.hidden_size, model.q_size / tp, model.kv_size / tp, model.intermediate_size / tp
+    linears = [(h, q), (h, kv), (h, kv), (q, h)]
+    if not model.is_moe:
+        linears += [(h, f)] * (2 if model.gated_mlp else 1) + [(f, h)]
+    return linears
+
+
+def fp8_cast_values(model: ModelSpec, tp: int, sequence_parallel: bool, recipe: str,
+                    compiled: bool) -> tuple[float, float]:
+    """(input values cast in forward, output-gradient values cast in backward) per token of
+    one layer's FP8 linears; backward casts the inputs again as well (torchao saves them in
+    high precision). Eager, every Float8Linear casts its own input, and its output
+    gradient twice, once per backward GEMM. Compiled (inductor), casts of one tensor with
+    one scale are one kernel: wq, wk and wv share their input's cast, w1 and w3 theirs, and
+    a tensorwise output gradient's two casts are one. Tensorwise with tensor parallelism
+    (torchao's Float8ColwiseParallel and PrepareFloat8ModuleInput, as torchtitan applies
+    them) casts each block's input once before its all-gather, on the rank's sequence
+    shard under sequence parallelism."""
+    linears = fp8_linears(model, tp)
+    if not compiled:
+        return sum(k for k, _ in linears), 2 * sum(n for _, n in linears)
+    h = model.hidden_size
+    shared = h / (tp if recipe == "tensorwise" and tp > 1 and sequence_parallel else 1)
+    # One shared input per block (attention, and a dense MLP), then wo's and w2's own.
+    blocks = 1 if model.is_moe else 2
+    own = [model.q_size / tp] + ([] if model.is_moe else [model.intermediate_size / tp])
+    casts_per_gradient = 1 if recipe == "tensorwise" else 2
+    return blocks * shared + sum(own), casts_per_gradient * sum(n for _, n in linears)
+
+
+def fp8_cast_bytes(value_bytes: float, values: float) -> float:
+    """HBM bytes of casting `values` held in `value_bytes` each to fp8: an amax read, a
+    scaling read and a 1-byte write (FP8_CAST_WRITE_BYTES). Rowwise scaling reads and
+    writes the same, one scale a row."""
+    return (2 * value_bytes + FP8_CAST_WRITE_BYTES) * values
+
+
+def fp8_cast_factor(runtime: RuntimeSpec | None) -> float:
+    """Passes over a cast's bytes: 1 in a compiled graph, FP8_EAGER_CAST_FACTOR eager."""
+    return 1.0 if runtime is not None and runtime.torch_compile else FP8_EAGER_CAST_FACTOR
+
+
+def fp8_weight_cast_s(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, tp: int, shard: int,
+                      runtime: RuntimeSpec | None = None) -> tuple[float, float]:
+    """(forward, backward) seconds of one layer's weight casts to fp8 per micro-batch: each
+    converted weight cast once in forward and once in backward, from its held dtype (fp32
+    under autocast, bf16 under param_dtype), over `shard` of it: 1, or dp x cp under
+    ZeRO-3 with tensorwise scaling, where FSDP2 casts the shard before its float8
+    all-gather and the GEMMs take the gathered fp8 weight as it is (torchao
+    fsdp_utils, torchtitan's enable_fsdp_float8_all_gather)."""
+    if not training.fp8:
+        return 0.0, 0.0
+    held = 4.0 if training.mixed_precision == "autocast" else 2.0
+    weights = sum(k * n for k, n in fp8_linears(model, tp)) / shard
+    seconds = memory_bound_time_s(fp8_cast_factor(runtime) * fp8_cast_bytes(held, weights), cluster)
+    return seconds, seconds
 
 
 def op_level_gemm_fraction(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,

@@ -263,6 +263,11 @@ def pytorch_layer_activation_bytes(model: ModelSpec, training: TrainingSpec, mic
         experts = model.num_local_experts if model.is_moe else 1
         router_weights = model.hidden_size * model.num_local_experts if model.is_moe else 0
         matmuls = attention_parameters(model) + expert_parameters(model) * experts + router_weights
+        if training.fp8:
+            # torchao's Float8Linear saves its weight as it is held (the fp32 parameter)
+            # and casts it to fp8 per GEMM: no bf16 copy for the linears FP8 converts
+            # (attention, dense MLPs).
+            matmuls -= attention_parameters(model) + (0 if model.is_moe else expert_parameters(model))
         weight_copies = 2.0 * matmuls / tp
     scores = 0.0
     if not training.flash_attention and recompute != "selective":

@@ -254,3 +254,39 @@ def test_context_parallel_layer_runs_s_over_cp_queries_against_every_key(dgx, cp
     assert lc.gemm_s == pytest.approx(gemm, rel=1e-12)
     assert lc.attention_core_s == pytest.approx(core, rel=1e-12)
     assert lc.elementwise_s == pytest.approx(elementwise, rel=1e-12)
+
+
+def test_fp8_layer_runs_its_linears_at_the_fp8_peak_and_pays_their_casts():
+    # Llama 3 8B on one H100, eager: q/k/v/o and the SwiGLU matrices at the FP8 peak on the
+    # same GEMM curve, the attention core at bf16's; each Float8Linear casts its input in
+    # forward (amax read, scaling read, 1-byte write: 5 bytes a bf16 value) and again in
+    # backward, and its output gradient twice, five passes each eager (torchao's ops).
+    from costmodel.specs.loading import load_cluster as cluster_of
+    h100 = cluster_of("dgx-h100", gpus=1)
+    m = load_model("llama3-8b")
+    bf16 = layer_compute(m, h100, make_training(m, h100, 1, 4096, precision="bf16"), 1, 1, False)
+    fp8_training = make_training(m, h100, 1, 4096, precision="fp8")
+    fp8 = layer_compute(m, h100, fp8_training, 1, 1, False)
+    h, q, kv, f, tokens = 4096, 4096, 1024, 14336, 4096
+    fp8_peak = 1.979e15
+    gemm = (gemm_time_s(tokens, q + 2 * kv, h, fp8_peak, device=h100.gpu) + gemm_time_s(tokens, h, q, fp8_peak, device=h100.gpu)
+            + gemm_time_s(tokens, 2 * f, h, fp8_peak, device=h100.gpu) + gemm_time_s(tokens, h, f, fp8_peak, device=h100.gpu))
+    assert fp8.gemm_s == pytest.approx(gemm, rel=1e-12) and fp8.gemm_s < bf16.gemm_s
+    assert fp8.attention_core_s == bf16.attention_core_s and fp8.elementwise_s == bf16.elementwise_s
+    inputs = 3 * h + q + 2 * h + f          # wq, wk, wv; wo; w1, w3; w2
+    outputs = q + 2 * kv + h + 2 * f + h
+    hbm = h100.gpu.hbm_bandwidth_bytes_per_s * compute.MEMORY_BOUND_EFFICIENCY
+    assert fp8.cast_forward_s == pytest.approx(5 * 5 * inputs * tokens / hbm, rel=1e-12)
+    assert fp8.cast_backward_s == pytest.approx(5 * 5 * (inputs + 2 * outputs) * tokens / hbm, rel=1e-12)
+    assert fp8.backward_s == pytest.approx(2 * (fp8.forward_s - fp8.cast_forward_s) + fp8.cast_backward_s, rel=1e-12)
+
+
+def test_compiled_fp8_casts_a_shared_input_once():
+    # Inductor makes one cast of one tensor at one scale: q/k/v share their input's cast,
+    # w1/w3 theirs, and a tensorwise output gradient's two casts are one; rowwise keeps two.
+    m = load_model("llama3-8b")
+    h, q, kv, f = 4096, 4096, 1024, 14336
+    assert compute.fp8_cast_values(m, 1, False, "tensorwise", True) == (h + q + h + f, q + 2 * kv + h + 2 * f + h)
+    assert compute.fp8_cast_values(m, 1, False, "rowwise", True)[1] == 2 * (q + 2 * kv + h + 2 * f + h)
+    # Tensorwise TP casts each block's input once on the sequence shard, before the all-gather.
+    assert compute.fp8_cast_values(m, 8, True, "tensorwise", True)[0] == 2 * h / 8 + q / 8 + f / 8

@@ -401,3 +401,18 @@ def test_context_parallel_logits_are_the_local_tokens(dgx):
     spec = load_model("llama3-8b")
     t = training(spec, dgx, seq=4096)
     assert memory.logits_bytes(spec, t, 1, 1, cp=4) == memory.logits_bytes(spec, t, 1, 1) / 4
+
+
+def test_fp8_linears_save_no_bf16_weight_copy(dgx):
+    # Under autocast each bf16 matmul saves its bf16 weight copy; torchao's Float8Linear
+    # saves the fp32 parameter itself and casts it per GEMM, so FP8 training drops the
+    # copies of q/k/v/o and the MLP (2 bytes a weight).
+    from costmodel.specs.loading import load_cluster as cluster_of
+    from costmodel.terms.counts import attention_parameters, expert_parameters
+    h100 = cluster_of("dgx-h100", gpus=1)
+    spec = load_model("llama3-8b")
+    bf16 = make_training(spec, h100, 8, 1024, precision="bf16", mixed_precision="autocast")
+    fp8 = make_training(spec, h100, 8, 1024, precision="fp8", mixed_precision="autocast")
+    dropped = 2 * (attention_parameters(spec) + expert_parameters(spec))
+    assert (pytorch_layer_activation_bytes(spec, bf16, 1, 1, False, "none")
+            - pytorch_layer_activation_bytes(spec, fp8, 1, 1, False, "none")) == dropped
