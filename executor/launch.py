@@ -13,6 +13,7 @@ plan takes here); the functions that need torch import it."""
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import io
 import logging
 import os
@@ -55,8 +56,12 @@ class UnsupportedPlan(ValueError):
     """The plan asks for something this executor cannot build; the message says what."""
 
 
-def check_supported(spec: ModelSpec, strategy: Strategy, seq_len: int) -> None:
-    """Refuse, before any weights exist, what cannot be built."""
+def check_supported(spec: ModelSpec, strategy: Strategy, seq_len: int, precision: str = "bf16",
+                    fp8: str | None = None) -> None:
+    """Refuse, before any weights exist, what cannot be built (`precision` and `fp8`:
+    the training spec's, checked when fp8 is set)."""
+    if fp8 is not None:
+        check_fp8(spec, strategy, seq_len, precision, fp8)
     if why := context_parallel_error(strategy.cp, seq_len):
         raise UnsupportedPlan(f"strategy.cp: {why}")
     if strategy.cp > 1 and strategy.ep > 1:
@@ -87,6 +92,39 @@ def check_supported(spec: ModelSpec, strategy: Strategy, seq_len: int) -> None:
                               f"got {len(strategy.stage_groups)}")
     if strategy.replica_groups or strategy.replica_microbatches:
         check_replica_shares(strategy)
+
+
+# torch._scaled_mm, the FP8 GEMM torchao calls on a GPU, takes operands whose dimensions
+# are multiples of 16 (the weights' in executor.parallelize.fp8_gemm_fits; a micro-batch's
+# tokens are the inner dimension of the weight-gradient GEMM).
+FP8_GEMM_MULTIPLE = 16
+
+
+def check_fp8(spec: ModelSpec, strategy: Strategy, seq_len: int, precision: str, fp8: str) -> None:
+    """FP8 training (torchao.float8 on the layers' linear layers) runs on bf16 mixed
+    precision, with torchao installed, on dense models, with micro-batches of a multiple
+    of 16 tokens per rank."""
+    from costmodel.specs.training import FP8_RECIPES
+
+    if fp8 not in FP8_RECIPES:
+        raise UnsupportedPlan(f"training.fp8: expected one of {', '.join(FP8_RECIPES)}, got {fp8!r}")
+    if precision != "bf16":
+        raise UnsupportedPlan(f"training.fp8: FP8 linear layers run inside bf16 mixed precision, the plan has "
+                              f"precision {precision}; plan with --precision fp8 or fp8-rowwise")
+    if spec.is_moe:
+        # torchao converts nn.Linear; the experts are grouped weights run by one grouped
+        # GEMM, whose FP8 path (torchao's MoE training) this executor does not build.
+        raise UnsupportedPlan("training.fp8: the experts of an MoE model would stay bf16 (torchao's FP8 grouped "
+                              "GEMM is not supported here), which is not what an fp8 plan prices; plan with "
+                              "--precision bf16")
+    tokens = strategy.micro_batch_size * seq_len // strategy.cp
+    if tokens % FP8_GEMM_MULTIPLE:
+        raise UnsupportedPlan(f"training.fp8: a micro-batch holds {tokens} tokens per rank, and FP8 GEMMs take "
+                              f"multiples of {FP8_GEMM_MULTIPLE}; plan another micro-batch size or sequence length")
+    # Looked up, not imported: the launcher checks a plan without torch (torchao imports it).
+    if importlib.util.find_spec("torchao") is None:
+        raise UnsupportedPlan("training.fp8: FP8 training needs torchao, which is not installed; "
+                              "pip install torchao (or shardwise[fp8])")
 
 
 def check_compile(strategy: Strategy, compiled: bool) -> None:
@@ -157,7 +195,7 @@ def load_job(plan_path: str, model_name: str | None = None, world_size: int | No
         raise SpecError("--nproc-per-node", f"the plan needs {strategy.num_gpus} processes "
                                             f"({degrees(strategy)}), {world_size} would be started")
     try:
-        check_supported(model, strategy, training.seq_len)
+        check_supported(model, strategy, training.seq_len, training.precision, training.fp8)
     except UnsupportedPlan as err:
         raise SpecError(*str(err).split(": ", 1)) from None
     job_device_type(doc)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass, replace
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -37,7 +38,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from costmodel.specs import ModelSpec, RuntimeSpec, TrainingSpec
 from costmodel.specs.runtime import DDP_BUCKET_MB
 from costmodel.strategy import ZERO_BUBBLE_SCHEDULES, Stage, Strategy, ends_apart
-from executor.launch import check_supported
+from executor.launch import FP8_GEMM_MULTIPLE, check_supported
 from executor.mesh import RankMesh, tied_ends_group
 from executor.models import (
     ContextShard,
@@ -127,29 +128,139 @@ def enable_async_tp(tp_mesh: DeviceMesh) -> None:
     enable_symm_mem_for_group(tp_mesh.get_group().group_name)
 
 
-def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+# The linear layers FP8 training converts, by the layer part that holds them; the router
+# (an MoE's), the embedding, the LM head, norms and the attention core stay in bf16.
+FP8_LINEARS = {"attention": ("wq", "wk", "wv", "wo"), "feed_forward": ("w1", "w2", "w3")}
+# Those tensor parallelism splits by their input features (row-wise); the rest are split
+# by their output features (column-wise).
+ROW_SPLIT_LINEARS = ("wo", "w2")
+
+
+def fp8_config(recipe: str, device: torch.device, fsdp_float8_all_gather: bool):
+    """torchao's Float8LinearConfig of `recipe` ("tensorwise" or "rowwise" dynamic
+    scaling): its FP8 GEMMs emulated (FP8 values, scales and roundings, the products
+    taken in high precision) where torch._scaled_mm cannot run, off CUDA; under FSDP2 a
+    tensorwise weight is cast to FP8 before its all-gather (half the bytes of bf16; the
+    rowwise recipe gathers in high precision)."""
+    from torchao.float8 import Float8LinearConfig
+
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    return replace(config, emulate=device.type != "cuda",
+                   enable_fsdp_float8_all_gather=fsdp_float8_all_gather and recipe == "tensorwise")
+
+
+def fp8_gemm_fits(linear: nn.Linear, name: str, tp: int) -> bool:
+    """Whether a linear layer's GEMMs can run in FP8: torch._scaled_mm takes weights whose
+    both dimensions are multiples of 16, here this rank's shard of them under tensor
+    parallelism (the output features of a column-wise split divided by tp, the input
+    features of a row-wise one). One that cannot stays bf16."""
+    out_features, in_features = linear.out_features, linear.in_features
+    if name in ROW_SPLIT_LINEARS:
+        in_features //= tp
+    else:
+        out_features //= tp
+    return out_features % FP8_GEMM_MULTIPLE == 0 and in_features % FP8_GEMM_MULTIPLE == 0
+
+
+def apply_fp8(model: Transformer, config, tp: int) -> None:
+    """FP8 training (torchao.float8's Float8Linear, dynamic scaling as `config` says): the
+    layers' attention projections and MLP matrices whose shapes FP8 GEMMs take
+    (`fp8_gemm_fits`) become Float8Linear, before tensor parallelism and FSDP are
+    applied (torchtitan's order: a Float8Linear's weight is what they shard). An MoE's
+    experts are not linear layers (check_supported refuses FP8 there)."""
+    from torchao.float8 import convert_to_float8_training
+
+    for layer in model.layers.values():
+        for part_name, names in FP8_LINEARS.items():
+            part = getattr(layer, part_name)
+            if isinstance(part, MoE):
+                continue
+            convert_to_float8_training(part, config=config,
+                                       module_filter_fn=lambda m, fqn, names=names: fqn in names
+                                       and fp8_gemm_fits(m, fqn, tp))
+
+
+def fp8_linears(model: nn.Module) -> list[nn.Module]:
+    """The model's torchao Float8Linear layers (none when torchao was never imported)."""
+    import sys
+
+    if "torchao.float8" not in sys.modules:
+        return []
+    from torchao.float8.float8_linear import Float8Linear
+
+    return [m for m in model.modules() if isinstance(m, Float8Linear)]
+
+
+def _input_to_autocast_dtype(module: nn.Module, args: tuple) -> tuple:
+    """Float8Linear's forward casts its input to CUDA's autocast dtype; this does the same
+    for the input's own device (CPU autocast included; a no-op after Float8Linear's own
+    cast on CUDA), so the layer takes, casts and saves for backward a bf16 input there as
+    on a GPU, not the fp32 residual stream."""
+    x, *rest = args
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        return (x.to(torch.get_autocast_dtype(device_type)), *rest)
+    return args
+
+
+def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool,
+                          fp8_tensorwise: bool = False) -> None:
     """Megatron-LM's split (Shoeybi et al. 2019 §3): Q/K/V and the first MLP matrices
     column-wise, the output projections row-wise, the embedding and LM head over the
     vocabulary. Each block's input becomes one DTensor before the column-wise layers, so
     its gradient is reduced once, not once per projection. With sequence parallelism
     (Korthikanti et al. 2022 §4.2.2) norms and residuals hold a sequence shard and the
-    all-reduces become all-gathers and reduce-scatters."""
+    all-reduces become all-gathers and reduce-scatters. `fp8_tensorwise`: the
+    Float8Linear layers (apply_fp8) take torchao's float8 styles, as torchtitan does for
+    the tensorwise recipe: a block's input is cast to FP8 before it is gathered (once for
+    Q, K and V; its scale from the amax over every shard: a DTensor's amax is reduced over
+    the mesh), and the gradients entering a row-wise layer are cast after their reduction.
+    The rowwise recipe takes the plain styles (torchao has no float8 styles for it), and
+    so does tensorwise under sequence parallelism off CUDA (below)."""
     seq = Shard(1) if sequence_parallel else Replicate()
+    # The float8 styles gather FP8 tensors under sequence parallelism, which gloo cannot
+    # (it has no float8 dtypes: "Invalid scalar type"): on CPU the inputs are gathered in
+    # high precision and cast after, with the same global scale, so the same FP8 values.
+    fp8_gathers = fp8_tensorwise and (tp_mesh.device_type == "cuda" or not sequence_parallel)
+    float8 = {id(m) for m in fp8_linears(model)} if fp8_gathers else set()
+    if float8:
+        from torchao.float8.float8_tensor_parallel import (
+            Float8ColwiseParallel,
+            Float8RowwiseParallel,
+            PrepareFloat8ModuleInput,
+        )
     for layer in model.layers.values():
+
+        def colwise(name: str):
+            return Float8ColwiseParallel() if id(layer.get_submodule(name)) in float8 else ColwiseParallel()
+
+        def rowwise(name: str, **kwargs):
+            return Float8RowwiseParallel(**kwargs) if id(layer.get_submodule(name)) in float8 else RowwiseParallel(**kwargs)
+
+        def prepare(part: str, readers: tuple[str, ...], **layouts):
+            # The input is cast to FP8 before its all-gather only when every layer
+            # reading it takes FP8 (a bf16 layer cannot read a float8 tensor).
+            part_module = layer.get_submodule(part)
+            if all(id(getattr(part_module, r)) in float8 for r in readers if getattr(part_module, r) is not None):
+                return PrepareFloat8ModuleInput(**layouts)
+            return PrepareModuleInput(**layouts)
+
+        gated = layer.feed_forward.w3 is not None
         plan = {
             # (x, cos, sin): the RoPE rows are plain tensors.
-            "attention": PrepareModuleInput(input_layouts=(seq, None, None),
-                                            desired_input_layouts=(Replicate(), None, None)),
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=seq),
-            "feed_forward": PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=seq),
+            "attention": prepare("attention", ("wq", "wk", "wv"), input_layouts=(seq, None, None),
+                                 desired_input_layouts=(Replicate(), None, None)),
+            "attention.wq": colwise("attention.wq"),
+            "attention.wk": colwise("attention.wk"),
+            "attention.wv": colwise("attention.wv"),
+            "attention.wo": rowwise("attention.wo", output_layouts=seq),
+            "feed_forward": prepare("feed_forward", ("w1", "w3"), input_layouts=(seq,),
+                                    desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": colwise("feed_forward.w1"),
+            "feed_forward.w2": rowwise("feed_forward.w2", output_layouts=seq),
         }
-        if layer.feed_forward.w3 is not None:
-            plan["feed_forward.w3"] = ColwiseParallel()
+        if gated:
+            plan["feed_forward.w3"] = colwise("feed_forward.w3")
         if layer.attention.q_norm is not None:
             # Per-head q/k norms (Qwen3) see this rank's heads: their weights are
             # replicated and their gradients summed over tp, as SequenceParallel does
@@ -339,7 +450,7 @@ class BuiltinModel:
     def __init__(self, spec: ModelSpec, training: TrainingSpec, strategy: Strategy, mesh: RankMesh,
                  dtype: torch.dtype, seed: int, device: torch.device, compile_backend: str | None = None,
                  overlap: Overlap = Overlap()):
-        check_supported(spec, strategy, training.seq_len)
+        check_supported(spec, strategy, training.seq_len, training.precision, training.fp8)
         self.spec, self.training, self.strategy, self.mesh = spec, training, strategy, mesh
         self.dtype, self.seed, self.device = dtype, seed, device
         self.compile_backend = compile_backend
@@ -352,6 +463,9 @@ class BuiltinModel:
         ends_group = tied_ends_group(mesh) if spec.tie_word_embeddings and ends_apart(strategy) else None
         self.data_parallel = data_parallel_kind(strategy)
         zero_2 = self.data_parallel == "fsdp" and strategy.zero_stage < 3
+        # FP8 training's torchao config: FSDP2 gathers tensorwise weights in FP8.
+        self.fp8 = (fp8_config(training.fp8, device, fsdp_float8_all_gather=self.data_parallel == "fsdp")
+                    if training.fp8 else None)
         # ZeRO over experts needs two ranks holding them (edp > 1): on one there is
         # nothing to shard, and the step reduces them as under DDP.
         self.experts_sharded = self.data_parallel == "fsdp" and strategy.ep > 1 and strategy.dp // strategy.ep > 1
@@ -372,8 +486,10 @@ class BuiltinModel:
             tied=self._tied_embedding(ends_group),
             expert_parameters=tuple(p for inner in self.stages for _, p in expert_parameters(inner)),
             experts_reduced_by_fsdp=self.experts_sharded,
-            summed_over_tp=self._summed_over_tp())
+            summed_over_tp=self._summed_over_tp(),
+            after_update=self._fp8_scales_for_fsdp())
         self.tied_names = ("tok_embeddings.weight", "output.weight") if spec.tie_word_embeddings else None
+        self._precompute_fp8_scales()
 
     def _build(self, stage) -> nn.Module:
         s = self.strategy
@@ -387,10 +503,17 @@ class BuiltinModel:
             apply_expert_parallel(model, self.mesh["ep"])
         if s.cp > 1:
             apply_context_parallel(model, self.mesh["cp"])
+        if self.fp8 is not None:
+            apply_fp8(model, self.fp8, s.tp)
         if s.tp > 1:
-            apply_tensor_parallel(model, self.mesh["tp"], s.sequence_parallel)
+            apply_tensor_parallel(model, self.mesh["tp"], s.sequence_parallel,
+                                  fp8_tensorwise=self.training.fp8 == "tensorwise")
             if self.overlap.async_tp:
                 enable_async_tp(self.mesh["tp"])
+        # After tensor parallelism's input hooks, as Float8Linear's own cast runs in its
+        # forward on CUDA.
+        for linear in fp8_linears(model):
+            linear.register_forward_pre_hook(_input_to_autocast_dtype)
         if self.compile_backend:
             apply_compile(model, self.compile_backend, micro_pipeline_tp=self.overlap.async_tp)
         experts = {p for _, p in expert_parameters(model)}
@@ -426,6 +549,16 @@ class BuiltinModel:
         head = next((m.output.weight for m in self.stages if m.output is not None), None)
         return TiedEmbedding(embedding, head, ends_group)
 
+    def _fp8_scales_for_fsdp(self) -> tuple:
+        """torchtitan's step under FSDP2's float8 all-gather: after each update every FP8
+        weight's scale is computed at once (one all-reduce of their amaxes over the
+        shards), not one all-reduce per weight in its all-gather."""
+        if self.fp8 is None or not self.fp8.enable_fsdp_float8_all_gather:
+            return ()
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+        return tuple(partial(precompute_float8_dynamic_scale_for_fsdp, module) for module in self.stages)
+
     def _summed_over_tp(self) -> tuple[nn.Parameter, ...]:
         # Under sequence parallelism each tp rank adds only its slice of the learned
         # positions, so the replicated table's gradient is the sum over the tp ranks.
@@ -446,6 +579,8 @@ class BuiltinModel:
         for inner in self.stages:
             for name, p in inner.named_parameters():
                 value = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+                # An FP8 weight under FSDP2's float8 all-gather wraps the plain tensor.
+                value = getattr(value, "_tensor", value)
                 out[canonical_name(name)] = value.cpu().clone()
         return out
 
@@ -454,3 +589,13 @@ class BuiltinModel:
         full = {k: v.to(self.device) for k, v in state.items()}
         for module in self.stages:
             set_model_state_dict(module, full, options=StateDictOptions(full_state_dict=True, strict=False))
+        self._precompute_fp8_scales()
+
+    def _precompute_fp8_scales(self) -> None:
+        """The FP8 weights' scales for FSDP2's float8 all-gather, from the weights as they
+        are now. Needed before the first step too: without a precomputed scale torchao
+        takes the amax over the FSDP mesh only, so under FSDP x TP each tp shard of a
+        weight got a scale of its own (tiny-llama, zero3-tp2: the first loss 3e-5 off
+        one process's)."""
+        for update in self.parts.after_update:
+            update()

@@ -97,6 +97,9 @@ class ModelParts:
     expert_parameters: tuple[nn.Parameter, ...] = ()   # sharded over ep (DTensors), replicated over edp
     experts_reduced_by_fsdp: bool = False   # FSDP shards them over edp and reduces their gradients
     summed_over_tp: tuple[nn.Parameter, ...] = ()      # each tp rank's gradient is one part of the whole
+    # Run after each optimizer update: FP8 weights' scales for FSDP2's float8 all-gather,
+    # computed for all of them at once (executor.parallelize).
+    after_update: tuple[Callable[[], None], ...] = ()
 
     def parameters(self) -> list[nn.Parameter]:
         return [p for m in self.modules for p in m.parameters()]
@@ -192,6 +195,8 @@ class TrainStep:
             self.skipped_update = not bool(torch.isfinite(norm))
         if not self.skipped_update:
             self.optimizer.step()
+            for update in self.parts.after_update:
+                update()
         if self.scheduler is not None:
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -29,6 +29,12 @@ class Imported:
     # What the configuration says of the engine's runtime (costmodel.specs.runtime field,
     # value): torch.compile, async TP, its selective-recompute policy.
     runtime_settings: tuple[tuple[str, object], ...] = ()
+    # The FP8 recipe of the layers' linear GEMMs (costmodel.specs.training.FP8_RECIPES),
+    # None for none; `states_fp8` False where the configuration cannot say FP8 at all
+    # (torchtitan 0.3's overrides: its config_registry function builds the model), so
+    # the caller's --precision decides.
+    fp8: str | None = None
+    states_fp8: bool = True
 
 
 

@@ -122,7 +122,7 @@ def read_deepspeed(text: str, model: ModelSpec, num_gpus: int) -> Imported:
 def export_deepspeed(strategy: Strategy, model: ModelSpec, training: TrainingSpec) -> Exported:
     """A DeepSpeed config JSON (keys: DEEPSPEED_KEYS). The pipeline and
     expert degrees are not config keys in DeepSpeed: they are said in warnings. A plan
-    with context parallelism is refused (SpecError): no DeepSpeed setting runs it."""
+    with context parallelism or FP8 is refused (SpecError): no DeepSpeed setting runs it."""
     s, warnings = strategy, []
     if s.cp > 1:
         # DeepSpeed's sequence parallelism is Ulysses (deepspeed/sequence/layer.py
@@ -131,6 +131,12 @@ def export_deepspeed(strategy: Strategy, model: ModelSpec, training: TrainingSpe
         raise SpecError("plan.strategy.cp", f"{s.cp}: DeepSpeed has no context parallelism that all-gathers K and V "
                         "(its Ulysses sequence parallelism scatters attention heads all-to-all); export to "
                         "torchtitan or megatron, or plan with --fix cp=1")
+    if training.fp8 is not None:
+        # DeepSpeed 0.19.8 runtime/config.py and runtime/constants.py have no FP8 key: the
+        # precision keys are bf16 and fp16.
+        raise SpecError("plan.training.fp8", f"{training.fp8}: a DeepSpeed config has no FP8 training setting (its "
+                        "precision keys are bf16 and fp16); export to torchtitan or megatron, or plan with "
+                        "--precision bf16")
     config: dict = {"train_batch_size": training.global_batch, "train_micro_batch_size_per_gpu": s.micro_batch_size,
                     "gradient_accumulation_steps": s.num_microbatches, "zero_optimization": {"stage": s.zero_stage}}
     if training.precision in ("bf16", "fp16"):

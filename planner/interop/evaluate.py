@@ -18,6 +18,7 @@ from costmodel.specs.loading import (
     load_cluster,
     load_runtime,
 )
+from costmodel.specs.training import precision_name, split_precision
 from costmodel.strategy import Strategy, context_parallel_error
 from costmodel.units import GIB
 from planner.api import make_problem, resolve_model
@@ -35,13 +36,13 @@ ENGINE_RUNTIMES = {"megatron": "megatron", "deepspeed": "deepspeed-zero", "torch
 ENGINE_FIELDS = {
     "megatron": {"global_batch": "--global-batch-size", "seq": "--seq-length", "precision": "--bf16/--fp16",
                  "tp": "--tensor-model-parallel-size", "sp": "--sequence-parallel", "ep": "--expert-model-parallel-size",
-                 "cp": "--context-parallel-size"},
+                 "cp": "--context-parallel-size", "fp8": "--fp8-format"},
     "torchtitan": {"global_batch": "training.global_batch_size", "seq": "training.seq_len",
                    "precision": "training.mixed_precision_param", "tp": "parallelism.tensor_parallel_degree",
                    "sp": "parallelism.enable_sequence_parallel", "ep": "parallelism.expert_parallel_degree",
-                   "cp": "parallelism.context_parallel_degree"},
+                   "cp": "parallelism.context_parallel_degree", "fp8": "model.converters"},
     "deepspeed": {"global_batch": "train_batch_size", "seq": "--seq", "precision": "bf16.enabled/fp16.enabled",
-                  "tp": "tensor_parallel.autotp_size", "sp": "--sp", "ep": "--ep", "cp": "--cp"},
+                  "tp": "tensor_parallel.autotp_size", "sp": "--sp", "ep": "--ep", "cp": "--cp", "fp8": "bf16.enabled"},
 }
 
 
@@ -81,16 +82,29 @@ class Evaluation:
         return None if self.best is None else self.yours.step_time_s / self.best.estimate.step_time_s - 1
 
 
+def _stated_precision(imported: Imported, given) -> str | None:
+    """The --precision name of what the config says (FP8 included: "fp8", "fp8-rowwise").
+    Where the config cannot say FP8 (torchtitan 0.3's overrides), a --precision of FP8 over
+    the config's bf16 is taken: its config_registry function sets the converters."""
+    if imported.precision is None:
+        return None
+    stated = precision_name(imported.precision, imported.fp8)
+    if not imported.states_fp8 and given is not None and split_precision(str(given))[0] == stated:
+        return str(given)
+    return stated
+
+
 def _reconcile(source: str, imported: Imported, global_batch, seq, precision) -> tuple:
     """The config's batch, sequence and precision, or the command line's where the
     config says nothing; the two disagreeing is bad input naming the config's field."""
     names = ENGINE_FIELDS[source]
     out = []
     for key, given, stated in (("global_batch", global_batch, imported.global_batch),
-                               ("seq", seq, imported.seq_len), ("precision", precision, imported.precision)):
+                               ("seq", seq, imported.seq_len), ("precision", precision, _stated_precision(imported, precision))):
         flag = {"global_batch": "--global-batch", "seq": "--seq", "precision": "--precision"}[key]
         if stated is not None and given is not None and str(given) != str(stated):
-            raise SpecError(names[key], f"the configuration says {stated}, {flag} says {given}")
+            fp8_only = key == "precision" and split_precision(str(given))[0] == split_precision(str(stated))[0]
+            raise SpecError(names["fp8" if fp8_only else key], f"the configuration says {stated}, {flag} says {given}")
         out.append(stated if stated is not None else given)
     if out[0] is None:
         raise SpecError("--global-batch", f"the configuration does not state the global batch ({names['global_batch']})")
@@ -148,6 +162,10 @@ def evaluate_config(source: str, config: str, model_name: str, cluster_name: str
     hint = None if global_batch is None else as_int(global_batch, "--global-batch")
     imported = read_config(source, config, spec, cluster.num_gpus, hint)
     batch, seq_len, precision = _reconcile(source, imported, global_batch, seq, precision)
+    if imported.fp8 is not None and "fp8" not in cluster.gpu.peak_flops_per_s:
+        have = ", ".join(sorted(cluster.gpu.peak_flops_per_s))
+        raise SpecError(ENGINE_FIELDS[source]["fp8"], f"FP8 ({imported.fp8}) on {cluster.gpu.name}, which has no fp8 "
+                                                      f"peak (has: {have}): the engine would not run FP8 GEMMs there")
     problem = make_problem(model_name, cluster_name, batch, nodes=nodes, gpus=gpus, seq_len=seq_len,
                            precision=precision, optimizer=optimizer, flash_attention=flash_attention,
                            overrides=overrides, fix=pins,

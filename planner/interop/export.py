@@ -53,24 +53,27 @@ def export_strategy(target: str, strategy: Strategy, model: ModelSpec, training:
     the text is read back and any strategy it describes other than the plan's is one more.
     `runtime`: the profile the plan was priced under (its selective recompute policy);
     with `cluster` too, the peak memory the engine's own settings give is checked. A plan
-    that no setting of the target runs (DeepSpeed with cp > 1) raises SpecError."""
+    that no setting of the target runs (DeepSpeed with cp > 1 or FP8) raises SpecError."""
     if target not in _EXPORTERS:
         raise SpecError("--to", f"unknown target {target!r} (known: {', '.join(TARGETS)})")
     exported = _EXPORTERS[target](strategy, model, training)
     exported = Exported(exported.text, exported.warnings + _group_warnings(target, strategy)
-                        + _selective_warnings(target, strategy, runtime))
+                        + _selective_warnings(target, strategy, runtime), exported.changes)
     try:
         back = importers.read_text(target, exported.text, model, strategy.num_gpus)
     except SpecError as err:
         refused = f"{target} refuses this configuration: {err}"
-        return Exported(exported.text, exported.warnings + (refused,), (refused,))
+        return Exported(exported.text, exported.warnings + (refused,), exported.changes + (refused,))
     if runtime is not None and cluster is not None:
         exported = Exported(exported.text, exported.warnings + _memory_warnings(
-            target, Problem(model, cluster, training, runtime=runtime), strategy, back.runtime_settings))
+            target, Problem(model, cluster, training, runtime=runtime), strategy, back.runtime_settings),
+            exported.changes)
     changes = strategy_changes(strategy, back.strategy)
+    if back.states_fp8 and back.fp8 != training.fp8:
+        changes.append(f"fp8 {training.fp8 or 'none'}→{back.fp8 or 'none'}")
     if changes:
         changed = f"{target} will run this configuration with {', '.join(changes)} (plan → exported)"
-        return Exported(exported.text, exported.warnings + (changed,), (changed,))
+        return Exported(exported.text, exported.warnings + (changed,), exported.changes + (changed,))
     return exported
 
 

@@ -102,6 +102,11 @@ MEGATRON_CHOICE_ARGS = {
     "--recompute-method": ("uniform", "block"),           # TransformerConfig.recompute_method
     # DistributedDataParallelConfig.data_parallel_sharding_strategy (Megatron FSDP)
     "--data-parallel-sharding-strategy": ("no_shard", "optim", "optim_grads", "optim_grads_params"),
+    # FP8 through Transformer Engine (megatron-core 0.16.1 transformer_config.py): the field
+    # `fp8` is the argument --fp8-format ("hybrid": e4m3 forward, e5m2 gradients), `fp8_recipe`
+    # --fp8-recipe (default "delayed"; enums.py Fp8Recipe).
+    "--fp8-format": ("e4m3", "hybrid"),
+    "--fp8-recipe": ("tensorwise", "delayed", "mxfp8", "blockwise", "custom"),
 }
 
 
@@ -202,6 +207,46 @@ def _check_capacity(args: argparse.Namespace, model: ModelSpec, warnings: list[s
     if args.moe_token_drop_policy != "position":
         warnings.append("--moe-token-drop-policy probs (Megatron's default) drops the lowest router probabilities; "
                         "priced the same (as many rows kept), while the executor drops the latest tokens (position)")
+
+
+# Megatron's recipe for each of Shardwise's (costmodel.specs.training.FP8_RECIPES):
+# "tensorwise" is Transformer Engine's Float8CurrentScaling, one scale per tensor from its
+# current amax (megatron/core/fp8_utils.py), torchao's tensorwise. Megatron has no per-row
+# scaling: "blockwise" (Float8BlockScaling: 1x128 tiles of activations and gradients,
+# 128x128 blocks of weights) is the nearest to torchao's rowwise.
+MEGATRON_FP8_RECIPES = {"tensorwise": "tensorwise", "rowwise": "blockwise"}
+# Without --fp8-recipe: TransformerConfig.fp8_recipe's default.
+MEGATRON_FP8_RECIPE_DEFAULT = "delayed"
+
+
+def _read_fp8(args: argparse.Namespace, precision: str, model: ModelSpec, warnings: list[str]) -> str | None:
+    """The FP8_RECIPES name --fp8-format / --fp8-recipe are priced as (None: no FP8)."""
+    if args.fp8_format is None:
+        if args.fp8_recipe is not None:
+            warnings.append(f"--fp8-recipe {args.fp8_recipe} without --fp8-format: Megatron trains without FP8, "
+                            "priced so")
+        return None
+    if precision != "bf16":
+        raise SpecError("--fp8-format", f"{args.fp8_format} with {'--fp16' if precision == 'fp16' else 'fp32'}: "
+                        "Shardwise prices FP8 training beside --bf16 (bf16 mixed precision)")
+    recipe = args.fp8_recipe or MEGATRON_FP8_RECIPE_DEFAULT
+    if recipe == "custom":
+        raise SpecError("--fp8-recipe", "custom (--fp8-quantizer-factory) quantizes as its factory says; Shardwise "
+                        "prices tensorwise, delayed, blockwise and mxfp8")
+    said = "not given: Megatron's default delayed" if args.fp8_recipe is None else recipe
+    if recipe == "delayed":
+        warnings.append(f"--fp8-recipe {said} scales each tensor by its amax history; priced as tensorwise, "
+                        "whose current scaling reads each tensor once more (its amax) before the cast")
+    elif recipe in ("blockwise", "mxfp8"):
+        blocks = "1x128 tiles and 128x128 weight blocks" if recipe == "blockwise" else "blocks of 32 (Blackwell)"
+        warnings.append(f"--fp8-recipe {recipe} scales {blocks}; priced as rowwise (one scale a row)")
+    if model.is_moe:
+        warnings.append(_MOE_FP8_WARNING)
+    return "tensorwise" if recipe in ("tensorwise", "delayed") else "rowwise"
+
+
+_MOE_FP8_WARNING = ("Megatron runs the experts' GEMMs in FP8 too (Transformer Engine's grouped linear layers); "
+                    "priced with the experts in bf16")
 
 
 def read_megatron(text: str, model: ModelSpec, num_gpus: int) -> Imported:
@@ -322,9 +367,10 @@ def read_megatron(text: str, model: ModelSpec, num_gpus: int) -> Imported:
         # Megatron-LM's default (megatron/training/arguments.py: --bf16 and --fp16 are
         # store_true); a pasted excerpt often leaves them out.
         warnings.append("neither --bf16 nor --fp16: Megatron-LM trains in fp32, priced as fp32")
+    fp8 = _read_fp8(args, precision, model, warnings)
     strategy = engine_strategy(dp, tp, pp, mbs, microbatches, vpp, ep, schedule, zero, tp > 1 and args.sequence_parallel,
                          build_stages(sizes, pp, recompute), cp)
-    return Imported(strategy, global_batch, args.seq_length, precision, tuple(warnings))
+    return Imported(strategy, global_batch, args.seq_length, precision, tuple(warnings), fp8=fp8)
 
 
 def _check_cp_comm_type(given: list[str] | None, layers: int, warnings: list[str]) -> None:
@@ -438,6 +484,15 @@ def export_megatron(strategy: Strategy, model: ModelSpec, training: TrainingSpec
     args += ["--seq-length", str(training.seq_len), "--max-position-embeddings", str(model.max_position_embeddings)]
     if training.precision in ("bf16", "fp16"):
         args.append(f"--{training.precision}")
+    if training.fp8 is not None:
+        recipe = MEGATRON_FP8_RECIPES[training.fp8]
+        args += ["--fp8-format", "hybrid", "--fp8-recipe", recipe]
+        if recipe != training.fp8:
+            warnings.append(f"Megatron-LM has no {training.fp8} FP8 scaling (--fp8-recipe: tensorwise, delayed, mxfp8, "
+                            f"blockwise, custom; megatron-core enums.py Fp8Recipe): exported as its nearest, {recipe} "
+                            "(1x128 tiles, 128x128 weight blocks), which the plan prices as rowwise")
+        if model.is_moe:
+            warnings.append(_MOE_FP8_WARNING)
     lines, line = [], []
     for word in args:   # one argument (with its value) per line
         if word.startswith("--") and line:

@@ -114,6 +114,30 @@ TORCHTITAN_DEFAULTS = {
 }
 
 
+# FP8 training (costmodel.specs.training.FP8_RECIPES). torchtitan 0.2.2: `[model] converters`
+# names "quantize.linear.float8" (the name components/quantization/float8.py registers;
+# ModelConvertersContainer looks each name up in that registry), configured by
+# `[quantize.linear.float8]`, config/job_config.py class Float8Linear: recipe_name
+# Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] | None (None: torchao's
+# Float8LinearConfig default, tensorwise dynamic scaling), enable_fsdp_float8_all_gather
+# and precompute_float8_dynamic_scale_for_fsdp (the converter refuses them beside a
+# recipe_name), filter_fqns (default [], matched as substrings of module names) and
+# emulate. The LM head is `output` (models/llama3/model/model.py), the MoE router's
+# linear `router.gate` (models/moe/moe.py).
+TORCHTITAN_FLOAT8_CONVERTER = "quantize.linear.float8"
+TORCHTITAN_FLOAT8_FIELDS = ("enable_fsdp_float8_all_gather", "precompute_float8_dynamic_scale_for_fsdp",
+                            "recipe_name", "filter_fqns", "emulate")
+TORCHTITAN_FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+# torchtitan 0.3.0 sets FP8 in Python only: Trainer.Config.model_spec is
+# Annotated[..., tyro.conf.Suppress] (trainer.py), built by a config_registry function
+# with model_registry(flavor, converters=[Float8LinearConverter.Config(...)])
+# (components/quantization/float8.py: recipe_name Literal["rowwise",
+# "rowwise_with_gw_hp"] = "rowwise", no tensorwise; filter_fqns; emulate). Its LM head is
+# `lm_head` (models/common/decoder.py; models/llama3/config_registry.py llama3_405b
+# filters it so).
+TORCHTITAN_03_FLOAT8_RECIPES = ("rowwise", "rowwise_with_gw_hp")
+
+
 def parse_torchtitan_overrides(text: str) -> tuple[dict[str, dict], str | None, list[str]]:
     """`--parallelism.tensor_parallel_degree 4 ... activation-checkpoint:full` ->
     ({"parallelism": {...}, "training": {...}}, AC subcommand or None, warnings)."""
@@ -221,6 +245,7 @@ def _torchtitan_toml(text: str) -> tuple[dict, Recompute, list[str]]:
         if unknown:
             raise SpecError(f"{section}.{unknown[0]}", "not a field of torchtitan's job config")
         sections[section] = dict(table)
+    sections["fp8"] = _toml_float8(data)
     # torchtitan 0.2 job_config.py Compile: `[compile] enable` (torch.compile per block).
     compile_table = data.get("compile", {})
     sections["compile"] = dict(compile_table) if isinstance(compile_table, dict) else {}
@@ -245,6 +270,77 @@ def _torchtitan_toml(text: str) -> tuple[dict, Recompute, list[str]]:
         warnings.append("no [activation_checkpoint] section: torchtitan's default (mode selective, "
                         "selective_ac_option 2: every 2nd layer) is assumed")
     return sections, ac, warnings
+
+
+def _toml_float8(data: dict) -> dict | None:
+    """The FP8 settings of a 0.2 job TOML: None where model.converters does not name
+    torchtitan's FP8 converter, else the [quantize.linear.float8] table (checked)."""
+    model_table = data.get("model", {})
+    converters = model_table.get("converters", []) if isinstance(model_table, dict) else []
+    if not isinstance(converters, list) or not all(isinstance(c, str) for c in converters):
+        raise SpecError("model.converters", f"expected a list of converter names, got {converters!r}")
+    for name in converters:
+        if name == "float8":
+            raise SpecError("model.converters", "'float8' is not a converter torchtitan 0.2.2 registers: its FP8 "
+                            f"converter is {TORCHTITAN_FLOAT8_CONVERTER!r} (components/quantization/float8.py), "
+                            "configured by [quantize.linear.float8]")
+        if name != TORCHTITAN_FLOAT8_CONVERTER:
+            raise SpecError("model.converters", f"{name!r}: Shardwise prices FP8 linear layers only "
+                            f"({TORCHTITAN_FLOAT8_CONVERTER!r}), not MX formats or grouped-GEMM quantization")
+    if TORCHTITAN_FLOAT8_CONVERTER not in converters:
+        return None
+    table = data.get("quantize", {})
+    for key in ("linear", "float8"):
+        table = table.get(key, {}) if isinstance(table, dict) else None
+    if not isinstance(table, dict):
+        raise SpecError("quantize.linear.float8", "expected a table")
+    unknown = sorted(set(table) - set(TORCHTITAN_FLOAT8_FIELDS))
+    if unknown:
+        raise SpecError(f"quantize.linear.float8.{unknown[0]}", "not a field of torchtitan's Float8Linear config")
+    recipe = table.get("recipe_name")
+    if recipe is not None and recipe not in TORCHTITAN_FLOAT8_RECIPES:
+        raise SpecError("quantize.linear.float8.recipe_name",
+                        f"{recipe!r} (known: {', '.join(TORCHTITAN_FLOAT8_RECIPES)})")
+    gather = _tt_bool(table.get("enable_fsdp_float8_all_gather", False), "quantize.linear.float8.enable_fsdp_float8_all_gather")
+    if recipe is not None and gather:
+        # components/quantization/float8.py asserts the two apart.
+        raise SpecError("quantize.linear.float8.enable_fsdp_float8_all_gather",
+                        f"torchtitan refuses it beside recipe_name {recipe!r}; leave recipe_name unset "
+                        "(tensorwise) to gather in fp8")
+    filters = table.get("filter_fqns", [])
+    if isinstance(filters, str):
+        filters = filters.split(",")
+    if not isinstance(filters, list):
+        raise SpecError("quantize.linear.float8.filter_fqns", f"expected a list of module names, got {filters!r}")
+    return {"recipe": recipe or "tensorwise", "all_gather": gather, "filters": [str(f) for f in filters],
+            "emulate": _tt_bool(table.get("emulate", False), "quantize.linear.float8.emulate")}
+
+
+def _float8_read(fp8: dict, model: ModelSpec, fsdp: bool, warnings: list[str]) -> str:
+    """The FP8_RECIPES name a 0.2 job TOML's FP8 settings are priced as, with what differs said."""
+    recipe = fp8["recipe"]
+    if recipe == "rowwise_with_gw_hp":
+        warnings.append("quantize.linear.float8.recipe_name rowwise_with_gw_hp runs the weight-gradient GEMMs in "
+                        "bf16 (a third of the linear layers' FLOPs); priced as rowwise, every linear GEMM in FP8: "
+                        "the estimate is optimistic")
+        recipe = "rowwise"
+    if not any(f in "output" for f in fp8["filters"]):
+        warnings.append("quantize.linear.float8.filter_fqns does not name output: torchtitan converts the LM head "
+                        "to FP8 too; priced with the LM head in bf16")
+    if model.is_moe and not any(f in "layers.0.moe.router.gate" for f in fp8["filters"]):
+        warnings.append("quantize.linear.float8.filter_fqns does not name router.gate: torchtitan converts the MoE "
+                        "router to FP8 where its width divides by 16; priced with the router in bf16")
+    if fp8["all_gather"] and fsdp:
+        warnings.append(_FP8_GATHER_WARNING)
+    if fp8["emulate"]:
+        warnings.append("quantize.linear.float8.emulate runs FP8 emulated in high precision (a test setting); "
+                        "priced at the GPU's FP8 peak")
+    return recipe
+
+
+_FP8_GATHER_WARNING = ("quantize.linear.float8.enable_fsdp_float8_all_gather: FSDP2 all-gathers the FP8 layers' "
+                       "weights in fp8 (1 byte a value), the plan prices bf16 gathers: torchtitan's weight "
+                       "all-gathers move less than priced")
 
 
 def _torchtitan_strategy(sections: dict, ac: Recompute, warnings: list[str], model: ModelSpec,
@@ -349,6 +445,13 @@ def _torchtitan_strategy(sections: dict, ac: Recompute, warnings: list[str], mod
         precision = "bf16"
     if "mixed_precision_param" not in sections[t] and "dtype" not in sections[t]:
         precision = None   # the config does not say; the caller's --precision decides
+    fp8 = None
+    if sections.get("fp8") is not None:
+        fp8 = _float8_read(sections["fp8"], model, shard > 1, warnings)
+        if precision == "fp32":
+            raise SpecError("training.mixed_precision_param", "float32 beside FP8 linear layers (model.converters): "
+                            "Shardwise prices FP8 training as bf16 mixed precision (bfloat16)")
+        precision = "bf16"
     seq = _tt_int(sections, t, "seq_len") if "seq_len" in sections[t] else None
     strategy = engine_strategy(dp, tp, pp, mbs, microbatches, vpp, ep, schedule, zero, sp, stages, cp)
     # torchtitan's loss is F.cross_entropy over the upcast logits; under "default" it keeps
@@ -365,7 +468,8 @@ def _torchtitan_strategy(sections: dict, ac: Recompute, warnings: list[str], mod
         # torchtitan's per-op SAC (distributed/activation_checkpoint.py, _save_list policy):
         # costmodel.terms.recompute's op-level policy.
         settings.append(("selective_recompute", "op-level"))
-    return Imported(strategy, global_batch, seq, precision, tuple(warnings), tuple(settings))
+    return Imported(strategy, global_batch, seq, precision, tuple(warnings), tuple(settings), fp8,
+                    states_fp8="fp8" in sections)
 
 
 def _context_parallel_warnings(sections: dict, warnings: list[str]) -> None:
@@ -525,6 +629,42 @@ def _torchtitan_fields(strategy: Strategy, model: ModelSpec, training: TrainingS
     return par, train, ac, warnings
 
 
+def _float8_fields(strategy: Strategy, model: ModelSpec, training: TrainingSpec, par: dict,
+                   toml: bool) -> tuple[dict | None, list[str], tuple[str, ...]]:
+    """FP8 for either release: the 0.2 TOML's [quantize.linear.float8] table (None
+    without FP8), warnings, and what torchtitan would run other than the plan."""
+    if training.fp8 is None:
+        return None, [], ()
+    filters = ["output" if toml else "lm_head"] + (["router.gate"] if model.is_moe else [])
+    if not toml:
+        # 0.3.0: no override turns FP8 on (Trainer.Config.model_spec is tyro.conf.Suppress).
+        recipe = training.fp8 if training.fp8 in TORCHTITAN_03_FLOAT8_RECIPES else "rowwise"
+        quoted = ", ".join(f'"{f}"' for f in filters)
+        said = (f"torchtitan 0.3 sets FP8 in the config_registry function, not in overrides (Trainer.Config."
+                f"model_spec is tyro.conf.Suppress): build the model with model_registry(flavor, converters=["
+                f'Float8LinearConverter.Config(recipe_name="{recipe}", filter_fqns=[{quoted}])]) '
+                "(components/quantization/float8.py; models/llama3/config_registry.py llama3_405b does so)")
+        warnings = [said]
+        if recipe == training.fp8:
+            return None, warnings, ()
+        change = f"torchtitan will run this configuration with fp8 {training.fp8}→{recipe} (plan → exported)"
+        warnings.append(f"torchtitan 0.3's Float8LinearConverter has the recipes {', '.join(TORCHTITAN_03_FLOAT8_RECIPES)} "
+                        f"(components/quantization/float8.py), no {training.fp8}: plan with --precision fp8-rowwise, or "
+                        "export --to torchtitan-toml (0.2 runs tensorwise)")
+        return None, warnings + [change], (change,)
+    table: dict = {}
+    warnings = []
+    if training.fp8 == "tensorwise" and par.get("data_parallel_shard_degree", 1) > 1:
+        # torchtitan's recommendation for tensorwise under FSDP2 (job_config.py Float8Linear);
+        # the converter refuses both beside a recipe_name, and without one runs tensorwise.
+        table.update(enable_fsdp_float8_all_gather=True, precompute_float8_dynamic_scale_for_fsdp=True)
+        warnings.append(_FP8_GATHER_WARNING)
+    else:
+        table["recipe_name"] = training.fp8
+    table["filter_fqns"] = filters
+    return table, warnings, ()
+
+
 def _flag(section: str, key: str, value) -> str:
     if isinstance(value, bool):
         # tyro's boolean flags: --section.field / --section.no-field
@@ -537,16 +677,17 @@ def export_torchtitan(strategy: Strategy, model: ModelSpec, training: TrainingSp
     `--parallelism.<field>`, `--training.<field>`, and the activation-checkpoint
     subcommand last, as torchtitan spells it in distributed/minimal_async_ep/api.py)."""
     par, train, ac, warnings = _torchtitan_fields(strategy, model, training, toml=False)
+    _, fp8_warnings, changes = _float8_fields(strategy, model, training, par, toml=False)
     words = [_flag("parallelism", k, v) for k, v in par.items()] + [_flag("training", k, v) for k, v in train.items()]
     words.append(f"activation-checkpoint:{ac}")
-    return Exported(" \\\n".join(words) + "\n", tuple(warnings))
+    return Exported(" \\\n".join(words) + "\n", tuple(warnings + fp8_warnings), changes)
 
 
 def _toml_value(value) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
-    if isinstance(value, str):
-        return json.dumps(value)   # a TOML basic string is a JSON string for these values
+    if isinstance(value, (str, list)):
+        return json.dumps(value)   # a TOML basic string (or array of them) is JSON for these values
     return str(value)
 
 
@@ -559,4 +700,8 @@ def export_torchtitan_toml(strategy: Strategy, model: ModelSpec, training: Train
     lines += ["", "[activation_checkpoint]", f"mode = {_toml_value(ac)}"]
     if ac == "selective":
         lines.append('selective_ac_option = "op"')
-    return Exported("\n".join(lines) + "\n", tuple(warnings))
+    table, fp8_warnings, _ = _float8_fields(strategy, model, training, par, toml=True)
+    if table is not None:
+        lines += ["", "[model]", f"converters = {_toml_value([TORCHTITAN_FLOAT8_CONVERTER])}",
+                  "", "[quantize.linear.float8]"] + [f"{k} = {_toml_value(v)}" for k, v in table.items()]
+    return Exported("\n".join(lines) + "\n", tuple(warnings + fp8_warnings))

@@ -18,16 +18,18 @@ from click.testing import CliRunner
 
 from costmodel.estimate import estimate
 from costmodel.specs.loading import SpecError, load_model, load_runtime
+from costmodel.specs.training import precision_name
 from costmodel.strategy import Strategy, even_stages, summarize_recompute
 from costmodel.units import GIB
 from planner.api import make_problem, plan
 from planner.console.cli import main
 from planner.interop.common import Recompute, build_stages, strategy_changes
+from planner.interop.evaluate import evaluate_config
 from planner.interop.export import TARGETS, export_plan, export_strategy
 from planner.interop.importers import read_text
 from planner.interop.torchtitan import torchtitan_split
 from planner.plan_file import model_of, strategy_of, write_plan
-from planner.rules import load_rules
+from planner.rules import load_rules, parse_fix
 from planner.search import search
 
 # Plans made by the search with every knob pinned (each solves in well under a second).
@@ -264,6 +266,10 @@ def megatron_mirror() -> argparse.ArgumentParser:
     # arguments.py: nargs="+", a type for all layers or one per layer; the values are
     # megatron-core 0.16.1 TransformerConfig.cp_comm_type's (what Transformer Engine takes).
     parser.add_argument("--cp-comm-type", nargs="+", choices=["p2p", "all_gather", "a2a", "a2a+p2p"])
+    # megatron-core 0.16.1 transformer_config.py: TransformerConfig.fp8 (argparse name
+    # --fp8-format) and fp8_recipe; Megatron-LM's arguments of those names take these choices.
+    parser.add_argument("--fp8-format", choices=["e4m3", "hybrid"])
+    parser.add_argument("--fp8-recipe", choices=["tensorwise", "delayed", "mxfp8", "blockwise", "custom"])
     for flag in ("--sequence-parallel", "--use-distributed-optimizer", "--use-megatron-fsdp", "--group-query-attention",
                  "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split", "--bf16", "--fp16",
                  "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
@@ -285,6 +291,7 @@ def test_megatron_arguments_parse_with_a_mirror_of_megatron_lm(case):
     assert args.use_distributed_optimizer == (s.zero_stage == 1)
     assert args.context_parallel_size == s.cp
     assert args.cp_comm_type == (["all_gather"] if s.cp > 1 else None)
+    assert args.fp8_format is None and args.fp8_recipe is None
     if doc["model"]["num_key_value_heads"] != doc["model"]["num_attention_heads"]:
         assert args.group_query_attention and args.num_query_groups == doc["model"]["num_key_value_heads"]
     model = model_of(doc)
@@ -655,3 +662,276 @@ def test_evaluate_prices_a_cp_config_and_finds_an_exported_plan_best(tmp_path):
                            runtime=replace(load_runtime("pytorch-native"), chunked_loss=False))
     assert data["yours"]["estimate"]["step_time_s"] == pytest.approx(
         estimate(problem, strategy_of(doc3)).step_time_s, rel=1e-5)
+
+
+# ---------------------------------------------------------------------------
+# FP8 training (TrainingSpec.fp8): torchtitan 0.2's [model] converters and
+# [quantize.linear.float8], Megatron-LM's --fp8-format / --fp8-recipe; torchtitan 0.3 sets
+# it in Python (a warning), DeepSpeed has no such setting (exit 2).
+
+# Plans on H100s (an fp8 peak): FSDP2 with tp, and tp x pp without data parallelism.
+FP8_CASES = {
+    "fp8-zero3-tp": dict(model="llama3-8b", gpus=8, batch=16, seq=2048,
+                         fix="dp=4,tp=2,pp=1,mbs=1,zero=3,recompute=full,sp=on"),
+    "fp8-tp-pp": dict(model="llama3-8b", gpus=8, batch=16, seq=2048,
+                      fix="dp=1,tp=4,pp=2,mbs=1,zero=0,recompute=full,sp=on,schedule=1f1b"),
+}
+FP8_PRECISIONS = {"fp8": "tensorwise", "fp8-rowwise": "rowwise"}
+# torchtitan 0.2.2 torchtitan/config/job_config.py class Float8Linear (lines 731-752), the
+# [quantize.linear.float8] table of a job TOML (JobConfig.quantize -> Quantize.linear ->
+# QuantizedLinear.float8); the converter's registered name, components/quantization/float8.py
+# line 238.
+FLOAT8_022_FIELDS = {"enable_fsdp_float8_all_gather", "precompute_float8_dynamic_scale_for_fsdp", "recipe_name",
+                     "filter_fqns", "emulate"}
+FLOAT8_022_CONVERTER = "quantize.linear.float8"
+
+
+def _fp8_problem(case, precision):
+    c = FP8_CASES[case]
+    return make_problem(c["model"], "dgx-h100", c["batch"], gpus=c["gpus"], seq_len=c["seq"], precision=precision)
+
+
+def _fp8_doc(case, precision):
+    key = (case, precision)
+    if key not in _DOCS:
+        c = FP8_CASES[case]
+        _DOCS[key] = plan(c["model"], "dgx-h100", c["batch"], gpus=c["gpus"], seq_len=c["seq"], fix=c["fix"],
+                          precision=precision, top=1)
+    return _DOCS[key]
+
+
+@pytest.mark.parametrize("case", sorted(FP8_CASES))
+@pytest.mark.parametrize("precision", sorted(FP8_PRECISIONS))
+@pytest.mark.parametrize("target", ["torchtitan-toml", "megatron", "torchtitan"])
+def test_fp8_plans_round_trip_with_the_same_estimate(case, precision, target):
+    doc = _fp8_doc(case, precision)
+    strategy, model = strategy_of(doc), model_of(doc)
+    recipe = FP8_PRECISIONS[precision]
+    assert doc["training"]["fp8"] == recipe
+    exported = export_plan(doc, target)
+    back = read_text(target, exported.text, model, strategy.num_gpus)
+    assert back.strategy == strategy
+    if target == "torchtitan":
+        # 0.3's overrides cannot say FP8: the config_registry function builds the model.
+        assert (back.states_fp8, back.fp8) == (False, None)
+        assert any("Float8LinearConverter.Config(recipe_name=\"rowwise\", filter_fqns=[\"lm_head\"])" in w
+                   for w in exported.warnings)
+        # 0.3.0's Float8LinearConverter has no tensorwise recipe: the engine runs rowwise.
+        assert exported.changes == (() if recipe == "rowwise" else (
+            "torchtitan will run this configuration with fp8 tensorwise→rowwise (plan → exported)",))
+        precision_back = precision
+    else:
+        assert (back.precision, back.fp8) == ("bf16", recipe)
+        assert exported.changes == ()
+        precision_back = precision_name(back.precision, back.fp8)
+    problem = _fp8_problem(case, precision_back)
+    assert problem.training == _fp8_problem(case, precision).training
+    assert estimate(problem, back.strategy).step_time_s == pytest.approx(doc["estimate"]["step_time_s"], rel=1e-5)
+
+
+@pytest.mark.parametrize("case", sorted(FP8_CASES))
+@pytest.mark.parametrize("precision", sorted(FP8_PRECISIONS))
+def test_fp8_toml_uses_torchtitan_022_s_converter_and_fields(case, precision):
+    doc = _fp8_doc(case, precision)
+    toml = tomllib.loads(export_plan(doc, "torchtitan-toml").text)
+    assert set(toml["parallelism"]) <= PARALLELISM_022_FIELDS
+    assert toml["model"] == {"converters": [FLOAT8_022_CONVERTER]}
+    float8 = toml["quantize"]["linear"]["float8"]
+    assert set(float8) <= FLOAT8_022_FIELDS and float8["filter_fqns"] == ["output"]
+    if precision == "fp8" and toml["parallelism"]["data_parallel_shard_degree"] > 1:
+        # torchtitan's advice for tensorwise under FSDP2; its converter refuses them beside a
+        # recipe_name, whose absence is tensorwise.
+        assert float8 == {"enable_fsdp_float8_all_gather": True, "precompute_float8_dynamic_scale_for_fsdp": True,
+                          "filter_fqns": ["output"]}
+    else:
+        assert float8 == {"recipe_name": FP8_PRECISIONS[precision], "filter_fqns": ["output"]}
+
+
+@pytest.mark.parametrize("case", sorted(FP8_CASES))
+@pytest.mark.parametrize("precision", sorted(FP8_PRECISIONS))
+def test_fp8_exports_parse_as_the_engines_do(case, precision):
+    doc = _fp8_doc(case, precision)
+    args = megatron_mirror().parse_args(shlex.split(export_plan(doc, "megatron").text.replace("\\\n", " ")))
+    assert args.bf16 and args.fp8_format == "hybrid"
+    assert args.fp8_recipe == {"fp8": "tensorwise", "fp8-rowwise": "blockwise"}[precision]
+    words = shlex.split(export_plan(doc, "torchtitan").text.replace("\\\n", " "))
+    for flag in (w for w in words if w.startswith("--")):
+        section, key = flag[2:].split(".", 1)
+        fields = PARALLELISM_CONFIG_FIELDS if section == "parallelism" else TRAINING_CONFIG_FIELDS
+        assert section in ("parallelism", "training") and key.removeprefix("no-") in fields, flag
+
+
+def test_megatron_has_no_rowwise_scaling_and_says_so():
+    exported = export_plan(_fp8_doc("fp8-zero3-tp", "fp8-rowwise"), "megatron")
+    said = ("Megatron-LM has no rowwise FP8 scaling (--fp8-recipe: tensorwise, delayed, mxfp8, blockwise, custom; "
+            "megatron-core enums.py Fp8Recipe): exported as its nearest, blockwise (1x128 tiles, 128x128 weight "
+            "blocks), which the plan prices as rowwise")
+    assert exported.warnings == (said,)
+    assert export_plan(_fp8_doc("fp8-zero3-tp", "fp8"), "megatron").warnings == ()
+
+
+def test_non_fp8_exports_say_nothing_of_fp8():
+    for case in ("zero2-full", "cp2-zero3-pp", "zero1-sp-full-pp"):
+        for target in TARGETS:
+            if target == "deepspeed" and "cp2" in case:
+                continue
+            exported = export_plan(_doc(case), target)
+            assert not re.search("fp8|float8|converters|quantize", exported.text), (case, target)
+            assert not any("FP8" in w or "fp8" in w for w in exported.warnings), (case, target)
+
+
+def test_deepspeed_export_of_an_fp8_plan_exits_2_naming_fp8(tmp_path):
+    path = tmp_path / "plan.json"
+    write_plan(_fp8_doc("fp8-zero3-tp", "fp8"), path)
+    out = CliRunner().invoke(main, ["export", str(path), "--to", "deepspeed", "-o", str(tmp_path / "ds.json")])
+    assert out.exit_code == 2 and not (tmp_path / "ds.json").exists()
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        "error: plan.training.fp8: tensorwise: a DeepSpeed config has no FP8 training setting"), out.stderr
+    assert "Traceback" not in out.output
+
+
+def test_torchtitan_0_3_tensorwise_export_exits_3_unless_allowed(tmp_path):
+    path = tmp_path / "plan.json"
+    write_plan(_fp8_doc("fp8-zero3-tp", "fp8"), path)
+    out = CliRunner().invoke(main, ["export", str(path), "--to", "torchtitan"])
+    assert out.exit_code == 3 and "fp8 tensorwise→rowwise" in out.stderr.strip().splitlines()[-1]
+    assert CliRunner().invoke(main, ["export", str(path), "--to", "torchtitan-toml"]).exit_code == 0
+
+
+FP8_TOML = export_plan(plan("llama3-8b", "dgx-h100", 16, gpus=8, seq_len=2048, precision="fp8-rowwise",
+                            fix="dp=8,tp=1,pp=1,mbs=1,zero=3,recompute=full", top=1), "torchtitan-toml").text
+LLAMA3 = load_model("llama3-8b")
+
+
+@pytest.mark.parametrize("edit, field, message", [
+    ('recipe_name = "rowwise"', "quantize.linear.float8.recipe_name", "'mxfp8' (known: tensorwise, rowwise"),
+    ('converters = ["quantize.linear.float8"]', "model.converters", "'float8' is not a converter torchtitan 0.2.2"),
+    ('converters = ["quantize.linear.float8"]', "model.converters", "'quantize.linear.mx': Shardwise prices FP8"),
+    ('filter_fqns = ["output"]', "quantize.linear.float8.amax_history_len", "not a field"),
+    ('recipe_name = "rowwise"', "quantize.linear.float8.enable_fsdp_float8_all_gather", "refuses it beside"),
+])
+def test_torchtitan_toml_fp8_settings_it_cannot_read_are_refused(edit, field, message):
+    replacement = {"quantize.linear.float8.recipe_name": 'recipe_name = "mxfp8"',
+                   "quantize.linear.float8.amax_history_len": 'amax_history_len = 16',
+                   "quantize.linear.float8.enable_fsdp_float8_all_gather":
+                       'recipe_name = "rowwise"\nenable_fsdp_float8_all_gather = true'}.get(field)
+    if field == "model.converters":
+        replacement = 'converters = ["float8"]' if "'float8'" in message else 'converters = ["quantize.linear.mx"]'
+    assert edit in FP8_TOML
+    with pytest.raises(SpecError) as err:
+        read_text("torchtitan-toml", FP8_TOML.replace(edit, replacement), LLAMA3, 8)
+    assert err.value.field == field and message in str(err.value)
+
+
+def test_torchtitan_toml_fp8_variants_are_priced_and_said():
+    assert read_text("torchtitan-toml", FP8_TOML, LLAMA3, 8).warnings == ()
+    hp = read_text("torchtitan-toml", FP8_TOML.replace('"rowwise"', '"rowwise_with_gw_hp"'), LLAMA3, 8)
+    assert hp.fp8 == "rowwise" and any("rowwise_with_gw_hp runs the weight-gradient GEMMs in bf16" in w
+                                       for w in hp.warnings)
+    head = read_text("torchtitan-toml", FP8_TOML.replace('["output"]', '[]'), LLAMA3, 8)
+    assert head.fp8 == "rowwise" and any("converts the LM head to FP8 too" in w for w in head.warnings)
+    default = read_text("torchtitan-toml", FP8_TOML.replace('recipe_name = "rowwise"\n', ""), LLAMA3, 8)
+    assert default.fp8 == "tensorwise" and default.precision == "bf16"   # torchao's default recipe
+    gather = read_text("torchtitan-toml", FP8_TOML.replace('recipe_name = "rowwise"',
+                                                           "enable_fsdp_float8_all_gather = true"), LLAMA3, 8)
+    assert gather.fp8 == "tensorwise" and any("all-gathers the FP8 layers' weights in fp8" in w
+                                              for w in gather.warnings)
+    # The table without the converter is not FP8; float32 beside the converter is refused.
+    off = read_text("torchtitan-toml", FP8_TOML.replace('converters = ["quantize.linear.float8"]', "converters = []"),
+                    LLAMA3, 8)
+    assert (off.fp8, off.states_fp8) == (None, True)
+    with pytest.raises(SpecError, match="^training.mixed_precision_param: float32 beside FP8"):
+        read_text("torchtitan-toml", FP8_TOML.replace('"bfloat16"', '"float32"'), LLAMA3, 8)
+
+
+@pytest.mark.parametrize("flags, fp8, warned", [
+    ("--bf16 --fp8-format hybrid --fp8-recipe tensorwise", "tensorwise", None),
+    ("--bf16 --fp8-format e4m3 --fp8-recipe tensorwise", "tensorwise", None),
+    ("--bf16 --fp8-format hybrid", "tensorwise", "--fp8-recipe not given: Megatron's default delayed"),
+    ("--bf16 --fp8-format hybrid --fp8-recipe delayed", "tensorwise", "--fp8-recipe delayed scales each tensor"),
+    ("--bf16 --fp8-format hybrid --fp8-recipe blockwise", "rowwise", "priced as rowwise"),
+    ("--bf16 --fp8-format hybrid --fp8-recipe mxfp8", "rowwise", "priced as rowwise"),
+    ("--bf16 --fp8-recipe tensorwise", None, "--fp8-recipe tensorwise without --fp8-format"),
+    ("--bf16", None, None),
+])
+def test_megatron_reads_fp8_format_and_recipe(flags, fp8, warned):
+    back = read_text("megatron", "--tensor-model-parallel-size 8 --global-batch-size 8 " + flags, LLAMA3, 8)
+    assert (back.precision, back.fp8) == ("bf16", fp8)
+    assert any(warned in w for w in back.warnings) if warned else back.warnings == ()
+
+
+@pytest.mark.parametrize("flags, field", [
+    ("--fp16 --fp8-format hybrid", "--fp8-format"),
+    ("--fp8-format hybrid", "--fp8-format"),
+    ("--bf16 --fp8-format hybrid --fp8-recipe custom", "--fp8-recipe"),
+    ("--bf16 --fp8-format hybrid --fp8-recipe rowwise", "--fp8-recipe"),
+    ("--bf16 --fp8-format e5m2", "--fp8-format"),
+])
+def test_megatron_fp8_it_cannot_price_is_refused(flags, field):
+    with pytest.raises(SpecError) as err:
+        read_text("megatron", "--tensor-model-parallel-size 8 --global-batch-size 8 " + flags, LLAMA3, 8)
+    assert err.value.field == field
+
+
+H100_EVAL = ["--model", "llama3-8b", "--cluster", "dgx-h100", "--gpus", "8"]
+
+
+@pytest.mark.parametrize("precision", sorted(FP8_PRECISIONS))
+def test_evaluate_prices_an_exported_fp8_config_as_the_plan(tmp_path, precision):
+    """plan (fp8) -> export -> evaluate under the same pins and runtime: the plan's own
+    strategy and figures, FP8 and all, for Megatron's arguments and torchtitan's TOML."""
+    doc = _fp8_doc("fp8-zero3-tp", precision)
+    args = ["--format", "json", "--runtime", "pytorch-native", "--fix", FP8_CASES["fp8-zero3-tp"]["fix"]] + H100_EVAL
+    out = CliRunner().invoke(main, ["evaluate", "--from", "megatron", export_plan(doc, "megatron").text] + args)
+    assert out.exit_code == 0, out.output
+    data = json.loads(out.stdout)
+    assert data["yours"]["strategy"] == doc["strategy"]
+    assert data["yours"]["estimate"]["step_time_s"] == doc["estimate"]["step_time_s"]
+    assert data["changes"] == [] and data["gain"] == pytest.approx(0.0, abs=1e-9)
+    toml = tmp_path / "job.toml"
+    toml.write_text(export_plan(doc, "torchtitan-toml").text)
+    ev = evaluate_config("torchtitan", str(toml), "llama3-8b", "dgx-h100", gpus=8, rules=load_rules(None).with_fix(
+        parse_fix(FP8_CASES["fp8-zero3-tp"]["fix"])), pins=parse_fix(FP8_CASES["fp8-zero3-tp"]["fix"]))
+    assert ev.problem.training == _fp8_problem("fp8-zero3-tp", precision).training
+    assert ev.strategy == strategy_of(doc)
+    problem = replace(_fp8_problem("fp8-zero3-tp", precision), runtime=ev.problem.runtime)
+    assert ev.yours.step_time_s == pytest.approx(estimate(problem, ev.strategy).step_time_s, rel=1e-12)
+
+
+def test_torchtitan_overrides_take_fp8_from_the_precision_flag():
+    """0.3's overrides say bfloat16 but cannot say FP8: --precision fp8-rowwise is taken."""
+    doc = _fp8_doc("fp8-zero3-tp", "fp8-rowwise")
+    ev = evaluate_config("torchtitan", export_plan(doc, "torchtitan").text, "llama3-8b", "dgx-h100", gpus=8,
+                         precision="fp8-rowwise", rules=load_rules(None).with_fix(parse_fix(FP8_CASES["fp8-zero3-tp"]["fix"])))
+    assert ev.problem.training.fp8 == "rowwise" and ev.strategy == strategy_of(doc)
+
+
+MEGATRON_FP8 = ("--tensor-model-parallel-size 8 --global-batch-size 8 --seq-length 2048 --bf16 --fp8-format hybrid "
+                "--fp8-recipe tensorwise")
+
+
+@pytest.mark.parametrize("config, extra, field", [
+    # FP8 on an A100 (no fp8 peak): the engine's own field.
+    (MEGATRON_FP8, ["--cluster", "dgx-a100-80gb"], "--fp8-format"),
+    # The configuration says FP8, --precision says bf16 (and the reverse).
+    (MEGATRON_FP8, ["--cluster", "dgx-h100", "--precision", "bf16"], "--fp8-format"),
+    ("--tensor-model-parallel-size 8 --global-batch-size 8 --seq-length 2048 --bf16",
+     ["--cluster", "dgx-h100", "--precision", "fp8"], "--fp8-format"),
+])
+def test_evaluate_fp8_bad_input_exits_2_naming_the_engine_s_field(config, extra, field):
+    out = CliRunner().invoke(main, ["evaluate", "--from", "megatron", config, "--model", "llama3-8b", "--gpus", "8"]
+                             + extra)
+    assert out.exit_code == 2, out.output
+    errors = [line for line in out.stderr.strip().splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: {field}:"), out.stderr
+    assert "Traceback" not in out.output
+
+
+def test_evaluate_a_torchtitan_toml_with_fp8_on_an_a100_names_its_converters(tmp_path):
+    toml = tmp_path / "job.toml"
+    toml.write_text(FP8_TOML)
+    out = CliRunner().invoke(main, ["evaluate", "--from", "torchtitan", str(toml), "--model", "llama3-8b",
+                                    "--cluster", "dgx-a100-80gb", "--gpus", "8"])
+    assert out.exit_code == 2 and out.stderr.strip().splitlines()[-1].startswith(
+        "error: model.converters: FP8 (rowwise) on A100-80GB, which has no fp8 peak"), out.stderr
