@@ -493,6 +493,10 @@ def export_megatron(strategy: Strategy, model: ModelSpec, training: TrainingSpec
                             "(1x128 tiles, 128x128 weight blocks), which the plan prices as rowwise")
         if model.is_moe:
             warnings.append(_MOE_FP8_WARNING)
+        if training.fp8 == "tensorwise" and s.zero_stage == 3:
+            warnings.append("the plan prices ZeRO-3's weight all-gathers of the FP8 layers in fp8 (1 byte a weight, "
+                            "as FSDP2's float8 all-gather); Megatron FSDP gathers them so only with fp8 parameters "
+                            "(TransformerConfig.fp8_param), which the export does not set: it gathers bf16")
     lines, line = [], []
     for word in args:   # one argument (with its value) per line
         if word.startswith("--") and line:

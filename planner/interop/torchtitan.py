@@ -330,7 +330,7 @@ def _float8_read(fp8: dict, model: ModelSpec, fsdp: bool, warnings: list[str]) -
     if model.is_moe and not any(f in "layers.0.moe.router.gate" for f in fp8["filters"]):
         warnings.append("quantize.linear.float8.filter_fqns does not name router.gate: torchtitan converts the MoE "
                         "router to FP8 where its width divides by 16; priced with the router in bf16")
-    if fp8["all_gather"] and fsdp:
+    if fp8["recipe"] == "tensorwise" and fsdp and not fp8["all_gather"]:
         warnings.append(_FP8_GATHER_WARNING)
     if fp8["emulate"]:
         warnings.append("quantize.linear.float8.emulate runs FP8 emulated in high precision (a test setting); "
@@ -338,9 +338,16 @@ def _float8_read(fp8: dict, model: ModelSpec, fsdp: bool, warnings: list[str]) -
     return recipe
 
 
-_FP8_GATHER_WARNING = ("quantize.linear.float8.enable_fsdp_float8_all_gather: FSDP2 all-gathers the FP8 layers' "
-                       "weights in fp8 (1 byte a value), the plan prices bf16 gathers: torchtitan's weight "
-                       "all-gathers move less than priced")
+# Shardwise prices tensorwise FP8 under FSDP2 with its float8 all-gather (costmodel.estimate.uniform).
+_FP8_GATHER_WARNING = ("quantize.linear.float8.enable_fsdp_float8_all_gather is off: FSDP2 all-gathers the FP8 "
+                       "layers' weights in bf16; priced as tensorwise FP8 gathers them, 1 byte a weight (set it, "
+                       "with precompute_float8_dynamic_scale_for_fsdp and no recipe_name, as torchtitan advises)")
+# torchtitan 0.2.2 models/llama3/infra/parallelize.py line 77: float8 tensorwise TP only when
+# model.converters holds "float8", which its converter registry does not know.
+_FP8_TP_WARNING = ("torchtitan 0.2 applies its float8 tensor parallelism only when model.converters holds \"float8\" "
+                   "(models/llama3/infra/parallelize.py), a name its converter registry lacks: under torch.compile "
+                   "the plan prices each block's input cast once on the sequence shard before the tp all-gather, "
+                   "torchtitan casts the gathered bf16 input")
 
 
 def _torchtitan_strategy(sections: dict, ac: Recompute, warnings: list[str], model: ModelSpec,
@@ -658,10 +665,11 @@ def _float8_fields(strategy: Strategy, model: ModelSpec, training: TrainingSpec,
         # torchtitan's recommendation for tensorwise under FSDP2 (job_config.py Float8Linear);
         # the converter refuses both beside a recipe_name, and without one runs tensorwise.
         table.update(enable_fsdp_float8_all_gather=True, precompute_float8_dynamic_scale_for_fsdp=True)
-        warnings.append(_FP8_GATHER_WARNING)
     else:
         table["recipe_name"] = training.fp8
     table["filter_fqns"] = filters
+    if training.fp8 == "tensorwise" and strategy.tp > 1 and strategy.sequence_parallel:
+        warnings.append(_FP8_TP_WARNING)
     return table, warnings, ()
 
 
