@@ -536,7 +536,8 @@ def export(plan_file, target, output, allow_changes) -> None:
 @click.option("--global-batch", metavar="INT>=1", default=None, help="Global batch in sequences, where the configuration does not say it.")
 @click.option("--seq", metavar="INT>=1", default=None, help="Sequence length, where the configuration does not say it "
                                           "[default: the model's max_position_embeddings].")
-@click.option("--precision", default=None, help="bf16 | fp16 | fp32, where the configuration does not say it [default: bf16].")
+@click.option("--precision", default=None, help="bf16 | fp16 | fp32 | fp8 | fp8-rowwise, where the configuration does "
+                                                "not say it (torchtitan 0.3 overrides cannot say FP8) [default: bf16].")
 @click.option("--optimizer", default="adamw", show_default=True, help="adam | adamw | sgd.")
 @click.option("--attention", type=click.Choice(["flash", "eager"]), default="flash", show_default=True,
               help="Attention kernel: flash keeps no score matrix.")
