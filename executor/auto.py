@@ -145,6 +145,9 @@ def auto_parallelize(model: nn.Module, plan: dict | str | None = None, *, cluste
             return built
 
         return Trainer(model.spec, training, strategy, config, device, build_model=build_model, optimizer=optimizer)
+    if training.fp8 is not None:
+        raise UnsupportedPlan("training.fp8: FP8 linear layers are built for Shardwise's own models; a Hugging "
+                              "Face model trains in its own dtype (plan with --precision bf16)")
     # A Hugging Face model trains in its own dtype, without autocast, and its gradients
     # go to the user's optimizer unclipped, without a global norm.
     config = TrainConfig(grad_clip=None, dtype=dtype, autocast=False)

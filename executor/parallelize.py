@@ -1,6 +1,7 @@
 """Shardwise's own Transformer split by a strategy: the recipes, each applied to one
 rank's part (the refusal of what cannot be built, the pipeline stage a rank holds,
-activation checkpointing, expert parallelism, context parallelism, tensor and sequence
+activation checkpointing, expert parallelism, context parallelism, FP8 linear layers
+(torchao.float8, before the splits that shard their weights), tensor and sequence
 parallelism with DTensor, data parallelism by ZeRO stage over the ranks holding the same
 weights (dp x cp): DDP, `replicate`, FSDP2), and `BuiltinModel`,
 which applies them in order to build this rank's parts, says what the step needs to run

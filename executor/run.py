@@ -407,8 +407,9 @@ def fault_injector(rank: int) -> FaultInjector | None:
 def train(job: RunJob, args: argparse.Namespace, source, device: torch.device, rank: int,
           placement: RankGroup, faults: FaultInjector | None = None) -> None:
     training = job.training
-    if device.type == "cpu" and training.precision != "fp32":
-        # CPU runs in fp32: few CPUs have fast bf16 matmuls.
+    if device.type == "cpu" and training.precision != "fp32" and training.fp8 is None:
+        # CPU runs in fp32: few CPUs have fast bf16 matmuls. An FP8 plan keeps its bf16
+        # autocast, the precision its FP8 layers run in (torchao's emulation on CPU).
         training = TrainingSpec(**{**job.plan["training"], "precision": "fp32"})
     runtime = runtime_of(job.plan)
     compiled = runtime.torch_compile if args.compile_blocks is None else args.compile_blocks
