@@ -74,7 +74,10 @@ def step_collectives(problem: Problem, strategy: Strategy, pp_rank: int) -> tupl
             "MoE dispatch and combine")
     if s.zero_stage == 3:
         dense, experts = units.layer_dense_parameters, units.layer_expert_parameters
-        add("all_gather", "dp", dense * states.weights, m * 2 * layers, "ZeRO-3 layer weights")
+        # Tensorwise FP8 gathers the converted linears' weights at 1 byte (unit_costs).
+        fp8_weights = sum(k * n for k, n in compute.fp8_linears(model, s.tp)) if training.fp8 == "tensorwise" else 0.0
+        add("all_gather", "dp", (dense - fp8_weights) * states.weights + fp8_weights, m * 2 * layers,
+            "ZeRO-3 layer weights")
         add("reduce_scatter", "dp", dense * states.gradients, m * layers, "ZeRO-3 layer gradients")
         add("all_gather", "expert_dp", experts * states.weights, m * 2 * layers, "ZeRO-3 expert weights")
         add("reduce_scatter", "expert_dp", experts * states.gradients, m * layers, "ZeRO-3 expert gradients")
