@@ -16,7 +16,6 @@ parallelism splits the row-wise layers' inner dimension, so its float32 sums dif
 """
 
 import functools
-from dataclasses import replace
 
 import pytest
 import torch
