@@ -5,7 +5,7 @@ issue's scale. A family Shardwise does not read yet is listed with the field it 
     python bench/model_families.py
 
 Prints a table and writes bench/results/model_families.json. Published figures: the
-model cards (Mixtral: Jiang et al. 2024 §2; Qwen3: the Qwen3 technical report, table 1;
+model cards (Mixtral: Jiang et al. 2024 §2; Qwen1.5-MoE-A2.7B: its model card; Qwen3: the Qwen3 technical report, table 1;
 DeepSeek-V3: DeepSeek-AI 2024 §4.2; gpt-oss: OpenAI's model card 2025, table 1).
 """
 
@@ -26,6 +26,7 @@ RESULTS = Path(__file__).parent / "results"
 # to plan (cluster, GPUs, global batch, sequence, precision).
 FAMILIES = [
     ("Mixtral-8x7B", "mixtral-8x7b", 46.7, 12.9, ("dgx-h100", 16, 256, 4096, "bf16")),
+    ("Qwen1.5-MoE-A2.7B", "qwen1.5-moe-a2.7b", 14.3, 2.7, ("dgx-h100", 16, 256, 4096, "bf16")),
     ("Qwen3-30B-A3B", "qwen3-30b-a3b", 30.5, 3.3, ("dgx-h100", 64, 512, 4096, "bf16")),
     ("Qwen3-235B-A22B", "qwen3-235b-a22b", 235.0, 22.0, ("dgx-h100", 256, 1024, 4096, "bf16")),
     ("DeepSeek-V3", None, 671.0, 37.0, ("dgx-h100", 1024, 4096, 4096, "bf16")),

@@ -256,9 +256,9 @@ class MLP(nn.Module):
     """GELU: w2(gelu(w1 x)); SwiGLU: w2(silu(w1 x) * w3 x); GeGLU: w2(gelu(w1 x) * w3 x)
     (Shazeer 2020); every matrix with a bias when the spec's mlp_bias."""
 
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, width: int | None = None):
         super().__init__()
-        h, f, bias = spec.hidden_size, spec.intermediate_size, spec.mlp_bias
+        h, f, bias = spec.hidden_size, width or spec.intermediate_size, spec.mlp_bias
         self.gated = spec.gated_mlp
         self.silu = spec.mlp == "swiglu"
         self.w1 = nn.Linear(h, f, bias=bias)
@@ -295,23 +295,32 @@ def _grouped_mm_fits(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> boo
 
 class MoE(nn.Module):
     """Top-k mixture of SwiGLU experts (Mixtral: softmax over the k chosen router logits,
-    Jiang et al. 2024 §2.1), dropless unless the spec sets a capacity factor c: then each
+    Jiang et al. 2024 §2.1; the spec's norm_topk_prob False: the top k of the softmax over
+    every expert, Qwen2-MoE), dropless unless the spec sets a capacity factor c: then each
     expert takes at most ceil(c x tokens x k / E) of a micro-batch's rows, the earliest
     tokens first, and a dropped row adds nothing (the residual carries the token; GShard,
     Lepikhin et al. 2021 §2.2; Switch, Fedus et al. 2022 §2.1). The experts' weights are stacked on dim 0 so expert
     parallelism shards that dim; `dispatch` (set by executor.parallelize) moves tokens to
-    the rank holding their expert and back."""
+    the rank holding their expert and back. A shared expert (the spec's
+    shared_expert_intermediate_size: DeepSeekMoE, DeepSeek-AI 2024 §2.1; Qwen2-MoE;
+    Llama 4) is a dense MLP every token runs, added to the routed experts' output, scaled
+    by sigmoid(shared_gate x) where the spec has a gate (Qwen2-MoE); it is held and
+    reduced as the dense weights are, on every expert-parallel rank."""
 
     def __init__(self, spec: ModelSpec):
         super().__init__()
         h, f, e = spec.hidden_size, spec.intermediate_size, spec.num_local_experts
         self.num_experts, self.top_k = e, spec.num_experts_per_tok
         self.capacity_factor = spec.moe_capacity_factor
+        self.norm_topk_prob = spec.norm_topk_prob
         self.router = nn.Linear(h, e, bias=False)
         self.w1 = nn.Parameter(torch.empty(e, f, h))
         self.w3 = nn.Parameter(torch.empty(e, f, h))
         self.w2 = nn.Parameter(torch.empty(e, h, f))
         self.dispatch = None           # executor.parallelize's all-to-all exchange under ep > 1
+        f_shared = spec.shared_expert_intermediate_size
+        self.shared_expert = MLP(spec, f_shared) if f_shared else None
+        self.shared_gate = nn.Linear(h, 1, bias=False) if f_shared and spec.shared_expert_gate else None
 
     def experts(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """Run the local experts on rows of x grouped by expert, `counts[e]` rows each, all
@@ -348,8 +357,14 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
-        weights, chosen = self.router(tokens).topk(self.top_k, dim=-1)
-        weights = weights.softmax(-1)
+        logits = self.router(tokens)
+        if self.norm_topk_prob:
+            weights, chosen = logits.topk(self.top_k, dim=-1)
+            weights = weights.softmax(-1)
+        else:
+            # Qwen2-MoE: the top k of an fp32 softmax over every expert, not renormalised.
+            weights, chosen = logits.softmax(-1, dtype=torch.float32).topk(self.top_k, dim=-1)
+            weights = weights.to(logits.dtype)
         # One row per (token, choice), sorted by expert: each expert sees its rows together.
         flat = chosen.flatten()
         order = flat.argsort(stable=True)
@@ -365,6 +380,11 @@ class MoE(nn.Module):
         weighted = out_rows * weights.flatten()[order].unsqueeze(-1)
         # In the experts' dtype: under autocast they run in bf16 while the stream is fp32.
         combined = tokens.new_zeros(tokens.shape, dtype=weighted.dtype).index_add(0, order // self.top_k, weighted)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(tokens)
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(self.shared_gate(tokens)) * shared
+            combined = combined + shared
         return combined.view(shape)
 
 

@@ -417,14 +417,16 @@ def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, zero_stage: int, ignored
 def apply_expert_fsdp(model: Transformer, edp_mesh: DeviceMesh, dp_mesh: DeviceMesh, zero_stage: int) -> None:
     """ZeRO over expert weights, as torchtitan shards them: each MoE's experts (already
     sharded over ep) are an FSDP2 unit over the edp group (the dp ranks holding the same
-    experts) and its router a unit over dp, before the layers become units (a unit leaves
-    out what its sub-units hold). FSDP2 averages expert gradients over edp; the step
+    experts) and its router, with the shared expert and its gate where the model has
+    them, a unit over dp, before the layers become units (a unit leaves out what its
+    sub-units hold). FSDP2 averages expert gradients over edp; the step
     divides them by ep (executor.step.TrainStep.synchronize_gradients). The cost model
     shards expert states over dp / ep (costmodel.estimate.uniform)."""
     reshard = zero_stage == 3
     for layer in model.layers.values():
         moe = layer.feed_forward
-        fully_shard(moe.router, mesh=dp_mesh, reshard_after_forward=reshard)
+        dense = [m for m in (moe.router, moe.shared_expert, moe.shared_gate) if m is not None]
+        fully_shard(dense, mesh=dp_mesh, reshard_after_forward=reshard)
         fully_shard(moe, mesh=edp_mesh, reshard_after_forward=reshard)
 
 

@@ -113,7 +113,7 @@ _MODEL_INT_FIELDS = (
     "num_local_experts", "num_experts_per_tok",
 )
 _MODEL_BOOL_FIELDS = ("attention_bias", "attention_out_bias", "mlp_bias", "qk_norm", "parallel_block", "lm_head_bias",
-                      "fused_qkv")
+                      "fused_qkv", "norm_topk_prob")
 _MODEL_CHOICE_FIELDS = {"mlp": MLP_KINDS, "norm": NORM_KINDS, "position_embedding": POSITION_KINDS}
 
 
@@ -154,26 +154,36 @@ def _hf_architecture(model_type: str, raw: dict, lenient: bool) -> dict:
 
 
 def _qwen_moe(model_type: str, raw: dict) -> dict:
-    """Qwen2-MoE / Qwen3-MoE as transformers builds them (modeling_qwen3_moe.py): every
-    layer is sparse when decoder_sparse_step is 1 and mlp_only_layers is empty, each of
-    `num_experts` SwiGLU experts `moe_intermediate_size` wide, so that is the MLP width
-    the spec prices; the router's softmax over all experts, renormalised over the top k
-    (norm_topk_prob), equals Mixtral's softmax over the k chosen logits. Dense layers
-    among sparse ones, shared experts and unnormalised routing are refused by name."""
+    """Qwen2-MoE / Qwen3-MoE as transformers builds them (modeling_qwen2_moe.py,
+    modeling_qwen3_moe.py): every layer is sparse when decoder_sparse_step is 1 and
+    mlp_only_layers is empty, each of `num_experts` SwiGLU experts `moe_intermediate_size`
+    wide, so that is the MLP width the spec prices; the router's softmax over all
+    experts, renormalised over the top k (norm_topk_prob), equals Mixtral's softmax over
+    the k chosen logits. Qwen2-MoE adds a shared expert `shared_expert_intermediate_size`
+    wide (5632 when the key is left out, the config class's default) behind a sigmoid
+    gate; Qwen3-MoE has none. Routing weights follow norm_topk_prob (Qwen2-MoE's
+    default is the unnormalised top k). Dense layers among sparse ones are refused by
+    name."""
     out: dict = {}
     if raw.get("num_experts") is not None:
         out["num_local_experts"] = raw["num_experts"]
     if raw.get("moe_intermediate_size") is not None:
         out["intermediate_size"] = raw["moe_intermediate_size"]
+    if model_type == "qwen2_moe":
+        # Qwen2MoeAttention: q/k/v projections with bias (qkv_bias), o_proj without (as Qwen2).
+        out.update(attention_bias=bool(raw.get("qkv_bias", True)), attention_out_bias=False)
+        width = raw.get("shared_expert_intermediate_size", 5632)
+        out["shared_expert_intermediate_size"] = width
+        out["shared_expert_gate"] = bool(width)
+    else:
+        out["shared_expert_intermediate_size"] = 0   # Qwen3MoeSparseMoeBlock builds none, whatever the key says
     if raw.get("decoder_sparse_step", 1) != 1:
         raise SpecError("decoder_sparse_step", f"{raw['decoder_sparse_step']}: dense layers between sparse ones are "
                                                f"not modelled (every layer a mixture of experts: 1)")
     if raw.get("mlp_only_layers"):
         raise SpecError("mlp_only_layers", "dense layers among sparse ones are not modelled (an empty list is)")
-    if raw.get("shared_expert_intermediate_size"):
-        raise SpecError("shared_expert_intermediate_size", "shared experts are not modelled")
-    if model_type == "qwen3_moe" and raw.get("norm_topk_prob") is False:
-        raise SpecError("norm_topk_prob", "routing weights not renormalised over the top k are not modelled")
+    # Qwen2MoeConfig's norm_topk_prob defaults to False, Qwen3MoeConfig's to True.
+    out["norm_topk_prob"] = bool(raw.get("norm_topk_prob", model_type == "qwen3_moe"))
     return out
 
 
@@ -373,6 +383,18 @@ def model_from_dict(data: dict, name: str, overrides: dict[str, str] | None = No
         values["resid_dropout"] = as_float(raw["resid_dropout"], "resid_dropout", exclusive=False)
         if values["resid_dropout"] >= 1:
             raise SpecError("resid_dropout", f"must be below 1, got {values['resid_dropout']}")
+    if raw.get("shared_expert_intermediate_size") is not None:
+        values["shared_expert_intermediate_size"] = as_int(raw["shared_expert_intermediate_size"],
+                                                           "shared_expert_intermediate_size", minimum=0)
+        if values["shared_expert_intermediate_size"] and values["num_local_experts"] < 2:
+            raise SpecError("shared_expert_intermediate_size", "set on a model without experts (num_local_experts 1)")
+    if values.get("norm_topk_prob") is False and values["num_local_experts"] < 2:
+        raise SpecError("norm_topk_prob", "set on a model without experts (num_local_experts 1)")
+    if raw.get("shared_expert_gate") is not None:
+        values["shared_expert_gate"] = as_bool(raw["shared_expert_gate"], "shared_expert_gate")
+        if values["shared_expert_gate"] and not values.get("shared_expert_intermediate_size"):
+            raise SpecError("shared_expert_gate", "set on a model without a shared expert "
+                                                  "(shared_expert_intermediate_size 0)")
     if raw.get("moe_capacity_factor") is not None:
         values["moe_capacity_factor"] = as_float(raw["moe_capacity_factor"], "moe_capacity_factor")
         if values["num_local_experts"] < 2:

@@ -38,7 +38,8 @@ class ModelSpec:
 
     model_type "gpt": LayerNorm, GELU MLP, learned positions, biases, dropout.
     model_type "llama": RMSNorm, SwiGLU MLP, grouped-query attention, RoPE, no biases.
-    model_type "mixtral": llama layers whose MLP is a top-k mixture of experts.
+    model_type "mixtral": llama layers whose MLP is a top-k mixture of experts, with
+    or without a shared expert beside them.
     Unset (None) architecture fields take the family's value (FAMILY_DEFAULTS);
     `head_dim` unset is hidden_size / num_attention_heads.
     """
@@ -56,6 +57,17 @@ class ModelSpec:
     num_local_experts: int = 1
     num_experts_per_tok: int = 1
     moe_capacity_factor: float | None = None   # None: dropless; c: an expert takes at most c x its balanced share
+    # A dense SwiGLU MLP every token runs beside its routed experts, this wide (0: none):
+    # DeepSeek's n_shared_experts x moe_intermediate_size, Qwen2-MoE's
+    # shared_expert_intermediate_size, Llama 4's one expert; Megatron-LM's
+    # --moe-shared-expert-intermediate-size. `shared_expert_gate`: its output scaled by
+    # sigmoid(w x), one weight vector (Qwen2-MoE's shared_expert_gate).
+    shared_expert_intermediate_size: int = 0
+    shared_expert_gate: bool = False
+    # Routing weights: the softmax over the k chosen logits, i.e. the softmax over every
+    # expert renormalised over the top k (Mixtral, Qwen3-MoE); False: the top k of the
+    # softmax over every expert as they are (Qwen2-MoE). Hugging Face's name.
+    norm_topk_prob: bool = True
     # How routing is priced, not what is built: the busiest expert-parallel rank's rows
     # over the mean (1: balanced). Not in the fingerprint (canonical_dict).
     moe_load_imbalance: float = 1.0
@@ -129,6 +141,10 @@ class ModelSpec:
         return self.num_experts_per_tok * min(self.moe_load_imbalance, ep, math.inf if c is None else c)
 
     @property
+    def has_shared_expert(self) -> bool:
+        return self.shared_expert_intermediate_size > 0
+
+    @property
     def gated_mlp(self) -> bool:
         """GeGLU / SwiGLU: three matrices (Shazeer 2020)."""
         return self.mlp != "gelu"
@@ -144,6 +160,8 @@ class ModelSpec:
         return self.num_key_value_heads * self.head_dim
 
 
-_ARCHITECTURE_FIELDS = ("moe_capacity_factor", "head_dim", "mlp", "norm", "position_embedding", "attention_bias",
-                        "attention_out_bias", "mlp_bias", "qk_norm", "parallel_block", "norms_per_layer", "lm_head_bias",
-                        "sliding_window", "hidden_act", "resid_dropout", "fused_qkv")
+_ARCHITECTURE_FIELDS = ("moe_capacity_factor", "shared_expert_intermediate_size", "shared_expert_gate",
+                        "norm_topk_prob", "head_dim",
+                        "mlp", "norm", "position_embedding", "attention_bias", "attention_out_bias", "mlp_bias",
+                        "qk_norm", "parallel_block", "norms_per_layer", "lm_head_bias", "sliding_window", "hidden_act",
+                        "resid_dropout", "fused_qkv")

@@ -146,6 +146,14 @@ def layer_compute(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
         tokens_per_expert = tokens * model.busiest_rank_rows_per_token(ep) * ep / model.num_local_experts
         per_expert = gemm_s(tokens_per_expert, 2 * f / tp, h) + gemm_s(tokens_per_expert, h, f / tp)
         gemm += local_experts * per_expert + gemm_s(tokens, model.num_local_experts, h)
+        if model.has_shared_expert:
+            # The shared expert: a dense MLP over every local token, split by tp as a dense
+            # MLP is (Megatron-LM's SharedExpertMLP), and its gate's one output per token.
+            f_shared = model.shared_expert_intermediate_size
+            up = 2 if model.gated_mlp else 1
+            gemm += gemm_s(tokens, up * f_shared / tp, h) + gemm_s(tokens, h, f_shared / tp)
+            if model.shared_expert_gate:
+                gemm += gemm_s(tokens, 1, h)
     elif not model.gated_mlp:
         gemm += linear_s(tokens, f / tp, h) + linear_s(tokens, h, f / tp)
     else:
@@ -171,7 +179,8 @@ def layer_compute(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
     per_h = 2 * (2 * value) + 2 * (3 * value) + (2 if model.is_gpt else 0)
     replicated = per_h * tokens * h / (tp if sequence_parallel else 1)
     # GELU reads and writes f values; SwiGLU reads two and writes one; sharded by tp.
-    act_values = (3 if model.gated_mlp else 2) * f * model.busiest_rank_rows_per_token(ep)
+    act_values = (3 if model.gated_mlp else 2) * (f * model.busiest_rank_rows_per_token(ep)
+                                                 + model.shared_expert_intermediate_size)
     activation = value * act_values * tokens / tp
     one_kernel_each = model.norm == "layernorm" and not model.gated_mlp and model.position_embedding == "learned"
     if one_kernel_each and not (runtime is not None and runtime.torch_compile):

@@ -24,13 +24,24 @@ def attention_parameters(model: ModelSpec) -> int:
     return weights + biases + qk_norm
 
 
-def expert_parameters(model: ModelSpec) -> int:
-    """One MLP: GELU (up and down) or GeGLU / SwiGLU (gate, up and down; Shazeer 2020),
-    each with its bias when mlp_bias."""
-    h, f = model.hidden_size, model.intermediate_size
+def expert_parameters(model: ModelSpec, width: int | None = None) -> int:
+    """One MLP `width` wide (the spec's intermediate_size unless given): GELU (up and
+    down) or GeGLU / SwiGLU (gate, up and down; Shazeer 2020), each with its bias when
+    mlp_bias."""
+    h, f = model.hidden_size, width or model.intermediate_size
     if model.gated_mlp:
         return 3 * h * f + (2 * f + h if model.mlp_bias else 0)
     return 2 * h * f + (f + h if model.mlp_bias else 0)
+
+
+def shared_expert_parameters(model: ModelSpec) -> int:
+    """The shared expert: an MLP `shared_expert_intermediate_size` wide that every token
+    runs (DeepSeek-AI 2024, DeepSeekMoE §2.1; Qwen2-MoE; Llama 4), and its sigmoid gate's
+    weight vector where the model has one (Qwen2-MoE)."""
+    if not model.has_shared_expert:
+        return 0
+    gate = model.hidden_size if model.shared_expert_gate else 0
+    return expert_parameters(model, model.shared_expert_intermediate_size) + gate
 
 
 def norm_parameters(model: ModelSpec) -> int:
@@ -40,10 +51,11 @@ def norm_parameters(model: ModelSpec) -> int:
 
 def layer_parameters(model: ModelSpec) -> tuple[int, int]:
     """(dense parameters, expert parameters) of one transformer layer; dense includes the
-    MoE router."""
+    MoE router and the shared expert (held and reduced as the attention's weights are)."""
     dense = attention_parameters(model) + model.norms_per_layer * norm_parameters(model)
     if model.is_moe:
-        return dense + model.hidden_size * model.num_local_experts, model.num_local_experts * expert_parameters(model)
+        router = model.hidden_size * model.num_local_experts
+        return dense + router + shared_expert_parameters(model), model.num_local_experts * expert_parameters(model)
     return dense + expert_parameters(model), 0
 
 
@@ -65,8 +77,8 @@ def total_parameters(model: ModelSpec) -> int:
 
 
 def active_parameters(model: ModelSpec) -> int:
-    """Parameters one token's forward uses: every dense weight and the k experts it is
-    routed to in each layer (the "activated parameters" model cards quote, embedding and
+    """Parameters one token's forward uses: every dense weight (a shared expert's too) and
+    the k experts it is routed to in each layer (the "activated parameters" model cards quote, embedding and
     head included: Mixtral 8x7B 12.9B of 46.7B, Jiang et al. 2024 §2; Qwen3-30B-A3B 3.3B
     of 30.5B, Qwen3 technical report table 1). Dense models: every parameter."""
     dense, experts = layer_parameters(model)
@@ -79,14 +91,17 @@ def layer_forward_flops(model: ModelSpec, seq_len: int) -> float:
     every matmul, attention scores over the full s x s matrix (the convention of
     Korthikanti et al. 2022 eq. 7: 24sh^2 + 4s^2h per layer for a 4h GPT MLP). MoE counts
     the rows each token sends to the experts (ModelSpec.routed_rows_per_token: the
-    num_experts_per_tok experts it visits, less what a capacity factor below 1 drops)."""
+    num_experts_per_tok experts it visits, less what a capacity factor below 1 drops) and
+    the shared expert's MLP over every token."""
     h, s, q, kv, f = model.hidden_size, seq_len, model.q_size, model.kv_size, model.intermediate_size
     projections = 2 * s * (2 * h * q + 2 * h * kv)
     scores = 4 * s * s * q
     mlp_matrices = 3 if model.gated_mlp else 2
     mlp = 2 * s * mlp_matrices * h * f * model.routed_rows_per_token
     router = 2 * s * h * model.num_local_experts if model.is_moe else 0
-    return float(projections + scores + mlp + router)
+    # The shared expert runs on every token; its gate is one output per token.
+    shared = 2 * s * (mlp_matrices * h * model.shared_expert_intermediate_size + (h if model.shared_expert_gate else 0))
+    return float(projections + scores + mlp + router + shared)
 
 
 def head_forward_flops(model: ModelSpec, seq_len: int) -> float:

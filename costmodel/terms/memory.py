@@ -161,12 +161,25 @@ def moe_rows_saved_bytes(model: ModelSpec, ep: int, value_bytes: float) -> float
     experts run (`expert_rows_held_per_token`); on the token's rank the rows that come
     back, which the router weights multiply, and that product, which the combine's
     index_add keeps; four int64 index vectors of k entries (the top-k choices, the sort
-    order, the gather and the combine) and the softmax weights twice."""
+    order, the gather and the combine) and the routing weights twice: the softmax over
+    the k chosen logits keeps its output, where unnormalised routing (norm_topk_prob
+    False) keeps its fp32 softmax over every expert instead (measured: 4E - 2k bytes a
+    token more under autocast, 4E - 4k in fp32)."""
     if not model.is_moe:
         return 0.0
     h, k = model.hidden_size, model.num_experts_per_tok
     rows = value_bytes * h * (expert_rows_held_per_token(model, ep) + 2 * model.routed_rows_per_token)
-    return rows + 4 * 8.0 * k + 2 * value_bytes * k
+    softmax = value_bytes * k if model.norm_topk_prob else 4.0 * model.num_local_experts
+    return rows + 4 * 8.0 * k + value_bytes * k + softmax
+
+
+def shared_gate_saved_bytes(model: ModelSpec, value_bytes: float) -> float:
+    """Per token, what Qwen2-MoE's shared-expert gate keeps (executor.models.MoE:
+    sigmoid(gate(x)) * shared(x)): the product keeps the shared expert's output and the
+    sigmoid's, and the sigmoid its output (the same tensor, once)."""
+    if not model.shared_expert_gate:
+        return 0.0
+    return value_bytes * (model.hidden_size + 1)
 
 
 def pytorch_layer_activation_bytes(model: ModelSpec, training: TrainingSpec, micro_batch_size: int,
@@ -210,6 +223,9 @@ def pytorch_layer_activation_bytes(model: ModelSpec, training: TrainingSpec, mic
     # An MoE layer's norm output feeds the router; its experts cast the rows they take
     # (moe_rows_saved_bytes).
     mlp_consumers = (1 if model.is_moe else 2 if gated else 1) if autocast else 1
+    if model.has_shared_expert and autocast:
+        # The shared expert's gate and up (or up alone) and its gate's linear cast it too.
+        mlp_consumers += (2 if gated else 1) + (1 if model.shared_expert_gate else 0)
     if model.norms_per_layer == 1:
         # One norm feeds attention and MLP (Phi, GPT-J).
         norm_h, norm_t = norm_saved_bytes(model, training, attention_consumers + mlp_consumers)
@@ -254,15 +270,16 @@ def pytorch_layer_activation_bytes(model: ModelSpec, training: TrainingSpec, mic
         # transformers' NewGELUActivation is an elementwise formula: the tanh, 0.5 x and
         # 1 + tanh are kept beside its input (measured: Phi-2, 5 tensors of f).
         mlp_tensors += 3
-    mlp = v * mlp_tensors * f * expert_rows_held_per_token(model, ep)
+    mlp = v * mlp_tensors * (f * expert_rows_held_per_token(model, ep) + model.shared_expert_intermediate_size)
     split = (attention + mlp) * tokens / tp + rope_tables * tokens
-    router = moe_rows_saved_bytes(model, ep, v) * tokens
+    router = (moe_rows_saved_bytes(model, ep, v) + shared_gate_saved_bytes(model, v)) * tokens
     weight_copies = 0.0
     if autocast:
-        from costmodel.terms.counts import attention_parameters, expert_parameters
+        from costmodel.terms.counts import attention_parameters, expert_parameters, shared_expert_parameters
         experts = model.num_local_experts if model.is_moe else 1
         router_weights = model.hidden_size * model.num_local_experts if model.is_moe else 0
-        matmuls = attention_parameters(model) + expert_parameters(model) * experts + router_weights
+        matmuls = (attention_parameters(model) + expert_parameters(model) * experts + router_weights
+                   + shared_expert_parameters(model))
         if training.fp8:
             # torchao's Float8Linear saves its weight as it is held (the fp32 parameter)
             # and casts it to fp8 per GEMM: no bf16 copy for the linears FP8 converts
@@ -356,8 +373,8 @@ def layer_activation_bytes(model: ModelSpec, training: TrainingSpec, micro_batch
     if training.flash_attention and model.position_embedding == "rope" and saved.head_major_output_copy:
         attention += v * tokens_q
     mlp_tensors = saved.gated_mlp_tensors if model.gated_mlp else 2
-    mlp = v * mlp_tensors * f * b * s * expert_rows_held_per_token(model, ep)
-    router = moe_rows_saved_bytes(model, ep, v) * b * s
+    mlp = v * mlp_tensors * (f * expert_rows_held_per_token(model, ep) + model.shared_expert_intermediate_size) * b * s
+    router = (moe_rows_saved_bytes(model, ep, v) + shared_gate_saved_bytes(model, v)) * b * s
     split = (attention + mlp) / tp + replicated / seq_split + router
     scores = 0.0
     if not training.flash_attention and recompute != "selective":

@@ -55,9 +55,10 @@ def layer_matmuls(model: ModelSpec, tp: int, ep: int = 1) -> tuple[Matmul, ...]:
                      for name, width in (("q", q), ("k", kv), ("v", kv))]
     attention.append(Matmul("o", h, q / tp, bias=model.attention_out_bias))
 
-    def mlp(share: float) -> list[Matmul]:
-        up = [Matmul("gate", f / tp, h, share, model.mlp_bias)] if model.gated_mlp else []
-        return up + [Matmul("up", f / tp, h, share, model.mlp_bias), Matmul("down", h, f / tp, share, model.mlp_bias)]
+    def mlp(share: float, width: float = f) -> list[Matmul]:
+        up = [Matmul("gate", width / tp, h, share, model.mlp_bias)] if model.gated_mlp else []
+        return up + [Matmul("up", width / tp, h, share, model.mlp_bias),
+                     Matmul("down", h, width / tp, share, model.mlp_bias)]
 
     if not model.is_moe:
         return tuple(attention + mlp(1.0))
@@ -67,7 +68,11 @@ def layer_matmuls(model: ModelSpec, tp: int, ep: int = 1) -> tuple[Matmul, ...]:
     local = model.num_local_experts // ep
     share = model.busiest_rank_rows_per_token(ep) * ep / model.num_local_experts
     experts = [m for _ in range(local) for m in mlp(share)]
-    return tuple(attention + [Matmul("router", model.num_local_experts, h)] + experts)
+    # Then the shared expert over every token, and its gate (executor.models.MoE).
+    shared = mlp(1.0, model.shared_expert_intermediate_size) if model.has_shared_expert else []
+    if model.shared_expert_gate:
+        shared.append(Matmul("shared_gate", 1, h))
+    return tuple(attention + [Matmul("router", model.num_local_experts, h)] + experts + shared)
 
 
 def op_level_split(model: ModelSpec, tp: int, ep: int = 1) -> tuple[tuple[Matmul, ...], tuple[Matmul, ...]]:

@@ -93,6 +93,7 @@ MEGATRON_INT_ARGS = (
     "--kv-channels",                          # TransformerConfig.kv_channels (head_dim)
     "--seq-length", "--max-position-embeddings",   # arguments.py
     "--num-experts", "--moe-router-topk",     # TransformerConfig.num_moe_experts, moe_router_topk
+    "--moe-shared-expert-intermediate-size",  # TransformerConfig.moe_shared_expert_intermediate_size
 )
 
 
@@ -142,6 +143,12 @@ MEGATRON_FLAGS = (
     "--untie-embeddings-and-output-weights", "--swiglu", "--disable-bias-linear",   # model shape, arguments.py
     "--moe-pad-expert-input-to-capacity",     # TransformerConfig.moe_pad_expert_input_to_capacity
     "--qk-layernorm",                         # TransformerConfig.qk_layernorm (Qwen3's q/k norm)
+    "--add-qkv-bias",                         # TransformerConfig.add_qkv_bias (Qwen2's q/k/v biases)
+    "--moe-shared-expert-gate",               # TransformerConfig.moe_shared_expert_gate (Qwen2-MoE)
+    # TransformerConfig.moe_router_pre_softmax: the top k of the softmax over every expert,
+    # not renormalised (the spec's norm_topk_prob False); Megatron's default is the softmax
+    # over the k chosen logits.
+    "--moe-router-pre-softmax",
 )
 
 
@@ -249,6 +256,28 @@ _MOE_FP8_WARNING = ("Megatron runs the experts' GEMMs in FP8 too (Transformer En
                     "priced with the experts in bf16")
 
 
+def _check_moe_layout(args: argparse.Namespace, model: ModelSpec) -> None:
+    """A whole model description (--hidden-size given) with the model's q/k/v biases,
+    shared expert, its gate and its routing weights: each changes what Megatron builds or
+    computes, so a command without them describes another model."""
+    shared = model.shared_expert_intermediate_size or None
+    if args.moe_shared_expert_intermediate_size != shared:
+        said = args.moe_shared_expert_intermediate_size or "absent"
+        raise SpecError("--moe-shared-expert-intermediate-size",
+                        f"{said}, but {model.name} has {shared or 'no shared expert'}")
+    for flag, given, expected, has, has_not in (
+            ("--moe-shared-expert-gate", args.moe_shared_expert_gate, model.shared_expert_gate,
+             "a gate on its shared expert", "no gate on a shared expert"),
+            ("--moe-router-pre-softmax", args.moe_router_pre_softmax, model.is_moe and not model.norm_topk_prob,
+             "routing weights left unnormalised over the top k (norm_topk_prob false)",
+             "routing weights renormalised over the top k"),
+            ("--add-qkv-bias", args.add_qkv_bias, model.attention_bias and not model.is_gpt,
+             "q/k/v biases", "no q/k/v biases")):
+        if given != expected:
+            raise SpecError(flag, f"{'missing' if expected else 'given'}, but {model.name} has "
+                                  f"{has if expected else has_not}")
+
+
 def read_megatron(text: str, model: ModelSpec, num_gpus: int) -> Imported:
     """Megatron-LM command-line arguments (a whole pasted command line is fine: words
     that are not arguments Shardwise reads are ignored with a warning)."""
@@ -288,6 +317,8 @@ def read_megatron(text: str, model: ModelSpec, num_gpus: int) -> Imported:
                                          f"hidden / heads = {model.hidden_size // model.num_attention_heads}")
     if model.qk_norm and not args.qk_layernorm and args.hidden_size is not None:
         raise SpecError("--qk-layernorm", f"missing: {model.name} normalises q and k per head")
+    if args.hidden_size is not None:
+        _check_moe_layout(args, model)
     tp = args.tensor_model_parallel_size or 1
     pp = args.pipeline_model_parallel_size or 1
     cp = args.context_parallel_size or 1
@@ -477,6 +508,14 @@ def export_megatron(strategy: Strategy, model: ModelSpec, training: TrainingSpec
         if model.moe_capacity_factor is not None:
             args += ["--moe-expert-capacity-factor", f"{model.moe_capacity_factor:g}",
                      "--moe-token-drop-policy", "position"]
+        if model.has_shared_expert:
+            args += ["--moe-shared-expert-intermediate-size", str(model.shared_expert_intermediate_size)]
+        if model.shared_expert_gate:
+            args.append("--moe-shared-expert-gate")
+        if not model.norm_topk_prob:
+            args.append("--moe-router-pre-softmax")
+    if model.attention_bias and not model.is_gpt:
+        args.append("--add-qkv-bias")
     if not model.is_gpt:
         args += ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--disable-bias-linear"]
     if not model.tie_word_embeddings:

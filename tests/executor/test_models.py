@@ -36,7 +36,8 @@ from executor.models import (
 # two norms, LM-head bias, tied and untied heads.
 HF_SPECS = [str(HF_DIR / n) for n in ("qwen2.5-1.5b.json", "qwen3-1.7b.json", "gemma-2b.json", "phi-2.json",
                                        "pythia-1.4b.json", "llama-3.2-1b.json")]
-SPECS = ["tiny-gpt", "tiny-llama", "tiny-moe", "tiny-dense", "gpt3-1.3b", "llama2-7b", "llama3-8b", "mixtral-8x7b", *HF_SPECS]
+SPECS = ["tiny-gpt", "tiny-llama", "tiny-moe", "tiny-moe-shared", "tiny-dense", "gpt3-1.3b", "llama2-7b", "llama3-8b",
+         "mixtral-8x7b", "qwen1.5-moe-a2.7b", *HF_SPECS]
 
 
 def small(name):

@@ -161,6 +161,17 @@ def test_moe_parity(plan):
     check_parity("tiny-moe", MOE_PLANS[plan])
 
 
+# Fine-grained experts with a shared expert (configs/models/tiny-moe-shared.yaml: its gate,
+# unnormalised top-k routing): the shared expert is a dense weight, replicated over ep,
+# reduced and sharded over dp, a unit with the router under ZeRO over experts (edp 2).
+SHARED_EXPERT_PLANS = ["ep2", "ep2-zero3", "ep2-edp2", "ep2-edp2-zero3", "ep2-pp2"]
+
+
+@pytest.mark.parametrize("plan", SHARED_EXPERT_PLANS)
+def test_moe_with_a_shared_expert_parity(plan):
+    check_parity("tiny-moe-shared", MOE_PLANS[plan])
+
+
 def test_expert_capacity_under_ep_drops_as_without_it(tmp_path):
     """Capacity is counted per rank's micro-batch, before the all-to-all: dp2 with ep2
     trains as dp2 with every expert on each rank, capacity factor 1 dropping rows in both,

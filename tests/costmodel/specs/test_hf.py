@@ -143,7 +143,6 @@ def test_qwen3_moe_traces_to_the_spec_flops(tmp_path):
 @pytest.mark.parametrize("field, value, text", [
     ("decoder_sparse_step", 2, "dense layers between sparse ones are not modelled"),
     ("mlp_only_layers", [0, 5], "dense layers among sparse ones are not modelled"),
-    ("norm_topk_prob", False, "not renormalised over the top k are not modelled"),
 ])
 def test_qwen3_moe_layouts_the_spec_cannot_describe_are_refused_by_name(tmp_path, field, value, text):
     path = _builtin_as_config_json("qwen3-30b-a3b", tmp_path, **{field: value})
@@ -151,8 +150,41 @@ def test_qwen3_moe_layouts_the_spec_cannot_describe_are_refused_by_name(tmp_path
         load_model(str(path))
 
 
-def test_qwen2_moe_shared_experts_are_refused_by_name(tmp_path):
-    path = _builtin_as_config_json("qwen3-30b-a3b", tmp_path, model_type="qwen2_moe",
-                                   shared_expert_intermediate_size=5632)
-    with pytest.raises(SpecError, match="^shared_expert_intermediate_size: shared experts are not modelled"):
-        load_model(str(path))
+def test_qwen2_moe_loads_as_transformers_builds_it(tmp_path):
+    """Qwen1.5-MoE-A2.7B's config: 14,315,784,192 parameters as transformers builds them
+    (the model card's 14.3B), 2,689,173,504 activated (2.7B): 60 experts 1408 wide, a
+    gated shared expert 5632 wide, q/k/v biases, routing weights not renormalised."""
+    from costmodel.specs.hf import check_spec
+    from costmodel.terms.counts import active_parameters
+
+    path = _builtin_as_config_json("qwen1.5-moe-a2.7b", tmp_path)
+    spec = load_model(str(path))
+    assert (spec.intermediate_size, spec.num_local_experts, spec.shared_expert_intermediate_size,
+            spec.shared_expert_gate, spec.norm_topk_prob, spec.attention_bias, spec.attention_out_bias) == (
+        1408, 60, 5632, True, False, True, False)
+    assert total_parameters(spec) == 14_315_784_192 == total_parameters(load_model("qwen1.5-moe-a2.7b"))
+    assert active_parameters(spec) == 2_689_173_504
+    check_spec(path, spec)
+
+
+def test_qwen2_moe_traces_to_the_spec_flops(tmp_path):
+    """The shared expert and its gate run on every token: the traced layer's FLOPs are
+    the spec's."""
+    check(_builtin_as_config_json("qwen1.5-moe-a2.7b", tmp_path, num_hidden_layers=2, hidden_size=256,
+                                  num_attention_heads=8, num_key_value_heads=8, moe_intermediate_size=64,
+                                  shared_expert_intermediate_size=192, num_experts=8, num_experts_per_tok=2,
+                                  vocab_size=1000), seq=64)
+
+
+@pytest.mark.parametrize("model_type, norm_topk_prob, shared", [("qwen2_moe", False, 5632), ("qwen3_moe", True, 0)])
+def test_qwen_moe_defaults_are_the_config_classes(tmp_path, model_type, norm_topk_prob, shared):
+    """Keys left out read as transformers' config classes default them: Qwen2-MoE's shared
+    expert 5632 wide and unnormalised routing; Qwen3-MoE none and renormalised. Qwen3-MoE
+    builds no shared expert whatever its config says."""
+    path = _builtin_as_config_json("qwen3-30b-a3b", tmp_path, model_type=model_type)
+    data = json.loads(path.read_text())
+    del data["norm_topk_prob"]
+    data["shared_expert_intermediate_size" if model_type == "qwen3_moe" else "_unused"] = 4096
+    path.write_text(json.dumps(data))
+    spec = load_model(str(path))
+    assert (spec.norm_topk_prob, spec.shared_expert_intermediate_size) == (norm_topk_prob, shared)

@@ -73,7 +73,7 @@ def test_every_builtin_model_loads(name):
 
 
 def test_builtin_lists_are_the_config_files():
-    assert len(builtin_names("models")) == 21
+    assert len(builtin_names("models")) == 23
     assert builtin_names("clusters") == ["cpu", "dgx-a100-40gb", "dgx-a100-80gb", "dgx-b200", "dgx-h100", "dgx-h200",
                                           "dgx-v100", "gb200-nvl72", "grand-teton-h100", "mi300x", "mixed-a100-v100",
                                           "mixed-h100-a100", "mixed-h200-a100-40gb"]
@@ -121,6 +121,28 @@ def test_moe_capacity_factor_rejects(model, value, message):
     with pytest.raises(SpecError, match=message) as err:
         load_model(model, {"moe_capacity_factor": value})
     assert err.value.field == "moe_capacity_factor"
+
+
+def test_shared_expert_fields_read_and_keep_older_fingerprints():
+    m = load_model("tiny-moe-shared")
+    assert (m.shared_expert_intermediate_size, m.shared_expert_gate, m.norm_topk_prob) == (128, True, False)
+    assert {"shared_expert_intermediate_size": 128, "shared_expert_gate": True,
+            "norm_topk_prob": False}.items() <= m.canonical_dict().items()
+    plain = load_model("mixtral-8x7b").canonical_dict()
+    assert not {"shared_expert_intermediate_size", "shared_expert_gate", "norm_topk_prob"} & set(plain)
+
+
+@pytest.mark.parametrize("model, overrides, field, message", [
+    ("llama3-8b", {"shared_expert_intermediate_size": "1024"}, "shared_expert_intermediate_size", "without experts"),
+    ("mixtral-8x7b", {"shared_expert_intermediate_size": "-1"}, "shared_expert_intermediate_size", "at least 0"),
+    ("mixtral-8x7b", {"shared_expert_gate": "true"}, "shared_expert_gate", "without a shared expert"),
+    ("llama3-8b", {"norm_topk_prob": "false"}, "norm_topk_prob", "without experts"),
+    ("mixtral-8x7b", {"norm_topk_prob": "sometimes"}, "norm_topk_prob", ""),
+])
+def test_shared_expert_fields_reject(model, overrides, field, message):
+    with pytest.raises(SpecError, match=message) as err:
+        load_model(model, overrides)
+    assert err.value.field == field
 
 
 def test_moe_load_imbalance_reads_and_leaves_the_fingerprint():

@@ -123,6 +123,23 @@ def test_llama_layer_compute_by_hand(dgx, tp):
     assert lc.elementwise_s == pytest.approx(hbm_seconds(per_h * tokens * h + swiglu), rel=1e-12)
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_shared_expert_adds_a_dense_mlp_and_its_gate(dgx, tp):
+    """The shared expert runs every token through a SwiGLU MLP split by tp, its gate one
+    output per token; its activation reads and writes 3 f_shared values a token."""
+    shared = load_model("tiny-moe-shared")
+    routed = dataclasses.replace(shared, shared_expert_intermediate_size=0, shared_expert_gate=False)
+    b, s, h, fs = 2, 64, 64, 128
+    tokens = b * s
+    added = (gemm_seconds(tokens, 2 * fs / tp, h, PEAK) + gemm_seconds(tokens, h, fs / tp, PEAK)
+             + gemm_seconds(tokens, 1, h, PEAK))
+    with_shared = layer_compute(shared, dgx, training(shared, dgx), b, tp, False)
+    without = layer_compute(routed, dgx, training(routed, dgx), b, tp, False)
+    assert with_shared.gemm_s - without.gemm_s == pytest.approx(added, rel=1e-12)
+    assert with_shared.elementwise_s - without.elementwise_s == pytest.approx(
+        hbm_seconds(2 * 3 * fs * tokens / tp), rel=1e-9)
+
+
 @pytest.mark.parametrize("ep", [1, 2, 4])
 def test_moe_layer_gemm_by_hand(dgx, ep):
     m = load_model("tiny-moe")  # h 64, kv 32, f 128, 4 experts, top-2

@@ -82,9 +82,24 @@ def test_qwen3_235b_a22b_total_and_active_parameters_by_hand():
     assert round(active_parameters(m) / 1e9) == 22
 
 
+def test_shared_expert_parameters_and_flops_by_hand():
+    """tiny-moe-shared: 8 experts 64 wide, top 2, a gated shared expert 128 wide. The
+    shared expert and its gate are dense weights every token uses and runs."""
+    h, kv, f, E, k, fs, s = 64, 32, 64, 8, 2, 128, 32
+    m = load_model("tiny-moe-shared")
+    attention = 2 * h * h + 2 * h * kv
+    dense = attention + 2 * h + h * E + 3 * h * fs + h   # norms, router, shared expert, its gate
+    assert layer_parameters(m) == (dense, E * 3 * h * f)
+    assert active_parameters(m) == 4 * (dense + k * 3 * h * f) + 2 * 512 * h + h
+    flops = 2 * s * (attention + 3 * h * f * k + h * E + 3 * h * fs + h) + 4 * s * s * h
+    assert layer_forward_flops(m, s) == flops
+
+
 def test_active_parameters_are_the_model_cards():
     assert active_parameters(load_model("mixtral-8x7b")) / 1e9 == pytest.approx(12.9, abs=0.05)   # Jiang et al. 2024
     assert active_parameters(load_model("qwen3-30b-a3b")) == 3_353_032_704   # the card: "3.3B"
+    qwen15 = load_model("qwen1.5-moe-a2.7b")   # the card: 14.3B, 2.7B activated
+    assert (total_parameters(qwen15), active_parameters(qwen15)) == (14_315_784_192, 2_689_173_504)
     dense = load_model("llama3-8b")
     assert active_parameters(dense) == total_parameters(dense)
 

@@ -168,17 +168,24 @@ def _layer_saved_bytes(model_name: str, overrides: dict, autocast: bool, seq_len
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
-def test_moe_layers_save_what_the_count_adds_to_a_dense_layer(precision):
+@pytest.mark.parametrize("variant", [
+    {},
+    {"shared_expert_intermediate_size": "384"},                                  # DeepSeekMoE's shared expert
+    {"shared_expert_intermediate_size": "384", "shared_expert_gate": "true"},    # Qwen2-MoE's, gated
+    {"norm_topk_prob": "false"},                                                 # the top k of a softmax over all
+])
+def test_moe_layers_save_what_the_count_adds_to_a_dense_layer(precision, variant):
     """The executor's MoE layer against the same layer with a dense SwiGLU MLP: what
     autograd saves beyond it (the experts' f-wide tensors for k rows a token, their input
-    and output rows, the router-weighted rows, indices and weights) is what
+    and output rows, the router-weighted rows, indices and weights; a shared expert's
+    MLP tensors, its input's casts and its gate's product) is what
     costmodel.terms.memory counts beyond it, to the byte."""
     from costmodel.specs.loading import load_cluster, load_model, make_training
     from costmodel.terms.memory import layer_activation_bytes
 
     shape = {"hidden_size": "256", "intermediate_size": "512", "num_attention_heads": "8", "num_key_value_heads": "2",
              "vocab_size": "1000", "max_position_embeddings": "1024"}
-    moe = {**shape, "num_local_experts": "8", "num_experts_per_tok": "2"}
+    moe = {**shape, "num_local_experts": "8", "num_experts_per_tok": "2", **variant}
     autocast = precision == "bf16"
     measured = (_layer_saved_bytes("tiny-moe", moe, autocast) - _layer_saved_bytes("tiny-llama", shape, autocast))
     cluster = load_cluster("dgx-h100", gpus=1)

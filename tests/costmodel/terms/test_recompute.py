@@ -33,6 +33,14 @@ def test_row_parallel_outputs_are_whole_under_tp():
                       "gate": 14336 / 8, "up": 14336 / 8, "down": 4096}
 
 
+def test_the_shared_expert_and_its_gate_follow_the_routed_experts():
+    matmuls = layer_matmuls(load_model("tiny-moe-shared"), tp=1, ep=2)
+    widths = [(m.name, m.out_width, m.tokens_fraction) for m in matmuls]
+    assert widths[4] == ("router", 8, 1.0)
+    assert len(widths) == 4 + 1 + 4 * 3 + 4
+    assert widths[-4:] == [("gate", 128, 1.0), ("up", 128, 1.0), ("down", 64, 1.0), ("shared_gate", 1, 1.0)]
+
+
 @pytest.mark.parametrize("mixed, residual", [("param_dtype", 2), ("autocast", 4)])
 def test_op_level_bytes_by_hand(mixed, residual):
     # Llama 3 8B, micro-batch 2, seq 8192: the layer input, q (4096), v (1024), gate

@@ -58,6 +58,11 @@ CASES = {
                            fix="dp=2,tp=2,pp=4,vpp=2,mbs=1,zero=2,recompute=full,sp=on,schedule=zb-interleaved"),
     "dualpipev": dict(model="llama2-7b", gpus=16, batch=64, seq=4096,
                       fix="dp=2,tp=2,pp=4,vpp=2,mbs=1,zero=2,recompute=full,sp=on,schedule=dualpipev"),
+    # Fine-grained experts with a gated shared expert and unnormalised routing (Qwen2-MoE):
+    # Megatron's --moe-shared-expert-intermediate-size, --moe-shared-expert-gate and
+    # --moe-router-pre-softmax.
+    "moe-shared-ep": dict(model="tiny-moe-shared", gpus=8, batch=32, seq=64,
+                          fix="dp=8,tp=1,pp=1,ep=4,mbs=1,zero=2,recompute=none"),
     "moe-capacity-ep": dict(model="tiny-moe", gpus=8, batch=32, seq=64, overrides={"moe_capacity_factor": "1.25"},
                             fix="dp=8,tp=1,pp=1,ep=4,mbs=1,zero=3,recompute=none"),
     # Context parallelism (K/V all-gathered): torchtitan's context_parallel_degree with FSDP2
@@ -79,6 +84,7 @@ EXACT = {
     ("zero2-full", "deepspeed"),
     ("moe-capacity-ep", "megatron"),   # torchtitan routes dropless; DeepSpeed sets experts in code
     ("qwen3-moe-ep", "megatron"),
+    ("moe-shared-ep", "torchtitan"), ("moe-shared-ep", "torchtitan-toml"), ("moe-shared-ep", "megatron"),
     ("zbv-zero2", "torchtitan"), ("zbv-zero2", "torchtitan-toml"),
     ("zb-interleaved", "torchtitan"), ("zb-interleaved", "torchtitan-toml"),
     ("dualpipev", "torchtitan"), ("dualpipev", "torchtitan-toml"),
@@ -252,7 +258,8 @@ def megatron_mirror() -> argparse.ArgumentParser:
                  "--global-batch-size", "--recompute-num-layers", "--context-parallel-size",
                  "--expert-model-parallel-size", "--num-layers", "--hidden-size", "--ffn-hidden-size",
                  "--num-attention-heads", "--num-query-groups", "--kv-channels", "--seq-length",
-                 "--max-position-embeddings", "--num-experts", "--moe-router-topk"):
+                 "--max-position-embeddings", "--num-experts", "--moe-router-topk",
+                 "--moe-shared-expert-intermediate-size"):
         parser.add_argument(name, type=int)
     parser.add_argument("--recompute-granularity", choices=["full", "selective"])
     parser.add_argument("--recompute-method", choices=["uniform", "block"])
@@ -273,7 +280,8 @@ def megatron_mirror() -> argparse.ArgumentParser:
     for flag in ("--sequence-parallel", "--use-distributed-optimizer", "--use-megatron-fsdp", "--group-query-attention",
                  "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split", "--bf16", "--fp16",
                  "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
-                 "--moe-pad-expert-input-to-capacity", "--qk-layernorm"):
+                 "--moe-pad-expert-input-to-capacity", "--qk-layernorm", "--add-qkv-bias", "--moe-shared-expert-gate",
+                 "--moe-router-pre-softmax"):
         parser.add_argument(flag, action="store_true")
     return parser
 
@@ -305,6 +313,28 @@ def test_megatron_arguments_missing_qwen3s_head_dim_or_qk_norm_are_refused(drop,
     text = export_plan(doc, "megatron").text.replace("\\\n", " ").replace(drop, "")
     with pytest.raises(SpecError, match=f"^{field}: missing"):
         read_text("megatron", text, model_of(doc), 16)
+
+
+@pytest.mark.parametrize("drop, field, message", [
+    ("--moe-shared-expert-intermediate-size 128", "--moe-shared-expert-intermediate-size",
+     "absent, but tiny-moe-shared has 128"),
+    ("--moe-shared-expert-gate", "--moe-shared-expert-gate", "missing, but tiny-moe-shared has a gate"),
+    ("--moe-router-pre-softmax", "--moe-router-pre-softmax", "missing, but tiny-moe-shared has routing weights"),
+])
+def test_megatron_shared_expert_and_routing_are_the_model_s(drop, field, message):
+    """The shared expert's width, its gate and unnormalised routing go out as Megatron's
+    arguments and read back; a whole model description without one is another model."""
+    doc = _doc("moe-shared-ep")
+    text = export_plan(doc, "megatron").text.replace("\\\n", " ")
+    args = megatron_mirror().parse_args(shlex.split(text))
+    assert (args.moe_shared_expert_intermediate_size, args.moe_shared_expert_gate, args.moe_router_pre_softmax,
+            args.num_experts, args.ffn_hidden_size) == (128, True, True, 8, 64)
+    assert read_text("megatron", text, model_of(doc), 8).strategy == strategy_of(doc)
+    with pytest.raises(SpecError, match=f"^{field}: {message}"):
+        read_text("megatron", text.replace(drop, ""), model_of(doc), 8)
+    with pytest.raises(SpecError, match="^--moe-shared-expert-gate: given, but tiny-moe has no gate on a shared expert"):
+        read_text("megatron", export_plan(_doc("moe-ep-zero3-pp"), "megatron").text + " --moe-shared-expert-gate",
+                  load_model("tiny-moe"), 8)
 
 
 def test_megatron_capacity_factor_is_the_model_s():
