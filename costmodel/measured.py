@@ -44,10 +44,25 @@ ATTENTION_KINDS = ("flash", "eager")
 # model applies to the same model with more or fewer layers, or under another name).
 LAYER_DIMS = ("model_type", "hidden_size", "num_attention_heads", "num_key_value_heads",
               "intermediate_size", "vocab_size", "num_local_experts", "num_experts_per_tok")
+# Written only when set, so profiles made before these fields existed still apply to the
+# same models: name -> the value an older profile means by leaving it out.
+OPTIONAL_LAYER_DIMS = {"shared_expert_intermediate_size": 0, "shared_expert_gate": False}
 
 
 def model_dims(model: ModelSpec) -> dict[str, Any]:
-    return {name: getattr(model, name) for name in LAYER_DIMS}
+    dims = {name: getattr(model, name) for name in LAYER_DIMS}
+    dims.update({name: getattr(model, name) for name, unset in OPTIONAL_LAYER_DIMS.items()
+                 if getattr(model, name) != unset})
+    return dims
+
+
+def entry_dims(entry_model: dict) -> dict[str, Any]:
+    """A profile entry's layer shape as model_dims writes it (optional fields at their
+    unset values left out)."""
+    dims = {name: entry_model.get(name) for name in LAYER_DIMS}
+    dims.update({name: entry_model[name] for name, unset in OPTIONAL_LAYER_DIMS.items()
+                 if entry_model.get(name, unset) != unset})
+    return dims
 
 
 def layer_key(entry: dict) -> tuple:
@@ -207,6 +222,10 @@ def validate_layer_entry(entry: Any, where: str) -> dict:
             raise SpecError(f"{where}.model.{name}", "missing")
         if name != "model_type":
             _int(entry["model"][name], f"{where}.model.{name}")
+    if "shared_expert_intermediate_size" in entry["model"]:
+        _int(entry["model"]["shared_expert_intermediate_size"], f"{where}.model.shared_expert_intermediate_size")
+    if not isinstance(entry["model"].get("shared_expert_gate", False), bool):
+        raise SpecError(f"{where}.model.shared_expert_gate", "expected true or false")
     for key in ("seq_len", "micro_batch_size", "tp"):
         _int(entry[key], f"{where}.{key}")
     for key in ("forward_s", "backward_s"):
@@ -258,12 +277,15 @@ def measured_times(doc: dict, model: ModelSpec, training: TrainingSpec, source: 
     if not entries:
         raise SpecError("profile.layers", "the profile has no layer measurements (take one with shardwise profile --model)")
     dims = model_dims(model)
-    mine = [e for e in entries if {n: e["model"][n] for n in LAYER_DIMS} == dims]
+    mine = [e for e in entries if entry_dims(e["model"]) == dims]
     if not mine:
-        other = entries[0]["model"]
-        name = next(n for n in LAYER_DIMS if other.get(n) != dims[n])
+        other = entry_dims(entries[0]["model"])
+        name = next(n for n in (*LAYER_DIMS, *OPTIONAL_LAYER_DIMS) if other.get(n, OPTIONAL_LAYER_DIMS.get(n))
+                    != dims.get(n, OPTIONAL_LAYER_DIMS.get(n)))
         raise SpecError(f"profile.model.{name}",
-                        f"the profile measured {entries[0]['model_name']} with {other.get(name)!r}, the model has {dims[name]!r}")
+                        f"the profile measured {entries[0]['model_name']} with "
+                        f"{other.get(name, OPTIONAL_LAYER_DIMS.get(name))!r}, the model has "
+                        f"{dims.get(name, OPTIONAL_LAYER_DIMS.get(name))!r}")
     attention = "flash" if training.flash_attention else "eager"
     for key, wanted in (("precision", training.precision), ("seq_len", training.seq_len), ("attention", attention)):
         matching = [e for e in mine if e[key] == wanted]

@@ -29,7 +29,7 @@ from costmodel.measured import (
 )
 from costmodel.specs import ModelSpec
 from executor.launch import run_local
-from executor.models import INIT_STD, Block, RMSNorm, rope_tables
+from executor.models import INIT_STD, MLP, Block, RMSNorm, rope_tables
 
 GEMM_SHAPES = [(m, n, k) for m in (16, 64, 256, 1024, 4096) for n, k in ((256, 256), (1024, 1024), (4096, 1024))]
 ELEMENTWISE_BYTES = [1 << 22, 1 << 24, 1 << 26]
@@ -280,7 +280,8 @@ MAX_PASSES = 20
 def check_tp(spec: ModelSpec, tp: int) -> str | None:
     """Why `tp` cannot shard this model's layers (None if it can): the heads, the kv
     heads, the intermediate size and the vocabulary are split over the tp ranks."""
-    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
+    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size",
+                 "shared_expert_intermediate_size"):
         if getattr(spec, name) % tp:
             return f"{tp} does not divide {name} {getattr(spec, name)}"
     return None
@@ -348,6 +349,9 @@ def shard_block(spec: ModelSpec, tp: int) -> Block:
         ffn.w1 = nn.Parameter(torch.empty(e, f // tp, h))
         ffn.w3 = nn.Parameter(torch.empty(e, f // tp, h))
         ffn.w2 = nn.Parameter(torch.empty(e, h, f // tp))
+        if ffn.shared_expert is not None:
+            # Split as a dense MLP (costmodel.terms.compute); the gate's one output stays whole.
+            ffn.shared_expert = MLP(spec, spec.shared_expert_intermediate_size // tp)
     else:
         ffn.w1 = nn.Linear(h, f // tp, bias=bias)
         ffn.w2 = nn.Linear(f // tp, h, bias=bias)

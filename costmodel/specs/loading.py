@@ -172,9 +172,13 @@ def _qwen_moe(model_type: str, raw: dict) -> dict:
     if model_type == "qwen2_moe":
         # Qwen2MoeAttention: q/k/v projections with bias (qkv_bias), o_proj without (as Qwen2).
         out.update(attention_bias=bool(raw.get("qkv_bias", True)), attention_out_bias=False)
-        width = raw.get("shared_expert_intermediate_size", 5632)
-        out["shared_expert_intermediate_size"] = width
-        out["shared_expert_gate"] = bool(width)
+        width = raw.get("shared_expert_intermediate_size")
+        if width == 0:
+            # transformers still builds the gate (h weights) over an empty shared expert.
+            raise SpecError("shared_expert_intermediate_size", "0: a gate over an empty shared expert is not "
+                                                               "modelled (a width above 0 is)")
+        out["shared_expert_intermediate_size"] = 5632 if width is None else width
+        out["shared_expert_gate"] = True
     else:
         out["shared_expert_intermediate_size"] = 0   # Qwen3MoeSparseMoeBlock builds none, whatever the key says
     if raw.get("decoder_sparse_step", 1) != 1:

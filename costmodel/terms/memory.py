@@ -96,6 +96,10 @@ class SavedTensors:
     gated_mlp_tensors: int      # f-wide tensors a SwiGLU MLP keeps
     head_major_output_copy: bool  # SDPA's output and the projection's input are two tensors under RoPE
     dropout: bool               # GPT models' dropout masks (and dropout outputs of the scores)
+    # K and V repeated to every query head before SDPA (grouped-query attention), SDPA's
+    # per-head fp32 log-sum-exp and the norms' per-token fp32 statistics: what eager
+    # modules keep and a fused kernel's count leaves out.
+    eager_attention_and_norm_stats: bool = False
 
 
 # Korthikanti et al. 2022 §4.1, Table 2 (Megatron-LM, 16-bit values).
@@ -108,7 +112,13 @@ MEGATRON = SavedTensors(norm_extra_values=0, gated_mlp_tensors=3, head_major_out
 # is head-major, so SDPA's output (kept for its backward, Dao et al. 2022 §3.1) is
 # copied by `transpose(1, 2).reshape` into the projection's input; executor.models has
 # no dropout (transformers' Llama has attention dropout 0).
-EAGER = SavedTensors(norm_extra_values=1, gated_mlp_tensors=4, head_major_output_copy=True, dropout=False)
+# With grouped-query attention, executor.models.attention_core's repeat_interleave makes
+# the K and V SDPA keeps q wide, and SDPA keeps an fp32 log-sum-exp per head, each norm an
+# fp32 rsqrt (RMSNorm) or mean and rstd (LayerNorm) per token (measured: tiny-llama, 4
+# heads over 2 KV heads, 280 bytes per token beyond the count without them; 24 with 4 KV
+# heads; tests/costmodel/terms/test_memory_tracker.py).
+EAGER = SavedTensors(norm_extra_values=1, gated_mlp_tensors=4, head_major_output_copy=True, dropout=False,
+                     eager_attention_and_norm_stats=True)
 
 
 def saved_tensors(training: TrainingSpec) -> SavedTensors:
@@ -372,10 +382,16 @@ def layer_activation_bytes(model: ModelSpec, training: TrainingSpec, micro_batch
     attention = v * (2 * tokens_q + 2 * tokens_kv)   # Q, K, V and the projection input
     if training.flash_attention and model.position_embedding == "rope" and saved.head_major_output_copy:
         attention += v * tokens_q
+    per_token = 0.0
+    if saved.eager_attention_and_norm_stats:
+        attention += v * 2 * b * s * (model.q_size - model.kv_size) * gathered_kv_factor(cp)
+        if training.flash_attention:
+            attention += 4.0 * model.num_attention_heads * b * s
+        per_token = model.norms_per_layer * norm_saved_bytes(model, training, 1)[1] * b * s
     mlp_tensors = saved.gated_mlp_tensors if model.gated_mlp else 2
     mlp = v * mlp_tensors * (f * expert_rows_held_per_token(model, ep) + model.shared_expert_intermediate_size) * b * s
     router = (moe_rows_saved_bytes(model, ep, v) + shared_gate_saved_bytes(model, v)) * b * s
-    split = (attention + mlp) / tp + replicated / seq_split + router
+    split = (attention + mlp) / tp + (replicated + per_token) / seq_split + router
     scores = 0.0
     if not training.flash_attention and recompute != "selective":
         # softmax output (v), dropout mask (1) and dropout output (v) per score element.

@@ -36,6 +36,7 @@ class Matmul:
     in_width: float          # the contraction
     tokens_fraction: float = 1.0   # of the micro-batch's tokens (an MoE expert's share)
     bias: bool = False       # F.linear with a bias: addmm, not mm
+    grouped: bool = False    # a routed expert's: one torch._grouped_mm (or bmm) for all, not mm
 
     def output_values(self, tokens: float) -> float:
         return self.out_width * tokens * self.tokens_fraction
@@ -55,10 +56,10 @@ def layer_matmuls(model: ModelSpec, tp: int, ep: int = 1) -> tuple[Matmul, ...]:
                      for name, width in (("q", q), ("k", kv), ("v", kv))]
     attention.append(Matmul("o", h, q / tp, bias=model.attention_out_bias))
 
-    def mlp(share: float, width: float = f) -> list[Matmul]:
-        up = [Matmul("gate", width / tp, h, share, model.mlp_bias)] if model.gated_mlp else []
-        return up + [Matmul("up", width / tp, h, share, model.mlp_bias),
-                     Matmul("down", h, width / tp, share, model.mlp_bias)]
+    def mlp(share: float, width: float = f, grouped: bool = False) -> list[Matmul]:
+        up = [Matmul("gate", width / tp, h, share, model.mlp_bias, grouped)] if model.gated_mlp else []
+        return up + [Matmul("up", width / tp, h, share, model.mlp_bias, grouped),
+                     Matmul("down", h, width / tp, share, model.mlp_bias, grouped)]
 
     if not model.is_moe:
         return tuple(attention + mlp(1.0))
@@ -67,7 +68,7 @@ def layer_matmuls(model: ModelSpec, tp: int, ep: int = 1) -> tuple[Matmul, ...]:
     # moe_load_imbalance), one after another.
     local = model.num_local_experts // ep
     share = model.busiest_rank_rows_per_token(ep) * ep / model.num_local_experts
-    experts = [m for _ in range(local) for m in mlp(share)]
+    experts = [m for _ in range(local) for m in mlp(share, grouped=True)]
     # Then the shared expert over every token, and its gate (executor.models.MoE).
     shared = mlp(1.0, model.shared_expert_intermediate_size) if model.has_shared_expert else []
     if model.shared_expert_gate:
@@ -77,10 +78,11 @@ def layer_matmuls(model: ModelSpec, tp: int, ep: int = 1) -> tuple[Matmul, ...]:
 
 def op_level_split(model: ModelSpec, tp: int, ep: int = 1) -> tuple[tuple[Matmul, ...], tuple[Matmul, ...]]:
     """(kept, repeated) matmuls under the op-level policy: of the bias-free matmuls (the
-    `aten.mm` calls the policy counts), the 1st, 3rd, 5th... are kept; the rest repeat."""
+    `aten.mm` calls the policy counts), the 1st, 3rd, 5th... are kept; the rest repeat.
+    The routed experts' grouped GEMMs are not `aten.mm`: neither counted nor kept."""
     kept, repeated, count = [], [], 0
     for matmul in layer_matmuls(model, tp, ep):
-        if matmul.bias:
+        if matmul.bias or matmul.grouped:
             repeated.append(matmul)
             continue
         count += 1

@@ -252,16 +252,18 @@ def _read_fp8(args: argparse.Namespace, precision: str, model: ModelSpec, warnin
     return "tensorwise" if recipe in ("tensorwise", "delayed") else "rowwise"
 
 
-_MOE_FP8_WARNING = ("Megatron runs the experts' GEMMs in FP8 too (Transformer Engine's grouped linear layers); "
-                    "priced with the experts in bf16")
+_MOE_FP8_WARNING = ("Megatron runs the experts' GEMMs (routed and shared) in FP8 too (Transformer Engine's grouped "
+                    "linear layers); priced with the experts in bf16")
 
 
-def _check_moe_layout(args: argparse.Namespace, model: ModelSpec) -> None:
-    """A whole model description (--hidden-size given) with the model's q/k/v biases,
-    shared expert, its gate and its routing weights: each changes what Megatron builds or
-    computes, so a command without them describes another model."""
+def _check_moe_layout(args: argparse.Namespace, model: ModelSpec, whole: bool) -> None:
+    """The model's q/k/v biases, shared expert, its gate and its routing weights: each
+    changes what Megatron builds or computes, so a command that gives one the model does
+    not have, or (a `whole` model description: --hidden-size given) leaves out one it
+    has, describes another model."""
     shared = model.shared_expert_intermediate_size or None
-    if args.moe_shared_expert_intermediate_size != shared:
+    given = args.moe_shared_expert_intermediate_size
+    if given != shared and (whole or given is not None):
         said = args.moe_shared_expert_intermediate_size or "absent"
         raise SpecError("--moe-shared-expert-intermediate-size",
                         f"{said}, but {model.name} has {shared or 'no shared expert'}")
@@ -273,7 +275,7 @@ def _check_moe_layout(args: argparse.Namespace, model: ModelSpec) -> None:
              "routing weights renormalised over the top k"),
             ("--add-qkv-bias", args.add_qkv_bias, model.attention_bias and not model.is_gpt,
              "q/k/v biases", "no q/k/v biases")):
-        if given != expected:
+        if given != expected and (whole or given):
             raise SpecError(flag, f"{'missing' if expected else 'given'}, but {model.name} has "
                                   f"{has if expected else has_not}")
 
@@ -317,8 +319,7 @@ def read_megatron(text: str, model: ModelSpec, num_gpus: int) -> Imported:
                                          f"hidden / heads = {model.hidden_size // model.num_attention_heads}")
     if model.qk_norm and not args.qk_layernorm and args.hidden_size is not None:
         raise SpecError("--qk-layernorm", f"missing: {model.name} normalises q and k per head")
-    if args.hidden_size is not None:
-        _check_moe_layout(args, model)
+    _check_moe_layout(args, model, whole=args.hidden_size is not None)
     tp = args.tensor_model_parallel_size or 1
     pp = args.pipeline_model_parallel_size or 1
     cp = args.context_parallel_size or 1

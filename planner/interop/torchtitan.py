@@ -330,6 +330,9 @@ def _float8_read(fp8: dict, model: ModelSpec, fsdp: bool, warnings: list[str]) -
     if model.is_moe and not any(f in "layers.0.moe.router.gate" for f in fp8["filters"]):
         warnings.append("quantize.linear.float8.filter_fqns does not name router.gate: torchtitan converts the MoE "
                         "router to FP8 where its width divides by 16; priced with the router in bf16")
+    if model.has_shared_expert and not any(f in "layers.0.moe.shared_experts.w1" for f in fp8["filters"]):
+        warnings.append("quantize.linear.float8.filter_fqns does not name shared_experts: torchtitan converts the "
+                        "shared expert to FP8 too; priced with it in bf16")
     if fp8["recipe"] == "tensorwise" and fsdp and not fp8["all_gather"]:
         warnings.append(_FP8_GATHER_WARNING)
     if fp8["emulate"]:
@@ -642,7 +645,8 @@ def _float8_fields(strategy: Strategy, model: ModelSpec, training: TrainingSpec,
     without FP8), warnings, and what torchtitan would run other than the plan."""
     if training.fp8 is None:
         return None, [], ()
-    filters = ["output" if toml else "lm_head"] + (["router.gate"] if model.is_moe else [])
+    filters = (["output" if toml else "lm_head"] + (["router.gate"] if model.is_moe else [])
+               + (["shared_experts"] if model.has_shared_expert else []))
     if not toml:
         # 0.3.0: no override turns FP8 on (Trainer.Config.model_spec is tyro.conf.Suppress).
         recipe = training.fp8 if training.fp8 in TORCHTITAN_03_FLOAT8_RECIPES else "rowwise"

@@ -115,6 +115,9 @@ def write_profile(path, entries):
 
 @pytest.mark.parametrize("change,field", [
     ({"model": model_dims(load_model("tiny-gpt"))}, "profile.model.model_type"),
+    # A layer with a shared expert is not the model's (fields written only when set).
+    ({"model": {**model_dims(load_model("tiny-llama")), "shared_expert_intermediate_size": 64}},
+     "profile.model.shared_expert_intermediate_size"),
     ({"precision": "bf16"}, "profile.precision"),
     ({"seq_len": 32}, "profile.seq_len"),
     ({"attention": "eager"}, "profile.attention"),
@@ -129,7 +132,9 @@ def test_a_profile_of_something_else_is_refused_naming_the_field(tmp_path, chang
 
 @pytest.mark.parametrize("change,field", [({"forward_s": -1.0}, "profile.layers[0].forward_s"),
                                           ({"kind": "mlp"}, "profile.layers[0].kind"),
-                                          ({"tp": 0}, "profile.layers[0].tp")])
+                                          ({"tp": 0}, "profile.layers[0].tp"),
+                                          ({"model": {**model_dims(load_model("tiny-llama")), "shared_expert_gate": 1}},
+                                           "profile.layers[0].model.shared_expert_gate")])
 def test_a_malformed_entry_names_its_field(tmp_path, change, field):
     with pytest.raises(SpecError) as err:
         read_profile(write_profile(tmp_path / "p.json", [entry(**change)]))

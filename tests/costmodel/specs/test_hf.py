@@ -188,3 +188,9 @@ def test_qwen_moe_defaults_are_the_config_classes(tmp_path, model_type, norm_top
     path.write_text(json.dumps(data))
     spec = load_model(str(path))
     assert (spec.norm_topk_prob, spec.shared_expert_intermediate_size) == (norm_topk_prob, shared)
+
+
+def test_qwen2_moe_gate_over_an_empty_shared_expert_is_refused(tmp_path):
+    path = _builtin_as_config_json("qwen1.5-moe-a2.7b", tmp_path, shared_expert_intermediate_size=0)
+    with pytest.raises(SpecError, match="^shared_expert_intermediate_size: 0: a gate over an empty shared expert"):
+        load_model(str(path))

@@ -143,23 +143,37 @@ def test_fp32_activations(dgx):
     # 4-byte values: norms/QKV/MLP inputs 4*4, attention 4*4, MLP 2 * 4h * 4
     per_sbh = 16 + 16 + 32
     scores = 4 * a * s * s * b  # the softmax output
-    assert layer_activation_bytes(m, t, b, 1, False, "none") == pytest.approx(per_sbh * s * b * h + scores, rel=1e-12)
+    norm_stats = 2 * 8 * s * b  # each LayerNorm's fp32 mean and rstd per token
+    assert layer_activation_bytes(m, t, b, 1, False, "none") == pytest.approx(
+        per_sbh * s * b * h + scores + norm_stats, rel=1e-12)
     assert layer_activation_bytes(m, t, b, 1, False, "full") == 4 * s * b * h
 
 
 def test_fp32_llama_activations_are_the_eager_modules(dgx):
     # Measured with saved_tensors_hooks and FSDPMemTracker (bench/memory_tracker.py):
     # 21.75 sbh per llama2-7b layer in fp32 with SDPA: 3 per RMSNorm (input, x * rsqrt,
-    # output), Q, K, V, SDPA's output and the projection's copy of it, 4 f-wide MLP tensors.
+    # output), Q, K, V, SDPA's output and the projection's copy of it, 4 f-wide MLP tensors;
+    # per token SDPA's fp32 log-sum-exp per head and each RMSNorm's fp32 rsqrt.
     m = load_model("llama2-7b")
     t = training(m, dgx, flash=True, precision="fp32", seq=1024)
     s, h, f = 1024, 4096, 11008
-    expected = 4 * (6 * s * h + 5 * s * h + 4 * s * f)
-    assert expected == 21.75 * 4 * s * h
+    assert 4 * (6 * s * h + 5 * s * h + 4 * s * f) == 21.75 * 4 * s * h
+    expected = 21.75 * 4 * s * h + (4 * 32 + 2 * 4) * s
     assert layer_activation_bytes(m, t, 1, 1, False, "none") == pytest.approx(expected, rel=1e-12)
     # Megatron-LM's fused kernels in 16-bit (Korthikanti et al. Table 2) keep less.
     bf16 = training(m, dgx, flash=True, seq=1024)
     assert layer_activation_bytes(m, bf16, 1, 1, False, "none") == pytest.approx(2 * (8 * s * h + 3 * s * f), rel=1e-12)
+
+
+def test_fp32_gqa_keeps_k_and_v_repeated_to_every_head(dgx):
+    """executor.models.attention_core repeats K and V to the query heads before SDPA,
+    which keeps the repeated copies: in fp32 (eager modules) Llama-3-8B's K and V are
+    saved 4096 wide, not 1024 (measured on tiny-llama: test_memory_tracker.py)."""
+    gqa = load_model("llama3-8b")
+    mha = dataclasses.replace(gqa, num_key_value_heads=32)
+    t = training(gqa, dgx, flash=True, precision="fp32", seq=1024)
+    assert layer_activation_bytes(gqa, t, 1, 1, False, "none") == pytest.approx(
+        layer_activation_bytes(mha, t, 1, 1, False, "none"), rel=1e-12)
 
 
 def test_llama_gqa_activations(dgx):

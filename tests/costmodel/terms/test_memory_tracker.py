@@ -67,9 +67,10 @@ def test_zero3_buffers_are_fsdp2s(rows, name):
 
 def test_llama_layer_activations_are_the_eager_modules(rows):
     # ZeRO-3's peak comes at the end of a layer's backward: the predicted activations
-    # are every layer but the last (21.75 sbh each in fp32, eager modules), no logits.
+    # are every layer but the last (21.75 sbh each in fp32, eager modules, and per token
+    # SDPA's log-sum-exp over 32 heads and two RMSNorm rsqrts), no logits.
     row = rows("llama2-7b zero3 dp8")
-    per_layer = 21.75 * SEQ * 4096 * 4
+    per_layer = 21.75 * SEQ * 4096 * 4 + (4 * 32 + 2 * 4) * SEQ
     assert row["predicted"]["activations"] == pytest.approx((LAYERS - 1) * per_layer, rel=1e-9)
     assert row["tracker"]["activations"] <= row["predicted"]["activations"]
 
@@ -165,6 +166,20 @@ def _layer_saved_bytes(model_name: str, overrides: dict, autocast: bool, seq_len
             model(torch.randint(0, spec.vocab_size, (1, seq_len)))
         return sum(n for k, n in seen.items() if k not in own)
     return saved(2) - saved(1)
+
+
+@pytest.mark.parametrize("kv_heads", ["2", "4"])
+def test_fp32_layers_save_what_the_count_says(kv_heads):
+    """In fp32 the executor's Llama layer (4 query heads over 2 or 4 KV heads) saves
+    exactly costmodel.terms.memory's count: K and V repeated to every head under
+    grouped-query attention, SDPA's log-sum-exp, the norms' rsqrt."""
+    from costmodel.specs.loading import load_cluster, load_model, make_training
+    from costmodel.terms.memory import layer_activation_bytes
+
+    spec = load_model("tiny-llama", {"num_key_value_heads": kv_heads, "num_hidden_layers": "1"})
+    training = make_training(spec, load_cluster("dgx-h100", gpus=1), 1, 256, precision="fp32")
+    measured = _layer_saved_bytes("tiny-llama", {"num_key_value_heads": kv_heads}, autocast=False)
+    assert measured == layer_activation_bytes(spec, training, 1, 1, False, "none")
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])

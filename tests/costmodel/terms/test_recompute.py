@@ -41,6 +41,15 @@ def test_the_shared_expert_and_its_gate_follow_the_routed_experts():
     assert widths[-4:] == [("gate", 128, 1.0), ("up", 128, 1.0), ("down", 64, 1.0), ("shared_gate", 1, 1.0)]
 
 
+@pytest.mark.parametrize("ep", [1, 2, 8])
+def test_routed_experts_grouped_gemms_are_neither_kept_nor_counted(ep):
+    """The routed experts run as torch._grouped_mm (or bmm), not aten.mm: the policy
+    recomputes them and counts on past them, whatever the rank's number of experts."""
+    kept, repeated = op_level_split(load_model("tiny-moe-shared"), tp=1, ep=ep)
+    assert names(kept) == ["q", "v", "router", "up", "shared_gate"]
+    assert names(repeated) == ["k", "o"] + ["gate", "up", "down"] * (8 // ep) + ["gate", "down"]
+
+
 @pytest.mark.parametrize("mixed, residual", [("param_dtype", 2), ("autocast", 4)])
 def test_op_level_bytes_by_hand(mixed, residual):
     # Llama 3 8B, micro-batch 2, seq 8192: the layer input, q (4096), v (1024), gate

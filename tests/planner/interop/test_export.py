@@ -332,6 +332,9 @@ def test_megatron_shared_expert_and_routing_are_the_model_s(drop, field, message
     assert read_text("megatron", text, model_of(doc), 8).strategy == strategy_of(doc)
     with pytest.raises(SpecError, match=f"^{field}: {message}"):
         read_text("megatron", text.replace(drop, ""), model_of(doc), 8)
+    with pytest.raises(SpecError, match="^--moe-shared-expert-intermediate-size: 256, but tiny-moe-shared has 128"):
+        read_text("megatron", "--expert-model-parallel-size 4 --global-batch-size 32 "
+                              "--moe-shared-expert-intermediate-size 256", model_of(doc), 8)
     with pytest.raises(SpecError, match="^--moe-shared-expert-gate: given, but tiny-moe has no gate on a shared expert"):
         read_text("megatron", export_plan(_doc("moe-ep-zero3-pp"), "megatron").text + " --moe-shared-expert-gate",
                   load_model("tiny-moe"), 8)
