@@ -6,7 +6,8 @@ issue's scale. A family Shardwise does not read yet is listed with the field it 
 
 Prints a table and writes bench/results/model_families.json. Published figures: the
 model cards (Mixtral: Jiang et al. 2024 §2; Qwen1.5-MoE-A2.7B: its model card; Qwen3: the Qwen3 technical report, table 1;
-DeepSeek-V3: DeepSeek-AI 2024 §4.2; gpt-oss: OpenAI's model card 2025, table 1).
+DeepSeek-V3: DeepSeek-AI 2024 §4.2; gpt-oss: OpenAI's model card 2025, table 1, whose
+active counts leave out the unembedding, which Shardwise's active_params counts).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ FAMILIES = [
     ("Qwen3-30B-A3B", "qwen3-30b-a3b", 30.5, 3.3, ("dgx-h100", 64, 512, 4096, "bf16")),
     ("Qwen3-235B-A22B", "qwen3-235b-a22b", 235.0, 22.0, ("dgx-h100", 256, 1024, 4096, "bf16")),
     ("DeepSeek-V3", None, 671.0, 37.0, ("dgx-h100", 1024, 4096, 4096, "bf16")),
-    ("gpt-oss-120b", None, 116.8, 5.1, ("dgx-h100", 64, 512, 4096, "bf16")),
+    ("gpt-oss-20b", "gpt-oss-20b", 20.9, 3.6, ("dgx-h100", 16, 256, 4096, "bf16")),
+    ("gpt-oss-120b", "gpt-oss-120b", 116.8, 5.1, ("dgx-h100", 64, 512, 4096, "bf16")),
 ]
 
 

@@ -69,7 +69,7 @@ _FAMILY_OF = {
     "gpt": "gpt", "gpt2": "gpt", "gpt_neox": "gpt", "gptj": "gpt", "opt": "gpt", "phi": "gpt",
     "starcoder2": "gpt",
     "llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama", "gemma": "llama",
-    "mixtral": "mixtral", "qwen2_moe": "mixtral", "qwen3_moe": "mixtral",
+    "mixtral": "mixtral", "qwen2_moe": "mixtral", "qwen3_moe": "mixtral", "gpt_oss": "mixtral",
 }
 # What each Hugging Face model_type builds beyond its family's defaults, read off the
 # modeling_*.py of transformers 5: (fixed fields, tie_word_embeddings when the config
@@ -113,7 +113,7 @@ _MODEL_INT_FIELDS = (
     "num_local_experts", "num_experts_per_tok",
 )
 _MODEL_BOOL_FIELDS = ("attention_bias", "attention_out_bias", "mlp_bias", "qk_norm", "parallel_block", "lm_head_bias",
-                      "fused_qkv", "norm_topk_prob")
+                      "fused_qkv", "norm_topk_prob", "attention_sinks", "router_bias")
 _MODEL_CHOICE_FIELDS = {"mlp": MLP_KINDS, "norm": NORM_KINDS, "position_embedding": POSITION_KINDS}
 
 
@@ -135,6 +135,8 @@ def _hf_architecture(model_type: str, raw: dict, lenient: bool) -> dict:
         out["attention_bias"] = out["attention_out_bias"] = out["mlp_bias"] = raw["use_bias"]
     if model_type in ("qwen2_moe", "qwen3_moe"):
         out.update(_qwen_moe(model_type, raw))
+    if model_type == "gpt_oss":
+        out.update(_gpt_oss(raw))
     if model_type == "phi" and raw.get("qk_layernorm"):
         raise SpecError("qk_layernorm", "Phi's per-head LayerNorm on q and k is not modelled (RMSNorm q/k norm is: qk_norm)")
     if lenient:
@@ -189,6 +191,29 @@ def _qwen_moe(model_type: str, raw: dict) -> dict:
     # Qwen2MoeConfig's norm_topk_prob defaults to False, Qwen3MoeConfig's to True.
     out["norm_topk_prob"] = bool(raw.get("norm_topk_prob", model_type == "qwen3_moe"))
     return out
+
+
+def _gpt_oss(raw: dict) -> dict:
+    """gpt-oss as transformers builds it (modeling_gpt_oss.py, GptOssConfig's defaults):
+    q/k/v/o biases with attention_bias (default true), a sink logit per head, a router
+    bias, experts `intermediate_size` wide with biases and SwiGLU clamped at swiglu_limit;
+    the layers whose layer_types entry is "sliding_attention" (every other one, the first
+    included, by default) attend the last sliding_window tokens; with fewer layers than
+    entries (--set num_hidden_layers) the first entries apply."""
+    layers = as_int(raw.get("num_hidden_layers", 36), "num_hidden_layers")
+    types = raw.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+    if isinstance(types, list) and len(types) > layers:
+        types = types[:layers]   # a model shrunk with --set num_hidden_layers keeps its first layers' kinds
+    if not isinstance(types, list) or len(types) != layers:
+        raise SpecError("layer_types", f"expected a list of {layers} entries, one a layer")
+    unknown = sorted({t for t in types if t not in ("sliding_attention", "full_attention")}, key=str)
+    if unknown:
+        raise SpecError("layer_types", f"unknown {unknown[0]!r} (sliding_attention, full_attention)")
+    bias = raw.get("attention_bias", True)
+    windowed = types.count("sliding_attention")
+    return {"attention_bias": bias, "attention_out_bias": bias, "attention_sinks": True, "router_bias": True,
+            "mlp_bias": True, "swiglu_limit": raw.get("swiglu_limit", 7.0), "windowed_layers": windowed,
+            "attention_window": raw.get("sliding_window", 128) if windowed else None}
 
 
 def configs_dir(kind: str) -> Path:
@@ -392,6 +417,20 @@ def model_from_dict(data: dict, name: str, overrides: dict[str, str] | None = No
                                                            "shared_expert_intermediate_size", minimum=0)
         if values["shared_expert_intermediate_size"] and values["num_local_experts"] < 2:
             raise SpecError("shared_expert_intermediate_size", "set on a model without experts (num_local_experts 1)")
+    if raw.get("attention_window") is not None:
+        values["attention_window"] = as_int(raw["attention_window"], "attention_window")
+    if raw.get("windowed_layers") is not None:
+        values["windowed_layers"] = as_int(raw["windowed_layers"], "windowed_layers", minimum=0,
+                                           maximum=values["num_hidden_layers"])
+    if bool(values.get("windowed_layers")) != (values.get("attention_window") is not None):
+        field = "attention_window" if values.get("windowed_layers") else "windowed_layers"
+        raise SpecError(field, "attention_window and windowed_layers (how many layers attend only that many "
+                               "tokens, at least 1) go together")
+    if raw.get("swiglu_limit") is not None:
+        values["swiglu_limit"] = as_float(raw["swiglu_limit"], "swiglu_limit")
+    for key in ("router_bias", "swiglu_limit"):
+        if values.get(key) and values["num_local_experts"] < 2:
+            raise SpecError(key, "set on a model without experts (num_local_experts 1)")
     if values.get("norm_topk_prob") is False and values["num_local_experts"] < 2:
         raise SpecError("norm_topk_prob", "set on a model without experts (num_local_experts 1)")
     if raw.get("shared_expert_gate") is not None:

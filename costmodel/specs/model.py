@@ -82,6 +82,16 @@ class ModelSpec:
     parallel_block: bool = False            # x + attn(norm(x)) + mlp(norm'(x)) (GPT-J, NeoX, Phi)
     norms_per_layer: int = 2                # 1: one norm feeds attention and MLP (Phi, GPT-J)
     lm_head_bias: bool = False              # Phi
+    # gpt-oss (OpenAI 2025, model card §2.1): `windowed_layers` of the layers attend only the
+    # last `attention_window` tokens (banded attention; Hugging Face's layer_types
+    # "sliding_attention"), each attention softmax has a learned sink logit per head in its
+    # denominator, the router has a bias, and the experts' SwiGLU clamps its inputs at
+    # `swiglu_limit` (gate * sigmoid(1.702 gate) * (up + 1)).
+    attention_window: int | None = None
+    windowed_layers: int = 0
+    attention_sinks: bool = False
+    router_bias: bool = False
+    swiglu_limit: float | None = None
     # How Hugging Face runs it (memory only; no parameter or FLOP changes):
     sliding_window: int | None = None       # Mistral: a mask is built once seq_len reaches it
     hidden_act: str | None = None           # HF's name; "gelu_new" is an elementwise formula
@@ -140,6 +150,15 @@ class ModelSpec:
         c = self.moe_capacity_factor
         return self.num_experts_per_tok * min(self.moe_load_imbalance, ep, math.inf if c is None else c)
 
+    def attended_keys(self, seq_len: int) -> float:
+        """Keys a query attends, averaged over the layers, in the convention of whole
+        rows (Korthikanti et al. 2022 eq. 7 counts s keys a query under a causal mask): s
+        in a full layer, min(window, s) in a windowed one."""
+        if not self.windowed_layers:
+            return float(seq_len)
+        windowed = self.windowed_layers / self.num_hidden_layers
+        return (1 - windowed) * seq_len + windowed * min(self.attention_window, seq_len)
+
     @property
     def has_shared_expert(self) -> bool:
         return self.shared_expert_intermediate_size > 0
@@ -161,7 +180,8 @@ class ModelSpec:
 
 
 _ARCHITECTURE_FIELDS = ("moe_capacity_factor", "shared_expert_intermediate_size", "shared_expert_gate",
-                        "norm_topk_prob", "head_dim",
+                        "norm_topk_prob", "attention_window", "windowed_layers", "attention_sinks", "router_bias",
+                        "swiglu_limit", "head_dim",
                         "mlp", "norm", "position_embedding", "attention_bias", "attention_out_bias", "mlp_bias",
                         "qk_norm", "parallel_block", "norms_per_layer", "lm_head_bias", "sliding_window", "hidden_act",
                         "resid_dropout", "fused_qkv")

@@ -169,6 +169,14 @@ def layer_compute(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
         core *= FLASH_CAUSAL_FRACTION
     else:
         core += memory_bound_time_s(SCORE_BYTES_PER_ELEMENT * batch * queries * s, cluster)
+    if model.windowed_layers:
+        # Banded layers (gpt-oss): each query attends its last min(window, s) keys, a full
+        # band for window << s, averaged with the full layers (the layers stay alike, so a
+        # pipeline stage with an odd number of layers is off by half a layer's difference).
+        keys = min(model.attention_window, s)
+        band = gemm_s(queries, keys, hd, batch) + gemm_s(queries, hd, keys, batch)
+        windowed = model.windowed_layers / model.num_hidden_layers
+        core = (1 - windowed) * core + windowed * band
 
     # Elementwise bytes per token-and-hidden element (Korthikanti et al. 2022 §4.1 lists
     # the same tensors for activation memory): each of the two norms reads and writes

@@ -21,7 +21,8 @@ def attention_parameters(model: ModelSpec) -> int:
     weights = h * q + 2 * h * kv + q * h
     biases = (q + 2 * kv if model.attention_bias else 0) + (h if model.attention_out_bias else 0)
     qk_norm = 2 * model.head_dim if model.qk_norm else 0
-    return weights + biases + qk_norm
+    sinks = model.num_attention_heads if model.attention_sinks else 0   # gpt-oss: a logit per head
+    return weights + biases + qk_norm + sinks
 
 
 def expert_parameters(model: ModelSpec, width: int | None = None) -> int:
@@ -54,7 +55,7 @@ def layer_parameters(model: ModelSpec) -> tuple[int, int]:
     MoE router and the shared expert (held and reduced as the attention's weights are)."""
     dense = attention_parameters(model) + model.norms_per_layer * norm_parameters(model)
     if model.is_moe:
-        router = model.hidden_size * model.num_local_experts
+        router = (model.hidden_size + (1 if model.router_bias else 0)) * model.num_local_experts
         return dense + router + shared_expert_parameters(model), model.num_local_experts * expert_parameters(model)
     return dense + expert_parameters(model), 0
 
@@ -95,7 +96,8 @@ def layer_forward_flops(model: ModelSpec, seq_len: int) -> float:
     the shared expert's MLP over every token."""
     h, s, q, kv, f = model.hidden_size, seq_len, model.q_size, model.kv_size, model.intermediate_size
     projections = 2 * s * (2 * h * q + 2 * h * kv)
-    scores = 4 * s * s * q
+    # Windowed layers (gpt-oss's banded attention) see min(window, s) keys a query.
+    scores = 4 * s * model.attended_keys(s) * q
     mlp_matrices = 3 if model.gated_mlp else 2
     mlp = 2 * s * mlp_matrices * h * f * model.routed_rows_per_token
     router = 2 * s * h * model.num_local_experts if model.is_moe else 0

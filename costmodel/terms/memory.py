@@ -276,6 +276,11 @@ def pytorch_layer_activation_bytes(model: ModelSpec, training: TrainingSpec, mic
         attention += v * (q + kv)
     rope_tables = 4.0 * hd if autocast and model.position_embedding == "rope" else 0.0
     mlp_tensors = 4 if gated else 2
+    if model.swiglu_limit is not None:
+        # gpt-oss's clamped SwiGLU, gate.clamp * sigmoid(1.702 gate) * (up.clamp + 1), keeps
+        # 7 tensors of f where SwiGLU keeps 4 (measured with saved_tensors_hooks on
+        # transformers' GptOssExperts._apply_gate: 6 values a gate/up pair, and the product).
+        mlp_tensors += 3
     if model.hidden_act == "gelu_new":
         # transformers' NewGELUActivation is an elementwise formula: the tanh, 0.5 x and
         # 1 + tanh are kept beside its input (measured: Phi-2, 5 tensors of f).
@@ -388,7 +393,7 @@ def layer_activation_bytes(model: ModelSpec, training: TrainingSpec, micro_batch
         if training.flash_attention:
             attention += 4.0 * model.num_attention_heads * b * s
         per_token = model.norms_per_layer * norm_saved_bytes(model, training, 1)[1] * b * s
-    mlp_tensors = saved.gated_mlp_tensors if model.gated_mlp else 2
+    mlp_tensors = (saved.gated_mlp_tensors if model.gated_mlp else 2) + (3 if model.swiglu_limit is not None else 0)
     mlp = v * mlp_tensors * (f * expert_rows_held_per_token(model, ep) + model.shared_expert_intermediate_size) * b * s
     router = (moe_rows_saved_bytes(model, ep, v) + shared_gate_saved_bytes(model, v)) * b * s
     split = (attention + mlp) / tp + (replicated + per_token) / seq_split + router

@@ -73,7 +73,7 @@ def layer_matmuls(model: ModelSpec, tp: int, ep: int = 1) -> tuple[Matmul, ...]:
     shared = mlp(1.0, model.shared_expert_intermediate_size) if model.has_shared_expert else []
     if model.shared_expert_gate:
         shared.append(Matmul("shared_gate", 1, h))
-    return tuple(attention + [Matmul("router", model.num_local_experts, h)] + experts + shared)
+    return tuple(attention + [Matmul("router", model.num_local_experts, h, bias=model.router_bias)] + experts + shared)
 
 
 def op_level_split(model: ModelSpec, tp: int, ep: int = 1) -> tuple[tuple[Matmul, ...], tuple[Matmul, ...]]:

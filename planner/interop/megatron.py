@@ -518,7 +518,18 @@ def export_megatron(strategy: Strategy, model: ModelSpec, training: TrainingSpec
     if model.attention_bias and not model.is_gpt:
         args.append("--add-qkv-bias")
     if not model.is_gpt:
-        args += ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--disable-bias-linear"]
+        args += ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope"]
+        if not (model.attention_out_bias or model.mlp_bias):
+            args.append("--disable-bias-linear")   # Megatron's linear layers carry biases unless told
+    gpt_oss = [name for name, on in (("attention window", model.windowed_layers),
+                                     ("attention sinks", model.attention_sinks),
+                                     ("router bias", model.router_bias),
+                                     ("clamped SwiGLU", model.swiglu_limit is not None)) if on]
+    if gpt_oss:
+        warnings.append(f"the model's {', '.join(gpt_oss)} (gpt-oss) are not Megatron-LM arguments here: set them in "
+                        "its TransformerConfig (window_size and window_attn_skip_freq, softmax_type 'learnable', "
+                        "activation_func_clamp_value and glu_linear_offset; megatron-core 0.16.1), as its gpt-oss "
+                        "recipe does")
     if not model.tie_word_embeddings:
         args.append("--untie-embeddings-and-output-weights")
     args += ["--seq-length", str(training.seq_len), "--max-position-embeddings", str(model.max_position_embeddings)]

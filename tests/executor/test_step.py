@@ -204,6 +204,15 @@ def test_zero_bubble_plans_the_executor_cannot_run_are_refused():
     check_compile(PLANS["pp2-interleaved"], True)
 
 
+def test_gpt_oss_is_refused_by_name_before_any_weights():
+    """gpt-oss's banded attention, sinks, biased router and experts and clamped SwiGLU are
+    planned and exported, not built: `run` refuses them naming the first."""
+    with pytest.raises(UnsupportedPlan, match="^model.attention_window: the executor's built-in model does not build "
+                                              "gpt-oss's attention_window, attention_sinks, router_bias, swiglu_limit, "
+                                              "mlp_bias yet"):
+        check_supported(load_model("gpt-oss-20b", {"num_hidden_layers": "2"}), strategy(dp=2, ep=2), 16)
+
+
 def test_context_parallel_plans_the_executor_cannot_run_are_refused():
     """Sequences that do not cut into 2 cp chunks, or whose s / cp tokens the tp ranks
     cannot share under sequence parallelism; cp with expert parallelism; cp for a Hugging

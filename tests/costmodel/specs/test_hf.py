@@ -194,3 +194,36 @@ def test_qwen2_moe_gate_over_an_empty_shared_expert_is_refused(tmp_path):
     path = _builtin_as_config_json("qwen1.5-moe-a2.7b", tmp_path, shared_expert_intermediate_size=0)
     with pytest.raises(SpecError, match="^shared_expert_intermediate_size: 0: a gate over an empty shared expert"):
         load_model(str(path))
+
+
+@pytest.mark.parametrize("name, total, card_active", [("gpt-oss-120b", 116_829_156_672, 5_132_849_472),
+                                                      ("gpt-oss-20b", 20_914_757_184, 3_608_307_264)])
+def test_gpt_oss_loads_as_transformers_builds_it(tmp_path, name, total, card_active):
+    """gpt-oss's config (OpenAI's model card: 116.83B and 20.91B parameters, 5.13B and 3.61B
+    active without the unembedding): biases on q/k/v/o, the router and the experts, a
+    sink per head, SwiGLU clamped at 7, every other layer banded over 128 tokens."""
+    from costmodel.specs.hf import check_spec
+    from costmodel.terms.counts import active_parameters
+
+    path = _builtin_as_config_json(name, tmp_path)
+    spec = load_model(str(path))
+    assert (spec.attention_bias, spec.attention_out_bias, spec.mlp_bias, spec.router_bias, spec.attention_sinks,
+            spec.swiglu_limit, spec.attention_window, spec.windowed_layers) == (
+        True, True, True, True, True, 7.0, 128, spec.num_hidden_layers // 2)
+    assert total_parameters(spec) == total == total_parameters(load_model(name))
+    assert active_parameters(spec) - spec.vocab_size * spec.hidden_size == card_active
+    check_spec(path, spec)
+
+
+@pytest.mark.parametrize("layer_types, text", [(["sliding_attention"], "expected a list of 2 entries"),
+                                               ("sliding_attention", "expected a list of 2 entries"),
+                                               (["sliding_attention", "chunked_attention"], "unknown 'chunked_attention'")])
+def test_gpt_oss_layer_types_the_spec_cannot_describe_are_refused(tmp_path, layer_types, text):
+    path = _builtin_as_config_json("gpt-oss-20b", tmp_path, num_hidden_layers=2, layer_types=layer_types)
+    with pytest.raises(SpecError, match=f"^layer_types: {text}"):
+        load_model(str(path))
+
+
+def test_gpt_oss_shrunk_keeps_its_first_layers_kinds():
+    spec = load_model("gpt-oss-20b", {"num_hidden_layers": "3"})
+    assert (spec.num_hidden_layers, spec.windowed_layers) == (3, 2)

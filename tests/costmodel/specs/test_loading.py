@@ -73,7 +73,7 @@ def test_every_builtin_model_loads(name):
 
 
 def test_builtin_lists_are_the_config_files():
-    assert len(builtin_names("models")) == 23
+    assert len(builtin_names("models")) == 25
     assert builtin_names("clusters") == ["cpu", "dgx-a100-40gb", "dgx-a100-80gb", "dgx-b200", "dgx-h100", "dgx-h200",
                                           "dgx-v100", "gb200-nvl72", "grand-teton-h100", "mi300x", "mixed-a100-v100",
                                           "mixed-h100-a100", "mixed-h200-a100-40gb"]
@@ -143,6 +143,26 @@ def test_shared_expert_fields_reject(model, overrides, field, message):
     with pytest.raises(SpecError, match=message) as err:
         load_model(model, overrides)
     assert err.value.field == field
+
+
+@pytest.mark.parametrize("model, overrides, field, message", [
+    ("llama3-8b", {"attention_window": "4096"}, "windowed_layers", "go together"),
+    ("llama3-8b", {"windowed_layers": "16"}, "attention_window", "go together"),
+    ("llama3-8b", {"attention_window": "4096", "windowed_layers": "33"}, "windowed_layers", "at most 32"),
+    ("llama3-8b", {"router_bias": "true"}, "router_bias", "without experts"),
+    ("llama3-8b", {"swiglu_limit": "7"}, "swiglu_limit", "without experts"),
+    ("gpt-oss-20b", {"swiglu_limit": "0"}, "swiglu_limit", "above 0"),
+])
+def test_gpt_oss_fields_reject(model, overrides, field, message):
+    with pytest.raises(SpecError, match=message) as err:
+        load_model(model, overrides)
+    assert err.value.field == field
+
+
+def test_windowed_layers_are_own_spec_fields():
+    m = load_model("llama3-8b", {"attention_window": "4096", "windowed_layers": "16"})
+    assert m.attended_keys(8192) == (8192 + 4096) / 2 and m.attended_keys(2048) == 2048
+    assert {"attention_window": 4096, "windowed_layers": 16}.items() <= m.canonical_dict().items()
 
 
 def test_moe_load_imbalance_reads_and_leaves_the_fingerprint():

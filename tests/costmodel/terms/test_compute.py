@@ -123,6 +123,18 @@ def test_llama_layer_compute_by_hand(dgx, tp):
     assert lc.elementwise_s == pytest.approx(hbm_seconds(per_h * tokens * h + swiglu), rel=1e-12)
 
 
+def test_banded_layers_attend_their_window(dgx):
+    """gpt-oss: half the layers attend the last 128 keys, a full band without the causal
+    half; the attention core is the average of the two kinds of layer."""
+    m = load_model("gpt-oss-20b")
+    full = dataclasses.replace(m, attention_window=None, windowed_layers=0)
+    b, s, hd, heads = 1, 4096, 64, 64
+    band = gemm_seconds(s, 128, hd, PEAK, heads * b) + gemm_seconds(s, hd, 128, PEAK, heads * b)
+    t = make_training(m, dgx, 8, s, flash_attention=True)
+    full_core = layer_compute(full, dgx, t, b, 1, False).attention_core_s
+    assert layer_compute(m, dgx, t, b, 1, False).attention_core_s == pytest.approx((full_core + band) / 2, rel=1e-12)
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_shared_expert_adds_a_dense_mlp_and_its_gate(dgx, tp):
     """The shared expert runs every token through a SwiGLU MLP split by tp, its gate one

@@ -95,6 +95,23 @@ def test_shared_expert_parameters_and_flops_by_hand():
     assert layer_forward_flops(m, s) == flops
 
 
+def test_gpt_oss_120b_parameters_and_flops_by_hand():
+    """gpt-oss-120b (OpenAI 2025, model card table 1: 116.83B): biased q/k/v/o of 64 query
+    and 8 KV heads of 64, a sink per head, a biased router over 128 experts, each a biased
+    SwiGLU 2880 wide; half the layers attend 128 keys a query."""
+    h, q, kv, f, E, k, L, V = 2880, 64 * 64, 8 * 64, 2880, 128, 4, 36, 201088
+    attention = 2 * h * q + 2 * h * kv + (q + 2 * kv + h) + 64
+    dense = attention + 2 * h + (h + 1) * E
+    expert = 3 * h * f + 2 * f + h
+    m = load_model("gpt-oss-120b")
+    assert layer_parameters(m) == (dense, E * expert)
+    assert total_parameters(m) == L * (dense + E * expert) + 2 * V * h + h == 116_829_156_672
+    s = 4096
+    keys = (s + 128) / 2   # full layers s keys a query, banded layers 128
+    flops = 2 * s * (2 * h * q + 2 * h * kv + 3 * h * f * k + h * E) + 4 * s * keys * q
+    assert layer_forward_flops(m, s) == flops
+
+
 def test_active_parameters_are_the_model_cards():
     assert active_parameters(load_model("mixtral-8x7b")) / 1e9 == pytest.approx(12.9, abs=0.05)   # Jiang et al. 2024
     assert active_parameters(load_model("qwen3-30b-a3b")) == 3_353_032_704   # the card: "3.3B"

@@ -340,6 +340,20 @@ def test_megatron_shared_expert_and_routing_are_the_model_s(drop, field, message
                   load_model("tiny-moe"), 8)
 
 
+def test_megatron_export_of_gpt_oss_keeps_its_biases_and_says_what_it_cannot_write():
+    """gpt-oss has biases on every linear layer: no --disable-bias-linear (Megatron's
+    linear layers carry biases unless told); its window, sinks, router bias and clamped
+    SwiGLU are TransformerConfig fields, named in a warning; the command reads back."""
+    doc = plan("gpt-oss-20b", "dgx-h100", 64, gpus=8, seq_len=4096, top=1,
+               fix="dp=8,tp=1,pp=1,ep=8,mbs=1,zero=2,recompute=full")
+    exported = export_plan(doc, "megatron")
+    args = megatron_mirror().parse_args(shlex.split(exported.text.replace("\\\n", " ")))
+    assert not args.disable_bias_linear and args.add_qkv_bias and args.num_experts == 32
+    assert any("attention window, attention sinks, router bias, clamped SwiGLU (gpt-oss)" in w
+               and "window_attn_skip_freq" in w for w in exported.warnings)
+    assert read_text("megatron", exported.text, model_of(doc), 8).strategy == strategy_of(doc)
+
+
 def test_megatron_capacity_factor_is_the_model_s():
     """Megatron's --moe-expert-capacity-factor reads back as the model's capacity; a
     command that drops rows where the model does not (or the reverse) is refused, naming
