@@ -13,7 +13,7 @@ import networkx as nx
 import torch
 from torch import nn
 
-from costmodel.specs.loading import SpecError, path_kind
+from costmodel.specs.loading import SpecError, hf_text_config, path_kind
 from costmodel.trace import trace_module
 
 
@@ -53,7 +53,7 @@ def build_hf_model(source: str | Path) -> nn.Module:
     """The causal-LM of a config.json on the meta device, with eager attention (its
     score matrix is counted by FlopCounterMode)."""
     transformers = _transformers()
-    data = json.loads(config_file(source).read_text())
+    data = hf_text_config(json.loads(config_file(source).read_text()))   # Llama 4: its text model
     model_type = data.pop("model_type", None)
     if model_type is None:
         raise SpecError("model.model_type", "missing from the Hugging Face config")

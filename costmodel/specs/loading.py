@@ -30,6 +30,7 @@ from costmodel.specs.model import (
     MLP_KINDS,
     NORM_KINDS,
     POSITION_KINDS,
+    ROUTER_SCORINGS,
     ModelSpec,
 )
 from costmodel.specs.runtime import (
@@ -70,6 +71,7 @@ _FAMILY_OF = {
     "starcoder2": "gpt",
     "llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama", "gemma": "llama",
     "mixtral": "mixtral", "qwen2_moe": "mixtral", "qwen3_moe": "mixtral", "gpt_oss": "mixtral",
+    "llama4_text": "mixtral",
 }
 # What each Hugging Face model_type builds beyond its family's defaults, read off the
 # modeling_*.py of transformers 5: (fixed fields, tie_word_embeddings when the config
@@ -113,8 +115,9 @@ _MODEL_INT_FIELDS = (
     "num_local_experts", "num_experts_per_tok",
 )
 _MODEL_BOOL_FIELDS = ("attention_bias", "attention_out_bias", "mlp_bias", "qk_norm", "parallel_block", "lm_head_bias",
-                      "fused_qkv", "norm_topk_prob", "attention_sinks", "router_bias")
-_MODEL_CHOICE_FIELDS = {"mlp": MLP_KINDS, "norm": NORM_KINDS, "position_embedding": POSITION_KINDS}
+                      "fused_qkv", "norm_topk_prob", "attention_sinks", "router_bias", "chunked_attention")
+_MODEL_CHOICE_FIELDS = {"mlp": MLP_KINDS, "norm": NORM_KINDS, "position_embedding": POSITION_KINDS,
+                        "router_scoring": ROUTER_SCORINGS}
 
 
 def _hf_architecture(model_type: str, raw: dict, lenient: bool) -> dict:
@@ -137,6 +140,8 @@ def _hf_architecture(model_type: str, raw: dict, lenient: bool) -> dict:
         out.update(_qwen_moe(model_type, raw))
     if model_type == "gpt_oss":
         out.update(_gpt_oss(raw))
+    if model_type == "llama4_text":
+        out.update(_llama4(raw))
     if model_type == "phi" and raw.get("qk_layernorm"):
         raise SpecError("qk_layernorm", "Phi's per-head LayerNorm on q and k is not modelled (RMSNorm q/k norm is: qk_norm)")
     if lenient:
@@ -214,6 +219,57 @@ def _gpt_oss(raw: dict) -> dict:
     return {"attention_bias": bias, "attention_out_bias": bias, "attention_sinks": True, "router_bias": True,
             "mlp_bias": True, "swiglu_limit": raw.get("swiglu_limit", 7.0), "windowed_layers": windowed,
             "attention_window": raw.get("sliding_window", 128) if windowed else None}
+
+
+def _llama4(raw: dict) -> dict:
+    """Llama 4's text model as transformers builds it (modeling_llama4.py, Llama4TextConfig's
+    defaults): every layer a mixture of `num_local_experts` SwiGLU experts
+    `intermediate_size` wide beside a shared expert as wide, routed by the sigmoid of the
+    top-k logits (Scout; Maverick's dense layers between sparse ones are refused by
+    name); the layers whose layer_types entry is "chunked_attention" (three of every four,
+    those with RoPE, by default) attend within chunks of attention_chunk_size tokens. The
+    q/k L2 norm, the NoPE layers and the attention temperature carry no parameters."""
+    layers = as_int(raw.get("num_hidden_layers", 48), "num_hidden_layers")
+    step = raw.get("interleave_moe_layer_step", 1)
+    moe_layers = raw.get("moe_layers")
+    if moe_layers is None:
+        moe_layers = list(range(step - 1, layers, step)) if isinstance(step, int) and step > 0 else []
+    if isinstance(moe_layers, list) and len(moe_layers) > layers:
+        moe_layers = [i for i in moe_layers if isinstance(i, int) and i < layers]   # --set num_hidden_layers
+    if not isinstance(moe_layers, list) or sorted(moe_layers) != list(range(layers)):
+        raise SpecError("moe_layers" if raw.get("moe_layers") is not None else "interleave_moe_layer_step",
+                        "dense layers between sparse ones are not modelled (every layer a mixture of experts: "
+                        "interleave_moe_layer_step 1, as Llama 4 Scout)")
+    interval = raw.get("no_rope_layer_interval", 4)
+    types = raw.get("layer_types") or ["chunked_attention" if (i + 1) % interval else "full_attention"
+                                       for i in range(layers)]
+    if isinstance(types, list) and len(types) > layers:
+        types = types[:layers]   # a model shrunk with --set num_hidden_layers keeps its first layers' kinds
+    if not isinstance(types, list) or len(types) != layers:
+        raise SpecError("layer_types", f"expected a list of {layers} entries, one a layer")
+    unknown = sorted({t for t in types if t not in ("chunked_attention", "full_attention")}, key=str)
+    if unknown:
+        raise SpecError("layer_types", f"unknown {unknown[0]!r} (chunked_attention, full_attention)")
+    chunk = raw.get("attention_chunk_size", 8192)
+    windowed = types.count("chunked_attention") if chunk else 0
+    bias = raw.get("attention_bias", False)
+    return {"attention_bias": bias, "attention_out_bias": bias, "router_scoring": "sigmoid",
+            "shared_expert_intermediate_size": raw.get("intermediate_size", 8192),
+            "windowed_layers": windowed, "attention_window": chunk if windowed else None,
+            "chunked_attention": bool(windowed)}
+
+
+def hf_text_config(data: dict) -> dict:
+    """A multimodal Llama 4 config.json's text model (its `text_config`), which is what
+    Shardwise plans; any other config as it is."""
+    if data.get("model_type") == "llama4" and isinstance(data.get("text_config"), dict):
+        text = dict(data["text_config"])
+        text.setdefault("model_type", "llama4_text")
+        for key in ("architectures", "transformers_version"):
+            if key in data:
+                text.setdefault(key, data[key])
+        return text
+    return data
 
 
 def configs_dir(kind: str) -> Path:
@@ -350,6 +406,7 @@ def as_bool(value: Any, field: str) -> bool:
 
 def model_from_dict(data: dict, name: str, overrides: dict[str, str] | None = None) -> ModelSpec:
     """Validate a model mapping (own YAML or Hugging Face config) into a ModelSpec."""
+    data = hf_text_config(data)
     lenient = "architectures" in data or "transformers_version" in data
     raw = {_ALIASES.get(k, k): v for k, v in data.items()}
     known = {f.name for f in fields(ModelSpec)} - {"name"}
@@ -428,9 +485,13 @@ def model_from_dict(data: dict, name: str, overrides: dict[str, str] | None = No
                                "tokens, at least 1) go together")
     if raw.get("swiglu_limit") is not None:
         values["swiglu_limit"] = as_float(raw["swiglu_limit"], "swiglu_limit")
+    if values.get("chunked_attention") and not values.get("windowed_layers"):
+        raise SpecError("chunked_attention", "set without windowed layers (attention_window, windowed_layers)")
     for key in ("router_bias", "swiglu_limit"):
         if values.get(key) and values["num_local_experts"] < 2:
             raise SpecError(key, "set on a model without experts (num_local_experts 1)")
+    if values.get("router_scoring", "softmax") != "softmax" and values["num_local_experts"] < 2:
+        raise SpecError("router_scoring", "set on a model without experts (num_local_experts 1)")
     if values.get("norm_topk_prob") is False and values["num_local_experts"] < 2:
         raise SpecError("norm_topk_prob", "set on a model without experts (num_local_experts 1)")
     if raw.get("shared_expert_gate") is not None:

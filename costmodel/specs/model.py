@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, fields
 
 FAMILIES = ("gpt", "llama", "mixtral")
 MLP_KINDS = ("gelu", "geglu", "swiglu")
+ROUTER_SCORINGS = ("softmax", "sigmoid")
 # rmsnorm_unit_offset: Gemma's RMSNorm, x * (1 + w) multiplied in fp32 (same parameters).
 NORM_KINDS = ("layernorm", "rmsnorm", "rmsnorm_unit_offset")
 POSITION_KINDS = ("learned", "rope")
@@ -89,6 +90,12 @@ class ModelSpec:
     # `swiglu_limit` (gate * sigmoid(1.702 gate) * (up + 1)).
     attention_window: int | None = None
     windowed_layers: int = 0
+    # Llama 4's chunked attention: the windowed layers' queries attend their own chunk of
+    # `attention_window` tokens (causal within it) rather than the last that many.
+    chunked_attention: bool = False
+    # "softmax" over the chosen logits (Mixtral) or "sigmoid" of each (Llama 4, whose
+    # score scales the expert's input; DeepSeek-V3).
+    router_scoring: str = "softmax"
     attention_sinks: bool = False
     router_bias: bool = False
     swiglu_limit: float | None = None
@@ -159,6 +166,18 @@ class ModelSpec:
         windowed = self.windowed_layers / self.num_hidden_layers
         return (1 - windowed) * seq_len + windowed * min(self.attention_window, seq_len)
 
+    def windowed_attention_fraction(self, seq_len: int) -> float:
+        """Share of an unmasked s x s score matrix a windowed layer computes (w the
+        window): a sliding band of w keys a query, less the first queries' triangle,
+        w/s - w^2/(2 s^2); chunks of w tokens causal within each, w / (2s); both 1/2
+        (the causal triangle) once s <= w."""
+        w = self.attention_window
+        if seq_len <= w:
+            return 0.5
+        if self.chunked_attention:
+            return w / (2 * seq_len)
+        return w / seq_len - w * w / (2 * seq_len * seq_len)
+
     @property
     def has_shared_expert(self) -> bool:
         return self.shared_expert_intermediate_size > 0
@@ -180,7 +199,8 @@ class ModelSpec:
 
 
 _ARCHITECTURE_FIELDS = ("moe_capacity_factor", "shared_expert_intermediate_size", "shared_expert_gate",
-                        "norm_topk_prob", "attention_window", "windowed_layers", "attention_sinks", "router_bias",
+                        "norm_topk_prob", "attention_window", "windowed_layers", "chunked_attention", "router_scoring",
+                        "attention_sinks", "router_bias",
                         "swiglu_limit", "head_dim",
                         "mlp", "norm", "position_embedding", "attention_bias", "attention_out_bias", "mlp_bias",
                         "qk_norm", "parallel_block", "norms_per_layer", "lm_head_bias", "sliding_window", "hidden_act",

@@ -170,11 +170,15 @@ def layer_compute(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
     else:
         core += memory_bound_time_s(SCORE_BYTES_PER_ELEMENT * batch * queries * s, cluster)
     if model.windowed_layers:
-        # Banded layers (gpt-oss): each query attends its last min(window, s) keys, a full
-        # band for window << s, averaged with the full layers (the layers stay alike, so a
-        # pipeline stage with an odd number of layers is off by half a layer's difference).
+        # Windowed layers (gpt-oss's sliding band, Llama 4's chunks) compute their share of
+        # the s x s scores (ModelSpec.windowed_attention_fraction), on the GEMM curve of
+        # min(window, s) keys; averaged with the full layers (the layers stay alike, so a
+        # pipeline stage with an odd number of them is off by half their difference).
         keys = min(model.attention_window, s)
-        band = gemm_s(queries, keys, hd, batch) + gemm_s(queries, hd, keys, batch)
+        fraction = model.windowed_attention_fraction(s) * s / keys
+        band = fraction * (gemm_s(queries, keys, hd, batch) + gemm_s(queries, hd, keys, batch))
+        if not training.flash_attention:
+            band += memory_bound_time_s(SCORE_BYTES_PER_ELEMENT * batch * queries * s, cluster)
         windowed = model.windowed_layers / model.num_hidden_layers
         core = (1 - windowed) * core + windowed * band
 

@@ -108,6 +108,7 @@ MEGATRON_CHOICE_ARGS = {
     # --fp8-recipe (default "delayed"; enums.py Fp8Recipe).
     "--fp8-format": ("e4m3", "hybrid"),
     "--fp8-recipe": ("tensorwise", "delayed", "mxfp8", "blockwise", "custom"),
+    "--moe-router-score-function": ("softmax", "sigmoid"),   # TransformerConfig.moe_router_score_function
 }
 
 
@@ -261,6 +262,10 @@ def _check_moe_layout(args: argparse.Namespace, model: ModelSpec, whole: bool) -
     changes what Megatron builds or computes, so a command that gives one the model does
     not have, or (a `whole` model description: --hidden-size given) leaves out one it
     has, describes another model."""
+    scoring = args.moe_router_score_function
+    if (scoring or "softmax") != model.router_scoring and (whole or scoring is not None):
+        raise SpecError("--moe-router-score-function", f"{scoring or 'absent (softmax)'}, but {model.name} scores "
+                                                       f"its routing by {model.router_scoring}")
     shared = model.shared_expert_intermediate_size or None
     given = args.moe_shared_expert_intermediate_size
     if given != shared and (whole or given is not None):
@@ -515,13 +520,19 @@ def export_megatron(strategy: Strategy, model: ModelSpec, training: TrainingSpec
             args.append("--moe-shared-expert-gate")
         if not model.norm_topk_prob:
             args.append("--moe-router-pre-softmax")
+        if model.router_scoring != "softmax":
+            args += ["--moe-router-score-function", model.router_scoring]
     if model.attention_bias and not model.is_gpt:
         args.append("--add-qkv-bias")
     if not model.is_gpt:
         args += ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope"]
         if not (model.attention_out_bias or model.mlp_bias):
             args.append("--disable-bias-linear")   # Megatron's linear layers carry biases unless told
-    gpt_oss = [name for name, on in (("attention window", model.windowed_layers),
+    if model.chunked_attention:
+        warnings.append(f"Megatron-LM has no chunked attention (Llama 4's, {model.windowed_layers} of "
+                        f"{model.num_hidden_layers} layers in chunks of {model.attention_window}), and it scales the "
+                        "experts' outputs by the router's sigmoid where Llama 4 scales their inputs")
+    gpt_oss = [name for name, on in (("attention window", model.windowed_layers and not model.chunked_attention),
                                      ("attention sinks", model.attention_sinks),
                                      ("router bias", model.router_bias),
                                      ("clamped SwiGLU", model.swiglu_limit is not None)) if on]

@@ -204,13 +204,16 @@ def test_zero_bubble_plans_the_executor_cannot_run_are_refused():
     check_compile(PLANS["pp2-interleaved"], True)
 
 
-def test_gpt_oss_is_refused_by_name_before_any_weights():
-    """gpt-oss's banded attention, sinks, biased router and experts and clamped SwiGLU are
-    planned and exported, not built: `run` refuses them naming the first."""
+def test_gpt_oss_and_llama4_are_refused_by_name_before_any_weights():
+    """gpt-oss's banded attention, sinks, biased router and experts and clamped SwiGLU, and
+    Llama 4's chunked attention and sigmoid routing, are planned and exported, not built:
+    `run` refuses them naming the first."""
     with pytest.raises(UnsupportedPlan, match="^model.attention_window: the executor's built-in model does not build "
-                                              "gpt-oss's attention_window, attention_sinks, router_bias, swiglu_limit, "
-                                              "mlp_bias yet"):
+                                              "the model's attention_window, attention_sinks, router_bias, "
+                                              "swiglu_limit, mlp_bias \\(gpt-oss, Llama 4\\) yet"):
         check_supported(load_model("gpt-oss-20b", {"num_hidden_layers": "2"}), strategy(dp=2, ep=2), 16)
+    with pytest.raises(UnsupportedPlan, match="^model.attention_window: .* attention_window, router_scoring "):
+        check_supported(load_model("llama4-scout", {"num_hidden_layers": "4"}), strategy(dp=2, ep=2), 16)
 
 
 def test_context_parallel_plans_the_executor_cannot_run_are_refused():

@@ -227,3 +227,32 @@ def test_gpt_oss_layer_types_the_spec_cannot_describe_are_refused(tmp_path, laye
 def test_gpt_oss_shrunk_keeps_its_first_layers_kinds():
     spec = load_model("gpt-oss-20b", {"num_hidden_layers": "3"})
     assert (spec.num_hidden_layers, spec.windowed_layers) == (3, 2)
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_llama4_scout_loads_as_transformers_builds_it(tmp_path, nested):
+    """Llama 4 Scout's text model: 107,769,861,120 parameters as transformers builds them
+    (the card's 109B counts the vision encoder too), 17.17B active (the card's 17B): 16
+    experts and a shared expert 8192 wide, top 1 by sigmoid, 36 of 48 layers chunked at
+    8192. A multimodal config.json (model_type llama4) is read by its text_config."""
+    from costmodel.specs.hf import check_spec
+    from costmodel.terms.counts import active_parameters
+
+    path = _builtin_as_config_json("llama4-scout", tmp_path)
+    if nested:
+        text = json.loads(path.read_text())
+        path.write_text(json.dumps({"architectures": ["Llama4ForConditionalGeneration"], "model_type": "llama4",
+                                    "transformers_version": "4.51.0", "text_config": text, "vision_config": {}}))
+    spec = load_model(str(path))
+    assert (spec.shared_expert_intermediate_size, spec.router_scoring, spec.windowed_layers, spec.attention_window,
+            spec.chunked_attention, spec.num_experts_per_tok) == (8192, "sigmoid", 36, 8192, True, 1)
+    assert total_parameters(spec) == 107_769_861_120 == total_parameters(load_model("llama4-scout"))
+    assert active_parameters(spec) == 17_172_894_720
+    check_spec(path, spec)
+
+
+def test_llama4_maverick_s_dense_layers_between_sparse_ones_are_refused(tmp_path):
+    path = _builtin_as_config_json("llama4-scout", tmp_path, interleave_moe_layer_step=2,
+                                   moe_layers=list(range(1, 48, 2)), num_local_experts=128)
+    with pytest.raises(SpecError, match="^moe_layers: dense layers between sparse ones are not modelled"):
+        load_model(str(path))

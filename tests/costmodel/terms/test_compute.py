@@ -129,10 +129,23 @@ def test_banded_layers_attend_their_window(dgx):
     m = load_model("gpt-oss-20b")
     full = dataclasses.replace(m, attention_window=None, windowed_layers=0)
     b, s, hd, heads = 1, 4096, 64, 64
-    band = gemm_seconds(s, 128, hd, PEAK, heads * b) + gemm_seconds(s, hd, 128, PEAK, heads * b)
+    # A band of 128 keys a query, less the first 128 queries' triangle.
+    band = (1 - 128 / (2 * s)) * (gemm_seconds(s, 128, hd, PEAK, heads * b) + gemm_seconds(s, hd, 128, PEAK, heads * b))
     t = make_training(m, dgx, 8, s, flash_attention=True)
     full_core = layer_compute(full, dgx, t, b, 1, False).attention_core_s
     assert layer_compute(m, dgx, t, b, 1, False).attention_core_s == pytest.approx((full_core + band) / 2, rel=1e-12)
+    # Within the window a banded layer is a full causal one.
+    short = make_training(m, dgx, 8, 128, flash_attention=True)
+    assert layer_compute(m, dgx, short, b, 1, False).attention_core_s == pytest.approx(
+        layer_compute(full, dgx, short, b, 1, False).attention_core_s, rel=1e-12)
+
+
+@pytest.mark.parametrize("seq", [4096, 8192, 16384])
+def test_chunked_layers_are_causal_within_their_chunks(seq):
+    """Llama 4's chunked layers: chunks of 8192 tokens, causal within each: half the
+    square up to one chunk, then chunk / (2s) of it."""
+    m = load_model("llama3-8b", {"attention_window": "8192", "windowed_layers": "24", "chunked_attention": "true"})
+    assert m.windowed_attention_fraction(seq) == (0.5 if seq <= 8192 else 8192 / (2 * seq))
 
 
 @pytest.mark.parametrize("tp", [1, 2])

@@ -277,6 +277,8 @@ def megatron_mirror() -> argparse.ArgumentParser:
     # --fp8-format) and fp8_recipe; Megatron-LM's arguments of those names take these choices.
     parser.add_argument("--fp8-format", choices=["e4m3", "hybrid"])
     parser.add_argument("--fp8-recipe", choices=["tensorwise", "delayed", "mxfp8", "blockwise", "custom"])
+    # megatron-core 0.16.1 TransformerConfig.moe_router_score_function
+    parser.add_argument("--moe-router-score-function", choices=["softmax", "sigmoid"])
     for flag in ("--sequence-parallel", "--use-distributed-optimizer", "--use-megatron-fsdp", "--group-query-attention",
                  "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split", "--bf16", "--fp16",
                  "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
@@ -352,6 +354,19 @@ def test_megatron_export_of_gpt_oss_keeps_its_biases_and_says_what_it_cannot_wri
     assert any("attention window, attention sinks, router bias, clamped SwiGLU (gpt-oss)" in w
                and "window_attn_skip_freq" in w for w in exported.warnings)
     assert read_text("megatron", exported.text, model_of(doc), 8).strategy == strategy_of(doc)
+
+
+def test_megatron_export_of_llama4_scores_by_sigmoid_and_says_what_it_cannot_write():
+    doc = plan("llama4-scout", "dgx-h100", 256, gpus=64, seq_len=8192, top=1,
+               fix="dp=16,tp=1,pp=4,ep=16,mbs=1,zero=1,recompute=full,schedule=1f1b")
+    exported = export_plan(doc, "megatron")
+    args = megatron_mirror().parse_args(shlex.split(exported.text.replace("\\\n", " ")))
+    assert (args.moe_router_score_function, args.moe_shared_expert_intermediate_size, args.num_experts,
+            args.moe_router_topk, args.disable_bias_linear) == ("sigmoid", 8192, 16, 1, True)
+    assert any("no chunked attention" in w and "36 of 48 layers in chunks of 8192" in w for w in exported.warnings)
+    assert read_text("megatron", exported.text, model_of(doc), 64).strategy == strategy_of(doc)
+    with pytest.raises(SpecError, match="^--moe-router-score-function: absent \\(softmax\\), but llama4-scout"):
+        read_text("megatron", exported.text.replace("--moe-router-score-function sigmoid", ""), model_of(doc), 64)
 
 
 def test_megatron_capacity_factor_is_the_model_s():
