@@ -46,7 +46,10 @@ LAYER_DIMS = ("model_type", "hidden_size", "num_attention_heads", "num_key_value
               "intermediate_size", "vocab_size", "num_local_experts", "num_experts_per_tok")
 # Written only when set, so profiles made before these fields existed still apply to the
 # same models: name -> the value an older profile means by leaving it out.
-OPTIONAL_LAYER_DIMS = {"shared_expert_intermediate_size": 0, "shared_expert_gate": False}
+OPTIONAL_LAYER_DIMS = {"shared_expert_intermediate_size": 0, "shared_expert_gate": False, "norm_topk_prob": True,
+                       "windowed_layers": 0, "attention_window": None, "chunked_attention": False,
+                       "attention_sinks": False, "router_bias": False, "swiglu_limit": None,
+                       "router_scoring": "softmax"}
 
 
 def model_dims(model: ModelSpec) -> dict[str, Any]:
@@ -222,10 +225,21 @@ def validate_layer_entry(entry: Any, where: str) -> dict:
             raise SpecError(f"{where}.model.{name}", "missing")
         if name != "model_type":
             _int(entry["model"][name], f"{where}.model.{name}")
-    if "shared_expert_intermediate_size" in entry["model"]:
-        _int(entry["model"]["shared_expert_intermediate_size"], f"{where}.model.shared_expert_intermediate_size")
-    if not isinstance(entry["model"].get("shared_expert_gate", False), bool):
-        raise SpecError(f"{where}.model.shared_expert_gate", "expected true or false")
+    for name, unset in OPTIONAL_LAYER_DIMS.items():
+        if name not in entry["model"]:
+            continue
+        value = entry["model"][name]
+        if isinstance(unset, bool):
+            if not isinstance(value, bool):
+                raise SpecError(f"{where}.model.{name}", "expected true or false")
+        elif isinstance(unset, str):
+            if not isinstance(value, str):
+                raise SpecError(f"{where}.model.{name}", f"expected a name, got {value!r}")
+        elif name == "swiglu_limit":
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise SpecError(f"{where}.model.{name}", f"expected a number, got {value!r}")
+        else:
+            _int(value, f"{where}.model.{name}")
     for key in ("seq_len", "micro_batch_size", "tp"):
         _int(entry[key], f"{where}.{key}")
     for key in ("forward_s", "backward_s"):

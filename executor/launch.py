@@ -56,6 +56,17 @@ class UnsupportedPlan(ValueError):
     """The plan asks for something this executor cannot build; the message says what."""
 
 
+def unbuilt_features(spec: ModelSpec) -> list[str]:
+    """The spec fields the built-in model (executor.models) does not build: priced and
+    exported, refused by `run` and `profile --model`."""
+    return [name for name, on in (("attention_window", spec.windowed_layers),
+                                  ("attention_sinks", spec.attention_sinks), ("router_bias", spec.router_bias),
+                                  ("swiglu_limit", spec.swiglu_limit is not None),
+                                  ("mlp_bias", spec.is_moe and spec.mlp_bias),
+                                  ("router_scoring", spec.router_scoring != "softmax"),
+                                  ("norms_per_layer", spec.norms_per_layer == 4)) if on]
+
+
 def check_supported(spec: ModelSpec, strategy: Strategy, seq_len: int, precision: str = "bf16",
                     fp8: str | None = None) -> None:
     """Refuse, before any weights exist, what cannot be built (`precision` and `fp8`:
@@ -80,14 +91,11 @@ def check_supported(spec: ModelSpec, strategy: Strategy, seq_len: int, precision
         raise UnsupportedPlan(f"strategy.{field.split('[')[0]}: {why}")
     if why := schedule_zero_error(strategy.schedule, strategy.pp, strategy.dp_cp, strategy.zero_stage):
         raise UnsupportedPlan(f"strategy.zero_stage: {why}")
-    built = [name for name, on in (("attention_window", spec.windowed_layers),
-                                   ("attention_sinks", spec.attention_sinks), ("router_bias", spec.router_bias), ("swiglu_limit", spec.swiglu_limit is not None),
-                                   ("mlp_bias", spec.is_moe and spec.mlp_bias),
-                                   ("router_scoring", spec.router_scoring != "softmax")) if on]
+    built = unbuilt_features(spec)
     if built:
         raise UnsupportedPlan(f"model.{built[0]}: the executor's built-in model does not build the model's "
-                              f"{', '.join(built)} (gpt-oss, Llama 4) yet; export the plan (shardwise export) to an "
-                              "engine that does")
+                              f"{', '.join(built)} (gpt-oss, Llama 4, Gemma 3) yet; export the plan (shardwise export) "
+                              "to an engine that does")
     if spec.is_moe and strategy.tp > 1:
         raise UnsupportedPlan("strategy.tp: tensor parallelism inside the experts of an MoE model is not supported; plan with --fix tp=1")
     if spec.num_attention_heads % strategy.tp or spec.num_key_value_heads % strategy.tp:

@@ -70,6 +70,7 @@ _FAMILY_OF = {
     "gpt": "gpt", "gpt2": "gpt", "gpt_neox": "gpt", "gptj": "gpt", "opt": "gpt", "phi": "gpt",
     "starcoder2": "gpt",
     "llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama", "gemma": "llama",
+    "gemma3_text": "llama",
     "mixtral": "mixtral", "qwen2_moe": "mixtral", "qwen3_moe": "mixtral", "gpt_oss": "mixtral",
     "llama4_text": "mixtral",
 }
@@ -87,6 +88,9 @@ _HF_ARCHITECTURE = {
     "qwen3": ({"qk_norm": True}, False),
     # GemmaMLP: gate/up/down with gelu_pytorch_tanh (GeGLU, Shazeer 2020).
     "gemma": ({"mlp": "geglu", "norm": "rmsnorm_unit_offset"}, True),
+    # Gemma3DecoderLayer: Gemma's MLP and norms, q/k norm, and four norms a layer (input,
+    # post-attention, pre- and post-feedforward).
+    "gemma3_text": ({"mlp": "geglu", "norm": "rmsnorm_unit_offset", "qk_norm": True, "norms_per_layer": 4}, True),
     # PhiDecoderLayer: one input_layernorm feeding attention and MLP in parallel;
     # dense / fc1 / fc2 / lm_head with biases; partial rotary (no parameters).
     "phi": ({"position_embedding": "rope", "parallel_block": True, "norms_per_layer": 1,
@@ -142,6 +146,8 @@ def _hf_architecture(model_type: str, raw: dict, lenient: bool) -> dict:
         out.update(_gpt_oss(raw))
     if model_type == "llama4_text":
         out.update(_llama4(raw))
+    if model_type == "gemma3_text":
+        out.update(_gemma3(raw))
     if model_type == "phi" and raw.get("qk_layernorm"):
         raise SpecError("qk_layernorm", "Phi's per-head LayerNorm on q and k is not modelled (RMSNorm q/k norm is: qk_norm)")
     if lenient:
@@ -210,15 +216,17 @@ def _gpt_oss(raw: dict) -> dict:
     if isinstance(types, list) and len(types) > layers:
         types = types[:layers]   # a model shrunk with --set num_hidden_layers keeps its first layers' kinds
     if not isinstance(types, list) or len(types) != layers:
-        raise SpecError("layer_types", f"expected a list of {layers} entries, one a layer")
+        raise SpecError("layer_types", f"expected a list of {layers} entries, one a layer (a model given more "
+                                       f"layers than its config lists needs a layer_types as long)")
     unknown = sorted({t for t in types if t not in ("sliding_attention", "full_attention")}, key=str)
     if unknown:
         raise SpecError("layer_types", f"unknown {unknown[0]!r} (sliding_attention, full_attention)")
     bias = raw.get("attention_bias", True)
-    windowed = types.count("sliding_attention")
+    window = raw.get("sliding_window", 128)
+    windowed = types.count("sliding_attention") if window else 0   # null: every layer attends in full
     return {"attention_bias": bias, "attention_out_bias": bias, "attention_sinks": True, "router_bias": True,
             "mlp_bias": True, "swiglu_limit": raw.get("swiglu_limit", 7.0), "windowed_layers": windowed,
-            "attention_window": raw.get("sliding_window", 128) if windowed else None}
+            "attention_window": window if windowed else None}
 
 
 def _llama4(raw: dict) -> dict:
@@ -240,13 +248,21 @@ def _llama4(raw: dict) -> dict:
         raise SpecError("moe_layers" if raw.get("moe_layers") is not None else "interleave_moe_layer_step",
                         "dense layers between sparse ones are not modelled (every layer a mixture of experts: "
                         "interleave_moe_layer_step 1, as Llama 4 Scout)")
-    interval = raw.get("no_rope_layer_interval", 4)
-    types = raw.get("layer_types") or ["chunked_attention" if (i + 1) % interval else "full_attention"
-                                       for i in range(layers)]
+    types = raw.get("layer_types")
+    no_rope = raw.get("no_rope_layers")
+    if not types and isinstance(no_rope, list) and no_rope:
+        # transformers: a layer with RoPE (1) attends in chunks, a NoPE layer (0) in full.
+        types = ["chunked_attention" if rope else "full_attention" for rope in no_rope]
+    if not types:
+        interval = raw.get("no_rope_layer_interval", 4)
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
+            raise SpecError("no_rope_layer_interval", f"expected an integer of at least 1, got {interval!r}")
+        types = ["chunked_attention" if (i + 1) % interval else "full_attention" for i in range(layers)]
     if isinstance(types, list) and len(types) > layers:
         types = types[:layers]   # a model shrunk with --set num_hidden_layers keeps its first layers' kinds
     if not isinstance(types, list) or len(types) != layers:
-        raise SpecError("layer_types", f"expected a list of {layers} entries, one a layer")
+        raise SpecError("layer_types", f"expected a list of {layers} entries, one a layer (a model given more "
+                                       f"layers than its config lists needs a layer_types as long)")
     unknown = sorted({t for t in types if t not in ("chunked_attention", "full_attention")}, key=str)
     if unknown:
         raise SpecError("layer_types", f"unknown {unknown[0]!r} (chunked_attention, full_attention)")
@@ -259,12 +275,48 @@ def _llama4(raw: dict) -> dict:
             "chunked_attention": bool(windowed)}
 
 
+def _gemma3(raw: dict) -> dict:
+    """Gemma 3's text model as transformers builds it (modeling_gemma3.py): the layers
+    whose layer_types entry is "sliding_attention" (five of every six by default, or by
+    an older config's sliding_window_pattern) attend the last sliding_window tokens.
+    Attention and final logit soft-capping are refused by name (Gemma 3 sets neither)."""
+    layers = as_int(raw.get("num_hidden_layers", 26), "num_hidden_layers")
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if raw.get(key) is not None:
+            raise SpecError(key, "soft-capped logits are not modelled (null is)")
+    if raw.get("use_bidirectional_attention"):
+        raise SpecError("use_bidirectional_attention", "bidirectional attention is not modelled (false is)")
+    pattern = raw.get("sliding_window_pattern", 6)
+    if not raw.get("layer_types") and (isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1):
+        raise SpecError("sliding_window_pattern", f"expected an integer of at least 1, got {pattern!r}")
+    types = raw.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                       for i in range(layers)]
+    if isinstance(types, list) and len(types) > layers:
+        types = types[:layers]   # a model shrunk with --set num_hidden_layers keeps its first layers' kinds
+    if not isinstance(types, list) or len(types) != layers:
+        raise SpecError("layer_types", f"expected a list of {layers} entries, one a layer (a model given more "
+                                       f"layers than its config lists needs a layer_types as long)")
+    unknown = sorted({t for t in types if t not in ("sliding_attention", "full_attention")}, key=str)
+    if unknown:
+        raise SpecError("layer_types", f"unknown {unknown[0]!r} (sliding_attention, full_attention)")
+    window = raw.get("sliding_window", 4096)
+    windowed = types.count("sliding_attention") if window else 0
+    bias = raw.get("attention_bias", False)
+    return {"attention_bias": bias, "attention_out_bias": bias, "windowed_layers": windowed,
+            "attention_window": window if windowed else None}
+
+
+_TEXT_MODEL_TYPES = {"llama4": "llama4_text", "gemma3": "gemma3_text"}
+_WINDOWED_MODEL_TYPES = ("gpt_oss", "llama4_text", "gemma3_text")
+
+
 def hf_text_config(data: dict) -> dict:
-    """A multimodal Llama 4 config.json's text model (its `text_config`), which is what
-    Shardwise plans; any other config as it is."""
-    if data.get("model_type") == "llama4" and isinstance(data.get("text_config"), dict):
+    """A multimodal Llama 4 or Gemma 3 config.json's text model (its `text_config`),
+    which is what Shardwise plans; any other config as it is."""
+    text_type = _TEXT_MODEL_TYPES.get(data.get("model_type"))
+    if text_type is not None and isinstance(data.get("text_config"), dict):
         text = dict(data["text_config"])
-        text.setdefault("model_type", "llama4_text")
+        text.setdefault("model_type", text_type)
         for key in ("architectures", "transformers_version"):
             if key in data:
                 text.setdefault(key, data[key])
@@ -428,6 +480,10 @@ def model_from_dict(data: dict, name: str, overrides: dict[str, str] | None = No
         # explicit fields and --set overrides win.
         if key not in (overrides or {}) and (lenient or raw.get(key) is None):
             raw[key] = value
+    if model_type in _WINDOWED_MODEL_TYPES:
+        # Their sliding_window is the windowed layers' (attention_window), not Mistral's
+        # memory-only field, even when --set gives it.
+        raw["sliding_window"] = None
     for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
         if raw.get(key) is None:
             raise SpecError(key, "missing")
@@ -459,8 +515,8 @@ def model_from_dict(data: dict, name: str, overrides: dict[str, str] | None = No
             values[key] = str(raw[key])
     if raw.get("norms_per_layer") is not None:
         values["norms_per_layer"] = as_int(raw["norms_per_layer"], "norms_per_layer")
-        if values["norms_per_layer"] > 2:
-            raise SpecError("norms_per_layer", f"1 or 2, got {values['norms_per_layer']}")
+        if values["norms_per_layer"] not in (1, 2, 4):
+            raise SpecError("norms_per_layer", f"1, 2 or 4, got {values['norms_per_layer']}")
     if raw.get("sliding_window") is not None:
         values["sliding_window"] = as_int(raw["sliding_window"], "sliding_window")
     if raw.get("hidden_act") is not None:
@@ -479,6 +535,8 @@ def model_from_dict(data: dict, name: str, overrides: dict[str, str] | None = No
     if raw.get("windowed_layers") is not None:
         values["windowed_layers"] = as_int(raw["windowed_layers"], "windowed_layers", minimum=0,
                                            maximum=values["num_hidden_layers"])
+    if values.get("windowed_layers") == 0:
+        values.pop("attention_window", None)   # --set windowed_layers=0: every layer attends in full
     if bool(values.get("windowed_layers")) != (values.get("attention_window") is not None):
         field = "attention_window" if values.get("windowed_layers") else "windowed_layers"
         raise SpecError(field, "attention_window and windowed_layers (how many layers attend only that many "

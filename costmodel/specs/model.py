@@ -81,7 +81,9 @@ class ModelSpec:
     mlp_bias: bool | None = None
     qk_norm: bool = False                   # RMSNorm over head_dim on q and k (Qwen3)
     parallel_block: bool = False            # x + attn(norm(x)) + mlp(norm'(x)) (GPT-J, NeoX, Phi)
-    norms_per_layer: int = 2                # 1: one norm feeds attention and MLP (Phi, GPT-J)
+    # 1: one norm feeds attention and MLP (Phi, GPT-J); 4: each block's output is normed too
+    # before the residual add (Gemma 2 and 3's post-attention and post-feedforward norms).
+    norms_per_layer: int = 2
     lm_head_bias: bool = False              # Phi
     # gpt-oss (OpenAI 2025, model card §2.1): `windowed_layers` of the layers attend only the
     # last `attention_window` tokens (banded attention; Hugging Face's layer_types
@@ -166,16 +168,18 @@ class ModelSpec:
         windowed = self.windowed_layers / self.num_hidden_layers
         return (1 - windowed) * seq_len + windowed * min(self.attention_window, seq_len)
 
-    def windowed_attention_fraction(self, seq_len: int) -> float:
+    def windowed_attention_fraction(self, seq_len: int, tile: int = 0) -> float:
         """Share of an unmasked s x s score matrix a windowed layer computes (w the
-        window): a sliding band of w keys a query, less the first queries' triangle,
-        w/s - w^2/(2 s^2); chunks of w tokens causal within each, w / (2s); both 1/2
+        window): chunks of w tokens, causal within each, (n w^2 + r^2) / (2 s^2) for
+        s = n w + r; a sliding band of w keys a query (w + `tile` where a kernel computes
+        whole tiles of keys), less the first queries' triangle, w/s - w^2/(2 s^2); 1/2
         (the causal triangle) once s <= w."""
-        w = self.attention_window
+        if self.chunked_attention:
+            n, r = divmod(seq_len, self.attention_window)
+            return (n * self.attention_window ** 2 + r * r) / (2 * seq_len * seq_len)
+        w = self.attention_window + tile
         if seq_len <= w:
             return 0.5
-        if self.chunked_attention:
-            return w / (2 * seq_len)
         return w / seq_len - w * w / (2 * seq_len * seq_len)
 
     @property

@@ -38,6 +38,9 @@ SCORE_BYTES_PER_ELEMENT = 11.0
 # Causal FlashAttention skips the blocks above the diagonal: about half the work
 # (Dao 2023, FlashAttention-2, §3.1 "causal masking").
 FLASH_CAUSAL_FRACTION = 0.5
+# Keys in one tile of FlashAttention-2's inner loop (Dao 2023 §3.1; B_c = 128 at head dims
+# up to 128 in its forward kernel): a windowed kernel computes the tiles a band touches.
+FLASH_BLOCK_KEYS = 128
 # Backward of a matmul is two matmuls of the forward's size (input and weight
 # gradients); backward of an elementwise op reads the saved input and the output
 # gradient and writes the input gradient: about twice the forward traffic.
@@ -169,16 +172,16 @@ def layer_compute(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
         core *= FLASH_CAUSAL_FRACTION
     else:
         core += memory_bound_time_s(SCORE_BYTES_PER_ELEMENT * batch * queries * s, cluster)
-    if model.windowed_layers:
+    if model.windowed_layers and training.flash_attention:
         # Windowed layers (gpt-oss's sliding band, Llama 4's chunks) compute their share of
-        # the s x s scores (ModelSpec.windowed_attention_fraction), on the GEMM curve of
-        # min(window, s) keys; averaged with the full layers (the layers stay alike, so a
-        # pipeline stage with an odd number of them is off by half their difference).
-        keys = min(model.attention_window, s)
-        fraction = model.windowed_attention_fraction(s) * s / keys
+        # the s x s scores (ModelSpec.windowed_attention_fraction), a sliding band in whole
+        # tiles of FLASH_BLOCK_KEYS keys (a query tile's band spans one tile more than the
+        # window), on the GEMM curve of the keys a query sees; averaged with the full
+        # layers (the layers stay alike, so a pipeline stage with an odd number of them is
+        # off by half their difference). Eager attention computes the whole masked matrix.
+        keys = min(model.attention_window + (0 if model.chunked_attention else FLASH_BLOCK_KEYS), s)
+        fraction = model.windowed_attention_fraction(s, FLASH_BLOCK_KEYS) * s / keys
         band = fraction * (gemm_s(queries, keys, hd, batch) + gemm_s(queries, hd, keys, batch))
-        if not training.flash_attention:
-            band += memory_bound_time_s(SCORE_BYTES_PER_ELEMENT * batch * queries * s, cluster)
         windowed = model.windowed_layers / model.num_hidden_layers
         core = (1 - windowed) * core + windowed * band
 
@@ -188,7 +191,8 @@ def layer_compute(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
     # in GPT fused with bias and dropout, which adds a 1-byte mask (Megatron-LM's fused
     # bias-dropout-add). With sequence parallelism these run on s/tp tokens.
     value = activation_bytes_per_value(training)
-    per_h = 2 * (2 * value) + 2 * (3 * value) + (2 if model.is_gpt else 0)
+    norms = 4 if model.norms_per_layer == 4 else 2   # Gemma's post-norms read and write too
+    per_h = norms * (2 * value) + 2 * (3 * value) + (2 if model.is_gpt else 0)
     replicated = per_h * tokens * h / (tp if sequence_parallel else 1)
     # GELU reads and writes f values; SwiGLU reads two and writes one; sharded by tp.
     act_values = (3 if model.gated_mlp else 2) * (f * model.busiest_rank_rows_per_token(ep)

@@ -243,6 +243,11 @@ def pytorch_layer_activation_bytes(model: ModelSpec, training: TrainingSpec, mic
         a_h, a_t = norm_saved_bytes(model, training, attention_consumers)
         m_h, m_t = norm_saved_bytes(model, training, mlp_consumers)
         norm_h, norm_t = a_h + m_h, a_t + m_t
+        if model.norms_per_layer == 4:
+            # Gemma's post-attention and post-feedforward norms, whose outputs feed the
+            # residual adds (no matmul casts them).
+            p_h, p_t = norm_saved_bytes(model, training, 0)
+            norm_h, norm_t = norm_h + 2 * p_h, norm_t + 2 * p_t
     # Dropout on the attention and MLP outputs keeps a mask each (in the activations'
     # dtype on CPU; measured: Phi-2, resid_pdrop 0.1).
     dropout_masks = 2 * v if model.resid_dropout > 0 else 0.0
@@ -382,7 +387,9 @@ def layer_activation_bytes(model: ModelSpec, training: TrainingSpec, micro_batch
     dropout_mask = 1 if model.is_gpt and saved.dropout else 0
     rms_norm_extra = 0 if model.norm == "layernorm" else saved.norm_extra_values
     # Not split by tp without SP: two norm inputs, QKV input, MLP input, dropout masks.
-    replicated = ((4 + 2 * rms_norm_extra) * v + 2 * dropout_mask) * tokens_h
+    # Gemma's two post-norms (norms_per_layer 4) keep their inputs and extras as well.
+    post_norms = 2 * (1 + rms_norm_extra) if model.norms_per_layer == 4 else 0
+    replicated = ((4 + 2 * rms_norm_extra + post_norms) * v + 2 * dropout_mask) * tokens_h
     tokens_q, tokens_kv = b * s * model.q_size, b * s * model.kv_size * gathered_kv_factor(cp)
     attention = v * (2 * tokens_q + 2 * tokens_kv)   # Q, K, V and the projection input
     if training.flash_attention and model.position_embedding == "rope" and saved.head_major_output_copy:

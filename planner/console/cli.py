@@ -781,6 +781,7 @@ def profile(device, nproc, precision, model_name, overrides, seq, micro_batch_si
 
     from costmodel.calibrate import cluster_spec, roofline_notes
     from costmodel.measured import READABLE_SCHEMA_VERSIONS, check_mergeable
+    from executor.launch import unbuilt_features
     from executor.measure import check_tp
     from executor.measure import extend as extend_profile
     from executor.measure import profile as measure
@@ -795,6 +796,9 @@ def profile(device, nproc, precision, model_name, overrides, seq, micro_batch_si
             seq_len = as_int(seq, "--seq") if seq is not None else spec.max_position_embeddings
             mbs = _int_list(micro_batch_sizes, "--micro-batch-sizes")
             widths = _int_list(tp_widths, "--tp")
+            if built := unbuilt_features(spec):
+                raise SpecError("--model", f"{spec.name}: the executor's built-in model does not build its "
+                                           f"{', '.join(built)}, so its layers cannot be measured")
             for tp in widths or []:
                 why = check_tp(spec, tp)
                 if why:

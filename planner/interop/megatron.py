@@ -526,12 +526,17 @@ def export_megatron(strategy: Strategy, model: ModelSpec, training: TrainingSpec
         args.append("--add-qkv-bias")
     if not model.is_gpt:
         args += ["--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope"]
-        if not (model.attention_out_bias or model.mlp_bias):
+        if not (model.attention_out_bias and model.mlp_bias):
             args.append("--disable-bias-linear")   # Megatron's linear layers carry biases unless told
+        if model.attention_out_bias != model.mlp_bias:
+            warnings.append(f"Megatron-LM's --disable-bias-linear covers every linear layer: the model has biases on "
+                            f"its {'attention output' if model.attention_out_bias else 'MLP'} only, exported without")
     if model.chunked_attention:
         warnings.append(f"Megatron-LM has no chunked attention (Llama 4's, {model.windowed_layers} of "
-                        f"{model.num_hidden_layers} layers in chunks of {model.attention_window}), and it scales the "
-                        "experts' outputs by the router's sigmoid where Llama 4 scales their inputs")
+                        f"{model.num_hidden_layers} layers in chunks of {model.attention_window})")
+    if model.router_scoring == "sigmoid":
+        warnings.append("Megatron-LM scales the experts' outputs by the router's sigmoid, where Llama 4 scales their "
+                        "inputs (the same FLOPs and traffic)")
     gpt_oss = [name for name, on in (("attention window", model.windowed_layers and not model.chunked_attention),
                                      ("attention sinks", model.attention_sinks),
                                      ("router bias", model.router_bias),

@@ -118,6 +118,8 @@ def write_profile(path, entries):
     # A layer with a shared expert is not the model's (fields written only when set).
     ({"model": {**model_dims(load_model("tiny-llama")), "shared_expert_intermediate_size": 64}},
      "profile.model.shared_expert_intermediate_size"),
+    ({"model": {**model_dims(load_model("tiny-llama")), "windowed_layers": 2, "attention_window": 16}},
+     "profile.model.windowed_layers"),
     ({"precision": "bf16"}, "profile.precision"),
     ({"seq_len": 32}, "profile.seq_len"),
     ({"attention": "eager"}, "profile.attention"),

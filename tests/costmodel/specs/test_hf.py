@@ -256,3 +256,65 @@ def test_llama4_maverick_s_dense_layers_between_sparse_ones_are_refused(tmp_path
                                    moe_layers=list(range(1, 48, 2)), num_local_experts=128)
     with pytest.raises(SpecError, match="^moe_layers: dense layers between sparse ones are not modelled"):
         load_model(str(path))
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_gemma3_loads_as_transformers_builds_it(tmp_path, nested):
+    """Gemma 3 1B's config: 999,885,952 parameters as transformers builds them (the
+    report's 302M embedding and 698M other): q/k norm, four norms a layer, 22 of 26 layers
+    banded over 512 tokens. A multimodal config.json (model_type gemma3, the 4B and up) is
+    read by its text_config."""
+    from costmodel.specs.hf import check_spec
+
+    path = _builtin_as_config_json("gemma3-1b", tmp_path)
+    if nested:
+        text = json.loads(path.read_text())
+        path.write_text(json.dumps({"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+                                    "transformers_version": "4.50.0", "text_config": text, "vision_config": {}}))
+    spec = load_model(str(path))
+    assert (spec.qk_norm, spec.norms_per_layer, spec.mlp, spec.norm, spec.windowed_layers, spec.attention_window,
+            spec.chunked_attention, spec.tie_word_embeddings) == (True, 4, "geglu", "rmsnorm_unit_offset", 22, 512,
+                                                                  False, True)
+    assert total_parameters(spec) == 999_885_952 == total_parameters(load_model("gemma3-1b"))
+    if not nested:   # transformers' multimodal class would build the vision tower too
+        check_spec(path, spec)
+
+
+@pytest.mark.parametrize("field", ["attn_logit_softcapping", "final_logit_softcapping"])
+def test_gemma3_soft_capping_is_refused_by_name(tmp_path, field):
+    path = _builtin_as_config_json("gemma3-1b", tmp_path, **{field: 30.0})
+    with pytest.raises(SpecError, match=f"^{field}: soft-capped logits are not modelled"):
+        load_model(str(path))
+
+
+def test_gemma3_traces_to_the_spec_flops(tmp_path):
+    """Within the window (seq 64, window 512) the banded layers are full ones: the traced
+    layers' FLOPs (its four norms and q/k norm carry none) are the spec's."""
+    check(_builtin_as_config_json("gemma3-1b", tmp_path, num_hidden_layers=2, hidden_size=256, head_dim=64,
+                                  intermediate_size=512, vocab_size=1000), seq=64)
+
+
+def test_windowed_families_read_their_window_overrides(tmp_path):
+    """gpt-oss's sliding_window is its windowed layers' (not Mistral's memory-only field),
+    given or overridden; null or --set windowed_layers=0 leaves every layer in full."""
+    spec = load_model("gpt-oss-20b", {"sliding_window": "64"})
+    assert (spec.attention_window, spec.windowed_layers, spec.sliding_window) == (64, 12, None)
+    spec = load_model("gpt-oss-20b", {"windowed_layers": "0"})
+    assert (spec.attention_window, spec.windowed_layers) == (None, 0)
+    spec = load_model(str(_builtin_as_config_json("gpt-oss-20b", tmp_path, sliding_window=None)))
+    assert (spec.attention_window, spec.windowed_layers) == (None, 0)
+
+
+def test_llama4_layer_kinds_follow_no_rope_layers(tmp_path):
+    """transformers derives Llama 4's layer kinds from no_rope_layers when layer_types is
+    absent: a RoPE layer (1) attends in chunks, a NoPE layer (0) in full."""
+    data = json.loads(_builtin_as_config_json("llama4-scout", tmp_path).read_text())
+    del data["layer_types"]
+    data["no_rope_layers"] = [1, 0] * 24
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    assert load_model(str(tmp_path / "config.json")).windowed_layers == 24
+    del data["no_rope_layers"]
+    data["no_rope_layer_interval"] = 0
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    with pytest.raises(SpecError, match="^no_rope_layer_interval: expected an integer of at least 1, got 0"):
+        load_model(str(tmp_path / "config.json"))

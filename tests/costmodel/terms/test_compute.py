@@ -129,8 +129,8 @@ def test_banded_layers_attend_their_window(dgx):
     m = load_model("gpt-oss-20b")
     full = dataclasses.replace(m, attention_window=None, windowed_layers=0)
     b, s, hd, heads = 1, 4096, 64, 64
-    # A band of 128 keys a query, less the first 128 queries' triangle.
-    band = (1 - 128 / (2 * s)) * (gemm_seconds(s, 128, hd, PEAK, heads * b) + gemm_seconds(s, hd, 128, PEAK, heads * b))
+    # A band of 128 keys a query in whole tiles of 128: 256 keys, less the first queries' triangle.
+    band = (1 - 256 / (2 * s)) * (gemm_seconds(s, 256, hd, PEAK, heads * b) + gemm_seconds(s, hd, 256, PEAK, heads * b))
     t = make_training(m, dgx, 8, s, flash_attention=True)
     full_core = layer_compute(full, dgx, t, b, 1, False).attention_core_s
     assert layer_compute(m, dgx, t, b, 1, False).attention_core_s == pytest.approx((full_core + band) / 2, rel=1e-12)
@@ -146,6 +146,18 @@ def test_chunked_layers_are_causal_within_their_chunks(seq):
     square up to one chunk, then chunk / (2s) of it."""
     m = load_model("llama3-8b", {"attention_window": "8192", "windowed_layers": "24", "chunked_attention": "true"})
     assert m.windowed_attention_fraction(seq) == (0.5 if seq <= 8192 else 8192 / (2 * seq))
+
+
+def test_a_partial_last_chunk_is_its_own_triangle():
+    m = load_model("llama3-8b", {"attention_window": "8192", "windowed_layers": "24", "chunked_attention": "true"})
+    assert m.windowed_attention_fraction(12288) == (8192 ** 2 + 4096 ** 2) / (2 * 12288 ** 2)
+
+
+def test_eager_windowed_layers_compute_the_whole_masked_matrix(dgx):
+    m = load_model("gpt-oss-20b")
+    full = dataclasses.replace(m, attention_window=None, windowed_layers=0)
+    t = make_training(m, dgx, 8, 4096, flash_attention=False)
+    assert layer_compute(m, dgx, t, 1, 1, False).attention_core_s == layer_compute(full, dgx, t, 1, 1, False).attention_core_s
 
 
 @pytest.mark.parametrize("tp", [1, 2])

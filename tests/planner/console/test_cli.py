@@ -283,3 +283,12 @@ def test_plan_top_k_shows_the_compare_table_of_the_k_best():
     step_row = next(line for line in out.splitlines() if line.startswith("│ step s "))
     assert [c.strip() for c in step_row.split("│")[2:-1]] == [f"{d['estimate']['step_time_s']:.3f}" for d in docs]
     assert "#1 → #2: " in out and "#1 is " in out and " per step faster than #2" in out
+
+
+@pytest.mark.parametrize("model, field", [("gpt-oss-20b", "attention_window"), ("gemma3-1b", "attention_window")])
+def test_profile_refuses_a_model_the_executor_does_not_build(tmp_path, model, field):
+    """Its layers would be timed as the built-in block, which they are not."""
+    out = CliRunner().invoke(main, ["profile", "--model", model, "-o", str(tmp_path / "p.json")])
+    assert out.exit_code == 2
+    assert f"--model: {model}: the executor's built-in model does not build its {field}" in out.output
+    assert not (tmp_path / "p.json").exists()
