@@ -204,6 +204,20 @@ def _qwen_moe(model_type: str, raw: dict) -> dict:
     return out
 
 
+def _layer_kinds(types: Any, layers: int, windowed: str) -> list[str]:
+    """A config's layer_types: one entry a layer, each `windowed` or "full_attention"; a
+    model shrunk with --set num_hidden_layers keeps its first layers' kinds."""
+    if isinstance(types, list) and len(types) > layers:
+        types = types[:layers]
+    if not isinstance(types, list) or len(types) != layers:
+        raise SpecError("layer_types", f"expected a list of {layers} entries, one a layer (a model given more "
+                                       f"layers than its config lists needs a layer_types as long)")
+    unknown = sorted({t for t in types if t not in (windowed, "full_attention")}, key=str)
+    if unknown:
+        raise SpecError("layer_types", f"unknown {unknown[0]!r} ({windowed}, full_attention)")
+    return types
+
+
 def _gpt_oss(raw: dict) -> dict:
     """gpt-oss as transformers builds it (modeling_gpt_oss.py, GptOssConfig's defaults):
     q/k/v/o biases with attention_bias (default true), a sink logit per head, a router
@@ -212,15 +226,8 @@ def _gpt_oss(raw: dict) -> dict:
     included, by default) attend the last sliding_window tokens; with fewer layers than
     entries (--set num_hidden_layers) the first entries apply."""
     layers = as_int(raw.get("num_hidden_layers", 36), "num_hidden_layers")
-    types = raw.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
-    if isinstance(types, list) and len(types) > layers:
-        types = types[:layers]   # a model shrunk with --set num_hidden_layers keeps its first layers' kinds
-    if not isinstance(types, list) or len(types) != layers:
-        raise SpecError("layer_types", f"expected a list of {layers} entries, one a layer (a model given more "
-                                       f"layers than its config lists needs a layer_types as long)")
-    unknown = sorted({t for t in types if t not in ("sliding_attention", "full_attention")}, key=str)
-    if unknown:
-        raise SpecError("layer_types", f"unknown {unknown[0]!r} (sliding_attention, full_attention)")
+    default = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+    types = _layer_kinds(raw.get("layer_types") or default, layers, "sliding_attention")
     bias = raw.get("attention_bias", True)
     window = raw.get("sliding_window", 128)
     windowed = types.count("sliding_attention") if window else 0   # null: every layer attends in full
@@ -258,14 +265,7 @@ def _llama4(raw: dict) -> dict:
         if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
             raise SpecError("no_rope_layer_interval", f"expected an integer of at least 1, got {interval!r}")
         types = ["chunked_attention" if (i + 1) % interval else "full_attention" for i in range(layers)]
-    if isinstance(types, list) and len(types) > layers:
-        types = types[:layers]   # a model shrunk with --set num_hidden_layers keeps its first layers' kinds
-    if not isinstance(types, list) or len(types) != layers:
-        raise SpecError("layer_types", f"expected a list of {layers} entries, one a layer (a model given more "
-                                       f"layers than its config lists needs a layer_types as long)")
-    unknown = sorted({t for t in types if t not in ("chunked_attention", "full_attention")}, key=str)
-    if unknown:
-        raise SpecError("layer_types", f"unknown {unknown[0]!r} (chunked_attention, full_attention)")
+    types = _layer_kinds(types, layers, "chunked_attention")
     chunk = raw.get("attention_chunk_size", 8192)
     windowed = types.count("chunked_attention") if chunk else 0
     bias = raw.get("attention_bias", False)
@@ -289,16 +289,8 @@ def _gemma3(raw: dict) -> dict:
     pattern = raw.get("sliding_window_pattern", 6)
     if not raw.get("layer_types") and (isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1):
         raise SpecError("sliding_window_pattern", f"expected an integer of at least 1, got {pattern!r}")
-    types = raw.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
-                                       for i in range(layers)]
-    if isinstance(types, list) and len(types) > layers:
-        types = types[:layers]   # a model shrunk with --set num_hidden_layers keeps its first layers' kinds
-    if not isinstance(types, list) or len(types) != layers:
-        raise SpecError("layer_types", f"expected a list of {layers} entries, one a layer (a model given more "
-                                       f"layers than its config lists needs a layer_types as long)")
-    unknown = sorted({t for t in types if t not in ("sliding_attention", "full_attention")}, key=str)
-    if unknown:
-        raise SpecError("layer_types", f"unknown {unknown[0]!r} (sliding_attention, full_attention)")
+    types = _layer_kinds(raw.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
+                                                    for i in range(layers)], layers, "sliding_attention")
     window = raw.get("sliding_window", 4096)
     windowed = types.count("sliding_attention") if window else 0
     bias = raw.get("attention_bias", False)
