@@ -53,19 +53,21 @@ OPTIONAL_LAYER_DIMS = {"shared_expert_intermediate_size": 0, "shared_expert_gate
 
 
 def model_dims(model: ModelSpec) -> dict[str, Any]:
-    dims = {name: getattr(model, name) for name in LAYER_DIMS}
-    dims.update({name: getattr(model, name) for name, unset in OPTIONAL_LAYER_DIMS.items()
-                 if getattr(model, name) != unset})
-    return dims
+    return entry_dims({name: getattr(model, name) for name in (*LAYER_DIMS, *OPTIONAL_LAYER_DIMS)})
 
 
 def entry_dims(entry_model: dict) -> dict[str, Any]:
-    """A profile entry's layer shape as model_dims writes it (optional fields at their
-    unset values left out)."""
+    """A layer shape as a profile entry holds it: the optional fields at their unset
+    values left out."""
     dims = {name: entry_model.get(name) for name in LAYER_DIMS}
     dims.update({name: entry_model[name] for name, unset in OPTIONAL_LAYER_DIMS.items()
                  if entry_model.get(name, unset) != unset})
     return dims
+
+
+def _dim(dims: dict[str, Any], name: str) -> Any:
+    """A field of `entry_dims`, an optional one left out read as its unset value."""
+    return dims.get(name, OPTIONAL_LAYER_DIMS.get(name))
 
 
 def layer_key(entry: dict) -> tuple:
@@ -294,12 +296,9 @@ def measured_times(doc: dict, model: ModelSpec, training: TrainingSpec, source: 
     mine = [e for e in entries if entry_dims(e["model"]) == dims]
     if not mine:
         other = entry_dims(entries[0]["model"])
-        name = next(n for n in (*LAYER_DIMS, *OPTIONAL_LAYER_DIMS) if other.get(n, OPTIONAL_LAYER_DIMS.get(n))
-                    != dims.get(n, OPTIONAL_LAYER_DIMS.get(n)))
-        raise SpecError(f"profile.model.{name}",
-                        f"the profile measured {entries[0]['model_name']} with "
-                        f"{other.get(name, OPTIONAL_LAYER_DIMS.get(name))!r}, the model has "
-                        f"{dims.get(name, OPTIONAL_LAYER_DIMS.get(name))!r}")
+        name = next(n for n in (*LAYER_DIMS, *OPTIONAL_LAYER_DIMS) if _dim(other, n) != _dim(dims, n))
+        raise SpecError(f"profile.model.{name}", f"the profile measured {entries[0]['model_name']} with "
+                                                 f"{_dim(other, name)!r}, the model has {_dim(dims, name)!r}")
     attention = "flash" if training.flash_attention else "eager"
     for key, wanted in (("precision", training.precision), ("seq_len", training.seq_len), ("attention", attention)):
         matching = [e for e in mine if e[key] == wanted]

@@ -204,9 +204,10 @@ def _qwen_moe(model_type: str, raw: dict) -> dict:
     return out
 
 
-def _layer_kinds(types: Any, layers: int, windowed: str) -> list[str]:
-    """A config's layer_types: one entry a layer, each `windowed` or "full_attention"; a
-    model shrunk with --set num_hidden_layers keeps its first layers' kinds."""
+def _windows(types: Any, layers: int, windowed: str, window: Any) -> dict:
+    """The windowed layers a config's layer_types lists (one entry a layer, each
+    `windowed` or "full_attention"; a model shrunk with --set num_hidden_layers keeps its
+    first layers' kinds), attending `window` tokens; a null window: every layer in full."""
     if isinstance(types, list) and len(types) > layers:
         types = types[:layers]
     if not isinstance(types, list) or len(types) != layers:
@@ -215,7 +216,8 @@ def _layer_kinds(types: Any, layers: int, windowed: str) -> list[str]:
     unknown = sorted({t for t in types if t not in (windowed, "full_attention")}, key=str)
     if unknown:
         raise SpecError("layer_types", f"unknown {unknown[0]!r} ({windowed}, full_attention)")
-    return types
+    count = types.count(windowed) if window else 0
+    return {"windowed_layers": count, "attention_window": window if count else None}
 
 
 def _gpt_oss(raw: dict) -> dict:
@@ -227,13 +229,10 @@ def _gpt_oss(raw: dict) -> dict:
     entries (--set num_hidden_layers) the first entries apply."""
     layers = as_int(raw.get("num_hidden_layers", 36), "num_hidden_layers")
     default = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
-    types = _layer_kinds(raw.get("layer_types") or default, layers, "sliding_attention")
     bias = raw.get("attention_bias", True)
-    window = raw.get("sliding_window", 128)
-    windowed = types.count("sliding_attention") if window else 0   # null: every layer attends in full
     return {"attention_bias": bias, "attention_out_bias": bias, "attention_sinks": True, "router_bias": True,
-            "mlp_bias": True, "swiglu_limit": raw.get("swiglu_limit", 7.0), "windowed_layers": windowed,
-            "attention_window": window if windowed else None}
+            "mlp_bias": True, "swiglu_limit": raw.get("swiglu_limit", 7.0),
+            **_windows(raw.get("layer_types") or default, layers, "sliding_attention", raw.get("sliding_window", 128))}
 
 
 def _llama4(raw: dict) -> dict:
@@ -265,14 +264,11 @@ def _llama4(raw: dict) -> dict:
         if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
             raise SpecError("no_rope_layer_interval", f"expected an integer of at least 1, got {interval!r}")
         types = ["chunked_attention" if (i + 1) % interval else "full_attention" for i in range(layers)]
-    types = _layer_kinds(types, layers, "chunked_attention")
-    chunk = raw.get("attention_chunk_size", 8192)
-    windowed = types.count("chunked_attention") if chunk else 0
+    windows = _windows(types, layers, "chunked_attention", raw.get("attention_chunk_size", 8192))
     bias = raw.get("attention_bias", False)
     return {"attention_bias": bias, "attention_out_bias": bias, "router_scoring": "sigmoid",
             "shared_expert_intermediate_size": raw.get("intermediate_size", 8192),
-            "windowed_layers": windowed, "attention_window": chunk if windowed else None,
-            "chunked_attention": bool(windowed)}
+            "chunked_attention": bool(windows["windowed_layers"]), **windows}
 
 
 def _gemma3(raw: dict) -> dict:
@@ -289,16 +285,16 @@ def _gemma3(raw: dict) -> dict:
     pattern = raw.get("sliding_window_pattern", 6)
     if not raw.get("layer_types") and (isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1):
         raise SpecError("sliding_window_pattern", f"expected an integer of at least 1, got {pattern!r}")
-    types = _layer_kinds(raw.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
-                                                    for i in range(layers)], layers, "sliding_attention")
-    window = raw.get("sliding_window", 4096)
-    windowed = types.count("sliding_attention") if window else 0
+    default = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
     bias = raw.get("attention_bias", False)
-    return {"attention_bias": bias, "attention_out_bias": bias, "windowed_layers": windowed,
-            "attention_window": window if windowed else None}
+    return {"attention_bias": bias, "attention_out_bias": bias,
+            **_windows(raw.get("layer_types") or default, layers, "sliding_attention", raw.get("sliding_window", 4096))}
 
 
 _TEXT_MODEL_TYPES = {"llama4": "llama4_text", "gemma3": "gemma3_text"}
+# ModelSpec fields that describe experts or their router, and their defaults.
+_EXPERT_FIELDS = {"shared_expert_intermediate_size": 0, "router_bias": False, "swiglu_limit": None,
+                  "router_scoring": "softmax", "norm_topk_prob": True}
 _WINDOWED_MODEL_TYPES = ("gpt_oss", "llama4_text", "gemma3_text")
 
 
@@ -520,8 +516,6 @@ def model_from_dict(data: dict, name: str, overrides: dict[str, str] | None = No
     if raw.get("shared_expert_intermediate_size") is not None:
         values["shared_expert_intermediate_size"] = as_int(raw["shared_expert_intermediate_size"],
                                                            "shared_expert_intermediate_size", minimum=0)
-        if values["shared_expert_intermediate_size"] and values["num_local_experts"] < 2:
-            raise SpecError("shared_expert_intermediate_size", "set on a model without experts (num_local_experts 1)")
     if raw.get("attention_window") is not None:
         values["attention_window"] = as_int(raw["attention_window"], "attention_window")
     if raw.get("windowed_layers") is not None:
@@ -537,13 +531,11 @@ def model_from_dict(data: dict, name: str, overrides: dict[str, str] | None = No
         values["swiglu_limit"] = as_float(raw["swiglu_limit"], "swiglu_limit")
     if values.get("chunked_attention") and not values.get("windowed_layers"):
         raise SpecError("chunked_attention", "set without windowed layers (attention_window, windowed_layers)")
-    for key in ("router_bias", "swiglu_limit"):
-        if values.get(key) and values["num_local_experts"] < 2:
-            raise SpecError(key, "set on a model without experts (num_local_experts 1)")
-    if values.get("router_scoring", "softmax") != "softmax" and values["num_local_experts"] < 2:
-        raise SpecError("router_scoring", "set on a model without experts (num_local_experts 1)")
-    if values.get("norm_topk_prob") is False and values["num_local_experts"] < 2:
-        raise SpecError("norm_topk_prob", "set on a model without experts (num_local_experts 1)")
+    if values["num_local_experts"] < 2:
+        # Fields of the experts and their router, away from their defaults on a dense model.
+        for key, unset in _EXPERT_FIELDS.items():
+            if values.get(key, unset) != unset:
+                raise SpecError(key, "set on a model without experts (num_local_experts 1)")
     if raw.get("shared_expert_gate") is not None:
         values["shared_expert_gate"] = as_bool(raw["shared_expert_gate"], "shared_expert_gate")
         if values["shared_expert_gate"] and not values.get("shared_expert_intermediate_size"):

@@ -204,8 +204,7 @@ class ModelSpec:
 
 _ARCHITECTURE_FIELDS = ("moe_capacity_factor", "shared_expert_intermediate_size", "shared_expert_gate",
                         "norm_topk_prob", "attention_window", "windowed_layers", "chunked_attention", "router_scoring",
-                        "attention_sinks", "router_bias",
-                        "swiglu_limit", "head_dim",
-                        "mlp", "norm", "position_embedding", "attention_bias", "attention_out_bias", "mlp_bias",
-                        "qk_norm", "parallel_block", "norms_per_layer", "lm_head_bias", "sliding_window", "hidden_act",
+                        "attention_sinks", "router_bias", "swiglu_limit", "head_dim", "mlp", "norm",
+                        "position_embedding", "attention_bias", "attention_out_bias", "mlp_bias", "qk_norm",
+                        "parallel_block", "norms_per_layer", "lm_head_bias", "sliding_window", "hidden_act",
                         "resid_dropout", "fused_qkv")

@@ -183,6 +183,12 @@ def moe_rows_saved_bytes(model: ModelSpec, ep: int, value_bytes: float) -> float
     return rows + 4 * 8.0 * k + value_bytes * k + softmax
 
 
+# gpt-oss's clamped SwiGLU, gate.clamp * sigmoid(1.702 gate) * (up.clamp + 1), keeps 7
+# tensors of the expert width where SwiGLU keeps 4 (measured with saved_tensors_hooks on
+# transformers' GptOssExperts._apply_gate: 6 values a gate/up pair, and the product).
+CLAMPED_SWIGLU_EXTRA_TENSORS = 3
+
+
 def shared_gate_saved_bytes(model: ModelSpec, value_bytes: float) -> float:
     """Per token, what Qwen2-MoE's shared-expert gate keeps (executor.models.MoE:
     sigmoid(gate(x)) * shared(x)): the product keeps the shared expert's output and the
@@ -282,10 +288,7 @@ def pytorch_layer_activation_bytes(model: ModelSpec, training: TrainingSpec, mic
     rope_tables = 4.0 * hd if autocast and model.position_embedding == "rope" else 0.0
     mlp_tensors = 4 if gated else 2
     if model.swiglu_limit is not None:
-        # gpt-oss's clamped SwiGLU, gate.clamp * sigmoid(1.702 gate) * (up.clamp + 1), keeps
-        # 7 tensors of f where SwiGLU keeps 4 (measured with saved_tensors_hooks on
-        # transformers' GptOssExperts._apply_gate: 6 values a gate/up pair, and the product).
-        mlp_tensors += 3
+        mlp_tensors += CLAMPED_SWIGLU_EXTRA_TENSORS
     if model.hidden_act == "gelu_new":
         # transformers' NewGELUActivation is an elementwise formula: the tanh, 0.5 x and
         # 1 + tanh are kept beside its input (measured: Phi-2, 5 tensors of f).
@@ -400,7 +403,8 @@ def layer_activation_bytes(model: ModelSpec, training: TrainingSpec, micro_batch
         if training.flash_attention:
             attention += 4.0 * model.num_attention_heads * b * s
         per_token = model.norms_per_layer * norm_saved_bytes(model, training, 1)[1] * b * s
-    mlp_tensors = (saved.gated_mlp_tensors if model.gated_mlp else 2) + (3 if model.swiglu_limit is not None else 0)
+    mlp_tensors = (saved.gated_mlp_tensors if model.gated_mlp else 2) + (
+        CLAMPED_SWIGLU_EXTRA_TENSORS if model.swiglu_limit is not None else 0)
     mlp = v * mlp_tensors * (f * expert_rows_held_per_token(model, ep) + model.shared_expert_intermediate_size) * b * s
     router = (moe_rows_saved_bytes(model, ep, v) + shared_gate_saved_bytes(model, v)) * b * s
     split = (attention + mlp) / tp + (replicated + per_token) / seq_split + router

@@ -269,9 +269,8 @@ def _check_moe_layout(args: argparse.Namespace, model: ModelSpec, whole: bool) -
     shared = model.shared_expert_intermediate_size or None
     given = args.moe_shared_expert_intermediate_size
     if given != shared and (whole or given is not None):
-        said = args.moe_shared_expert_intermediate_size or "absent"
         raise SpecError("--moe-shared-expert-intermediate-size",
-                        f"{said}, but {model.name} has {shared or 'no shared expert'}")
+                        f"{given or 'absent'}, but {model.name} has {shared or 'no shared expert'}")
     for flag, given, expected, has, has_not in (
             ("--moe-shared-expert-gate", args.moe_shared_expert_gate, model.shared_expert_gate,
              "a gate on its shared expert", "no gate on a shared expert"),

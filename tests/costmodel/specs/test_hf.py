@@ -229,6 +229,15 @@ def test_gpt_oss_shrunk_keeps_its_first_layers_kinds():
     assert (spec.num_hidden_layers, spec.windowed_layers) == (3, 2)
 
 
+def _as_multimodal(path, model_type, architecture):
+    """Rewrite a text model's config.json as its multimodal release holds it: under
+    text_config, beside a vision_config."""
+    text = json.loads(path.read_text())
+    path.write_text(json.dumps({"architectures": [architecture], "model_type": model_type,
+                                "transformers_version": text["transformers_version"], "text_config": text,
+                                "vision_config": {}}))
+
+
 @pytest.mark.parametrize("nested", [False, True])
 def test_llama4_scout_loads_as_transformers_builds_it(tmp_path, nested):
     """Llama 4 Scout's text model: 107,769,861,120 parameters as transformers builds them
@@ -240,9 +249,7 @@ def test_llama4_scout_loads_as_transformers_builds_it(tmp_path, nested):
 
     path = _builtin_as_config_json("llama4-scout", tmp_path)
     if nested:
-        text = json.loads(path.read_text())
-        path.write_text(json.dumps({"architectures": ["Llama4ForConditionalGeneration"], "model_type": "llama4",
-                                    "transformers_version": "4.51.0", "text_config": text, "vision_config": {}}))
+        _as_multimodal(path, "llama4", "Llama4ForConditionalGeneration")
     spec = load_model(str(path))
     assert (spec.shared_expert_intermediate_size, spec.router_scoring, spec.windowed_layers, spec.attention_window,
             spec.chunked_attention, spec.num_experts_per_tok) == (8192, "sigmoid", 36, 8192, True, 1)
@@ -268,9 +275,7 @@ def test_gemma3_loads_as_transformers_builds_it(tmp_path, nested):
 
     path = _builtin_as_config_json("gemma3-1b", tmp_path)
     if nested:
-        text = json.loads(path.read_text())
-        path.write_text(json.dumps({"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
-                                    "transformers_version": "4.50.0", "text_config": text, "vision_config": {}}))
+        _as_multimodal(path, "gemma3", "Gemma3ForConditionalGeneration")
     spec = load_model(str(path))
     assert (spec.qk_norm, spec.norms_per_layer, spec.mlp, spec.norm, spec.windowed_layers, spec.attention_window,
             spec.chunked_attention, spec.tie_word_embeddings) == (True, 4, "geglu", "rmsnorm_unit_offset", 22, 512,

@@ -138,14 +138,8 @@ def test_shared_expert_fields_read_and_keep_older_fingerprints():
     ("mixtral-8x7b", {"shared_expert_gate": "true"}, "shared_expert_gate", "without a shared expert"),
     ("llama3-8b", {"norm_topk_prob": "false"}, "norm_topk_prob", "without experts"),
     ("mixtral-8x7b", {"norm_topk_prob": "sometimes"}, "norm_topk_prob", ""),
-])
-def test_shared_expert_fields_reject(model, overrides, field, message):
-    with pytest.raises(SpecError, match=message) as err:
-        load_model(model, overrides)
-    assert err.value.field == field
-
-
-@pytest.mark.parametrize("model, overrides, field, message", [
+    ("llama3-8b", {"router_scoring": "sigmoid"}, "router_scoring", "without experts"),
+    ("mixtral-8x7b", {"router_scoring": "argmax"}, "router_scoring", "unknown 'argmax'"),
     ("llama3-8b", {"attention_window": "4096"}, "windowed_layers", "go together"),
     ("llama3-8b", {"windowed_layers": "16"}, "attention_window", "go together"),
     ("llama3-8b", {"attention_window": "4096", "windowed_layers": "33"}, "windowed_layers", "at most 32"),
@@ -153,7 +147,7 @@ def test_shared_expert_fields_reject(model, overrides, field, message):
     ("llama3-8b", {"swiglu_limit": "7"}, "swiglu_limit", "without experts"),
     ("gpt-oss-20b", {"swiglu_limit": "0"}, "swiglu_limit", "above 0"),
 ])
-def test_gpt_oss_fields_reject(model, overrides, field, message):
+def test_moe_and_window_fields_reject(model, overrides, field, message):
     with pytest.raises(SpecError, match=message) as err:
         load_model(model, overrides)
     assert err.value.field == field
