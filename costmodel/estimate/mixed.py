@@ -23,6 +23,7 @@ from dataclasses import replace
 from costmodel.estimate.breakdown import Estimate, MemoryBreakdown, step_estimate
 from costmodel.estimate.uniform import (
     UnitCosts,
+    backward_window_s,
     dp_sync_s,
     estimate_ranks,
     optimizer_step_s,
@@ -168,7 +169,7 @@ def estimate_replicas(problem: Problem, strategy: Strategy) -> tuple[Estimate, l
     s = replace(base, num_microbatches=strategy.replica_microbatches[slowest])
     # The all-reduce can start its last buckets only when the slowest replica's last
     # backward makes them (DDP bucketing, Li et al. 2020 §3.2.3): its window hides the rest.
-    window = problem.model.num_hidden_layers * u.layer_backward_s
+    window = backward_window_s(u, s, 0)
     exposed = max(0.0, dp_sync_s(replica_sync_problem(problem, strategy, cluster.group(name)), u, s, 0) - window)
     optimizer_s = max(optimizer_step_s(pg, ug, base, 0) for pg, ug in per_group.values())
     peak = max(memories.values(), key=lambda mem: mem.total_bytes)

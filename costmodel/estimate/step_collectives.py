@@ -66,7 +66,7 @@ def step_collectives(problem: Problem, strategy: Strategy, pp_rank: int) -> tupl
         add("reduce_scatter", "tp", message, m * (2 * (layers + full) + 2 * layers), "layer TP (SP)")
     else:
         add("all_reduce", "tp", message, m * (2 * (layers + full) + 2 * layers), "layer TP")
-    kv_bytes = value * b * training.seq_len * 2 * model.kv_size / s.tp
+    kv_bytes = value * b * training.seq_len * compute.cp_gathered_values_per_token(model, s.tp)
     add("all_gather", "cp", kv_bytes, m * (layers + full), "context-parallel K and V")
     add("reduce_scatter", "cp", kv_bytes, m * layers, "context-parallel K and V gradients")
     if model.is_moe:

@@ -7,7 +7,7 @@ solver, so the solver optimises exactly the figures reported here.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from costmodel.estimate.breakdown import Estimate, MemoryBreakdown, Work, step_estimate
 from costmodel.measured import profiled_layer
@@ -26,6 +26,7 @@ from costmodel.terms.counts import (
     layer_forward_flops,
     layer_parameters,
     model_flops_per_step,
+    mtp_projection_parameters,
 )
 from costmodel.terms.pipeline import FORWARD_SHARE, pipeline_time_s
 
@@ -54,6 +55,14 @@ class UnitCosts:
     # per forward GEMM, Narayanan et al. 2021 §3.5).
     layer_weight_grad_s: float = 0.0
     layer_forward_s: float = 0.0           # one layer's forward pass: compute and its collectives
+    # A model whose first layers are dense (ModelSpec.layer_kinds): those layers' own unit
+    # costs (only their layer fields are read) and how many they are.
+    dense: UnitCosts | None = None
+    prefix_layers: int = 0
+    # Multi-token prediction modules on the last virtual stage: that many more plain
+    # layers, and their projections and norms (per rank, dense).
+    mtp_layers: int = 0
+    mtp_parameters: float = 0.0
 
     @property
     def forward_share(self) -> float:
@@ -71,6 +80,17 @@ class UnitCosts:
 
 
 def unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
+    """The unit costs of `strategy` on `problem`; a model with dense first layers gets
+    theirs beside (UnitCosts.dense)."""
+    units = _unit_costs(problem, strategy)
+    dense = problem.model.dense_layer()
+    if dense is None:
+        return units
+    return replace(units, dense=_unit_costs(replace(problem, model=dense), strategy),
+                   prefix_layers=problem.model.first_k_dense_replace)
+
+
+def _unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
     model, cluster, training = problem.model, problem.cluster, problem.training
     b, tp, sp, ep, cp = strategy.micro_batch_size, strategy.tp, strategy.sequence_parallel, strategy.ep, strategy.cp
     where = groups(problem, strategy)
@@ -134,7 +154,7 @@ def unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
     # reduce-scatter for it.
     cp_forward = cp_backward = 0.0
     if cp > 1:
-        kv_bytes = value * b * training.seq_len * 2 * model.kv_size / tp
+        kv_bytes = value * b * training.seq_len * compute.cp_gathered_values_per_token(model, tp)
         cp_forward = coll("all_gather", kv_bytes, where["cp"])
         cp_backward = coll("reduce_scatter", kv_bytes, where["cp"])
     ep_one_way = 0.0
@@ -250,6 +270,20 @@ def unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
                       dp_comm_s=zero3_ends_s(first_local))
     last_work = Work(compute_s=head_fwd + head_bwd + head_launch, tp_comm_s=head_comm,
                      dp_comm_s=zero3_ends_s(last_local))
+    # Multi-token prediction (DeepSeek-V3 §2.2): each module projects the normed hidden
+    # state and the next token's embedding (2h to h, replicated over tp as MLA's down
+    # projections), runs one more layer (its layer is in `mtp_layers`) and the shared
+    # head and loss again; its loss's logits are held as the main loss's.
+    mtp = model.num_nextn_predict_layers
+    mtp_parameters = 0.0
+    if mtp:
+        tokens = b * training.seq_len / cp
+        projection_s = compute.gemm_time_s(tokens, model.hidden_size, 2 * model.hidden_size,
+                                           cluster.gpu.peak_for(training.precision), device=cluster.gpu)
+        last_work = last_work + Work(compute_s=head_fwd + head_bwd + head_launch
+                                     + (1 + compute.BACKWARD_FACTOR) * projection_s,
+                                     tp_comm_s=head_comm).scaled(mtp)
+        mtp_parameters = mtp * mtp_projection_parameters(model)
     # With tp > 1 the activation is scattered over the tp ranks before the send and
     # gathered after (Narayanan et al. 2021 §4.1, scatter/gather optimisation).
     p2p_bytes = message / tp
@@ -272,7 +306,7 @@ def unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
         last_work=last_work,
         first_parameters=first_local,
         last_parameters=last_local,
-        logits_bytes=memory.logits_bytes(model, training, b, tp, chunked_loss, cp),
+        logits_bytes=(1 + mtp) * memory.logits_bytes(model, training, b, tp, chunked_loss, cp),
         loss_peak_bytes=(memory.loss_peak_bytes(model, training, b, tp, chunked_loss, cp)
                          + memory.final_norm_bytes(model, training, b, tp, sp, cp)),
         p2p_s=p2p_s,
@@ -280,6 +314,8 @@ def unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
         tied_sync_s=tied_sync_s,
         layer_weight_grad_s=layer.gemm_s,
         layer_forward_s=fwd_compute + tp_forward + ep_one_way + zero3_fwd + cp_forward,
+        mtp_layers=mtp,
+        mtp_parameters=mtp_parameters,
     )
 
 
@@ -288,18 +324,42 @@ def cross_entropy_bytes(micro_batch_size: int, seq_len: int) -> int:
     return 4 * micro_batch_size * seq_len
 
 
-def stage_work(units: UnitCosts, stage: Stage) -> Work:
+def stage_layers(units: UnitCosts, stage: Stage, last_index: int | None = None) -> list[tuple[UnitCosts, str, int]]:
+    """The layers of `stage` as (unit costs of their kind, recompute mode, how many): the
+    model's dense first layers priced by `units.dense`, the rest by `units`; on the last
+    virtual stage (`last_index`) the multi-token prediction modules' layers too, plain."""
+    out = []
+    for mode, prefix, rest in stage.layers_by_mode(units.prefix_layers):
+        if prefix:
+            out.append((units.dense, mode, prefix))
+        if rest:
+            out.append((units, mode, rest))
+    if stage.index == last_index and units.mtp_layers:
+        out.append((units, "none", units.mtp_layers))
+    return out
+
+
+def rank_layers(units: UnitCosts, strategy: Strategy, pp_rank: int) -> list[tuple[UnitCosts, str, int]]:
+    """`stage_layers` of every stage rank `pp_rank` holds."""
+    last_index = strategy.num_virtual_stages - 1
+    return [entry for stage in strategy.rank_stages(pp_rank) for entry in stage_layers(units, stage, last_index)]
+
+
+def stage_work(units: UnitCosts, stage: Stage, last_index: int | None = None) -> Work:
     work = Work()
-    for mode, count in (("none", stage.plain_layers), ("selective", stage.selective_recompute_layers),
-                        ("full", stage.full_recompute_layers)):
-        work = work + units.layer_work[mode].scaled(count)
+    for kind, mode, count in stage_layers(units, stage, last_index):
+        work = work + kind.layer_work[mode].scaled(count)
     return work
 
 
-def stage_activation_bytes(units: UnitCosts, stage: Stage) -> float:
-    return (stage.plain_layers * units.layer_activation_bytes["none"]
-            + stage.selective_recompute_layers * units.layer_activation_bytes["selective"]
-            + stage.full_recompute_layers * units.layer_activation_bytes["full"])
+def stage_activation_bytes(units: UnitCosts, stage: Stage, last_index: int | None = None) -> float:
+    return sum(count * kind.layer_activation_bytes[mode] for kind, mode, count in stage_layers(units, stage, last_index))
+
+
+def backward_window_s(units: UnitCosts, strategy: Strategy, pp_rank: int) -> float:
+    """The backward time of rank `pp_rank`'s layers behind which gradient sync can run
+    (UnitCosts.layer_backward_s of each)."""
+    return sum(count * kind.layer_backward_s for kind, _, count in rank_layers(units, strategy, pp_rank))
 
 
 def p2p_sends(strategy: Strategy, pp_rank: int) -> int:
@@ -314,7 +374,7 @@ def rank_work(units: UnitCosts, strategy: Strategy, pp_rank: int) -> Work:
     work = Work(pp_comm_s=p2p_sends(strategy, pp_rank) * units.p2p_s)
     last_index = strategy.num_virtual_stages - 1
     for stage in strategy.rank_stages(pp_rank):
-        work = work + stage_work(units, stage)
+        work = work + stage_work(units, stage, last_index)
         if stage.index == 0:
             work = work + units.first_work
         if stage.index == last_index:
@@ -327,12 +387,13 @@ def rank_parameters(units: UnitCosts, strategy: Strategy, pp_rank: int) -> tuple
     dense = experts = 0.0
     last_index = strategy.num_virtual_stages - 1
     for stage in strategy.rank_stages(pp_rank):
-        dense += stage.num_layers * units.layer_dense_parameters
-        experts += stage.num_layers * units.layer_expert_parameters
+        for kind, _, count in stage_layers(units, stage, last_index):
+            dense += count * kind.layer_dense_parameters
+            experts += count * kind.layer_expert_parameters
         if stage.index == 0:
             dense += units.first_parameters
         if stage.index == last_index:
-            dense += units.last_parameters
+            dense += units.last_parameters + units.mtp_parameters
     return dense, experts
 
 
@@ -351,7 +412,7 @@ class FsdpUnits:
 
 def fsdp_units(problem: Problem, units: UnitCosts, strategy: Strategy) -> FsdpUnits:
     """The units of `FsdpUnits` under the runtime's FSDP2 wrapping (RuntimeSpec.fsdp_kept_gathered)."""
-    layer = units.layer_dense_parameters + units.layer_expert_parameters
+    layer = max(u.layer_dense_parameters + u.layer_expert_parameters for u in (units, units.dense) if u is not None)
     first, last = units.first_parameters, units.last_parameters
     kept = problem.runtime.fsdp_kept_gathered if strategy.pp == 1 else "none"
     if kept == "root":
@@ -411,7 +472,9 @@ def rank_memory(problem: Problem, units: UnitCosts, strategy: Strategy, pp_rank:
     w2, g2, o2 = memory.sharded_state_bytes(experts, training, zero, dp // strategy.ep)
     in_flight = memory.in_flight_microbatches(strategy.schedule, strategy.pp, pp_rank,
                                               strategy.num_microbatches, strategy.vpp)
-    all_activations = in_flight * sum(stage_activation_bytes(units, s) for s in stages)
+    last_index = strategy.num_virtual_stages - 1
+    layers = rank_layers(units, strategy, pp_rank)
+    all_activations = in_flight * sum(stage_activation_bytes(units, s, last_index) for s in stages)
     activations = all_activations
     gradients = g1 + g2
     head_in_backward = holds_head
@@ -422,31 +485,35 @@ def rank_memory(problem: Problem, units: UnitCosts, strategy: Strategy, pp_rank:
         # llama2-7b zero3 dp8 and tp8 comes early in backward, with the layers'
         # gradients not yet made). With micro-batches the gradients persist from the
         # first backward to the optimizer step beside the next micro-batch's activations.
-        layer_gradients = sum(memory.sharded_state_bytes(units.layer_dense_parameters, training, zero, dp)[1:2]
-                              + memory.sharded_state_bytes(units.layer_expert_parameters, training, zero,
-                                                           dp // strategy.ep)[1:2])
-        by_mode = _layers_by_mode(stages)
-        for mode, count in by_mode.items():
-            activation = units.layer_activation_bytes[mode]
-            if activation >= layer_gradients:
-                gradients -= count * layer_gradients
+        def layer_gradients(kind: UnitCosts) -> float:
+            return (memory.sharded_state_bytes(kind.layer_dense_parameters, training, zero, dp)[1]
+                    + memory.sharded_state_bytes(kind.layer_expert_parameters, training, zero, dp // strategy.ep)[1])
+
+        for kind, mode, count in layers:
+            activation = kind.layer_activation_bytes[mode]
+            if activation >= layer_gradients(kind):
+                gradients -= count * layer_gradients(kind)
             else:
                 activations -= in_flight * count * activation
-        last_mode = next((m for m in ("none", "selective", "full") if by_mode[m]), None)
-        if (zero == 3 and dp > 1 and sum(by_mode.values()) > 1
-                and units.layer_activation_bytes[last_mode] >= layer_gradients):
+        modes = {mode for _, mode, _ in layers}
+        last_mode = next((m for m in ("none", "selective", "full") if m in modes), None)
+        last_kind = next((kind for kind, mode, _ in reversed(layers) if mode == last_mode), units)
+        if (zero == 3 and dp > 1 and sum(count for _, _, count in layers) > 1
+                and last_kind.layer_activation_bytes[last_mode] >= layer_gradients(last_kind)):
             # FSDP2's peak comes at the end of a layer's backward, its unsharded
             # gradients whole and the previous layer's reduce-scatter input still held:
             # the logits and the last layer's activations are freed by then (measured:
             # llama2-7b zero3 dp8 peaks in layer 30 of 32 holding 30.9 layers).
-            activations -= in_flight * units.layer_activation_bytes[last_mode]
+            activations -= in_flight * last_kind.layer_activation_bytes[last_mode]
             head_in_backward = False
     if head_in_backward:
         activations += in_flight * units.logits_bytes
     rebuilds_selective = problem.runtime.selective_rebuilds_layer
-    if any(s.full_recompute_layers or (s.selective_recompute_layers and rebuilds_selective) for s in stages):
+    rebuilt = [kind.layer_working_bytes for kind, mode, _ in layers
+               if mode == "full" or (mode == "selective" and rebuilds_selective)]
+    if rebuilt:
         # A recomputed layer's activations are made whole again for its backward.
-        activations += units.layer_working_bytes
+        activations += max(rebuilt)
     buffers = temporaries = loss_buffers = 0.0
     copy, reduce_bytes = memory.compute_copy_bytes(training), memory.held_state_bytes(training).gradients
     if zero == 3 and dp > 1:
@@ -485,13 +552,6 @@ def rank_memory(problem: Problem, units: UnitCosts, strategy: Strategy, pp_rank:
     loss_peak = MemoryBreakdown(w1 + w2, loss_gradients, o1 + o2, loss_activations, loss_buffers, reserve,
                                 0.0 if zero == 3 and dp > 1 else temporaries)
     return loss_peak if loss_peak.total_bytes > backward_peak.total_bytes else backward_peak
-
-
-def _layers_by_mode(stages) -> dict[str, int]:
-    """Layers of `stages` by recompute mode."""
-    return {"none": sum(s.plain_layers for s in stages),
-            "selective": sum(s.selective_recompute_layers for s in stages),
-            "full": sum(s.full_recompute_layers for s in stages)}
 
 
 def dp_sync_s(problem: Problem, units: UnitCosts, strategy: Strategy, pp_rank: int) -> float:
@@ -541,14 +601,18 @@ def recompute_flops(problem: Problem, strategy: Strategy) -> float:
     full recompute repeats each layer's forward, selective the attention scores."""
     model, training = problem.model, problem.training
     sequences = training.global_batch
-    full = sum(s.full_recompute_layers for s in strategy.stages)
+    kinds = model.layer_kinds()
+    prefix = kinds[0][1] if len(kinds) > 1 else 0
+    full_flops = {True: layer_forward_flops(kinds[0][0], training.seq_len),
+                  False: layer_forward_flops(kinds[-1][0], training.seq_len)}
+    full = sum(count * full_flops[dense] for s in strategy.stages for mode, *counts in s.layers_by_mode(prefix)
+               if mode == "full" for dense, count in zip((True, False), counts))
     selective = 0 if training.flash_attention else sum(s.selective_recompute_layers for s in strategy.stages)
-    per_layer = layer_forward_flops(model, training.seq_len)
     # Eq. 8 adds 72BLsh^2 * s/(6h) = 12 s^2 h per selectively recomputed layer and
     # sequence (its HFU convention: 22B HFU/MFU 43.7/41.5 in Table 5), three times the
     # 4 s^2 h of one extra forward of the attention core.
     scores = 12.0 * training.seq_len ** 2 * model.hidden_size
-    return sequences * (full * per_layer + selective * scores)
+    return sequences * (full + selective * scores)
 
 
 def pass_shares(strategy: Strategy, rank_costs: list[tuple[Problem, UnitCosts]],
@@ -560,9 +624,9 @@ def pass_shares(strategy: Strategy, rank_costs: list[tuple[Problem, UnitCosts]],
     total = sum(rank_times_s)
     if total <= 0:
         return 0.0, FORWARD_SHARE
-    layers = [sum(st.num_layers for st in strategy.rank_stages(r)) for r in range(len(rank_costs))]
-    weight_s = sum(n * u.layer_weight_grad_s for n, (_, u) in zip(layers, rank_costs))
-    forward_s = sum(n * u.layer_forward_s for n, (_, u) in zip(layers, rank_costs))
+    layers = [rank_layers(u, strategy, r) for r, (_, u) in enumerate(rank_costs)]
+    weight_s = sum(n * kind.layer_weight_grad_s for rank in layers for kind, _, n in rank)
+    forward_s = sum(n * kind.layer_forward_s for rank in layers for kind, _, n in rank)
     return weight_s / total, forward_s / total
 
 
@@ -585,7 +649,7 @@ def estimate_ranks(problem: Problem, strategy: Strategy, rank_costs: list[tuple[
     # counted in the sync (it follows the optimizer step).
     dp_exposed = 0.0
     for r, (p, u) in enumerate(rank_costs):
-        window = sum(s.num_layers for s in strategy.rank_stages(r)) * u.layer_backward_s
+        window = backward_window_s(u, strategy, r)
         dp_exposed = max(dp_exposed, max(0.0, dp_sync_s(p, u, strategy, r) - window))
     optimizer_s = max(optimizer_step_s(p, u, strategy, r) for r, (p, u) in enumerate(rank_costs))
     memories = [rank_memory(p, u, strategy, r) for r, (p, u) in enumerate(rank_costs)]

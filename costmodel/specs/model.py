@@ -15,7 +15,7 @@ bias (Phi).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 FAMILIES = ("gpt", "llama", "mixtral")
 MLP_KINDS = ("gelu", "geglu", "swiglu")
@@ -101,6 +101,32 @@ class ModelSpec:
     attention_sinks: bool = False
     router_bias: bool = False
     swiglu_limit: float | None = None
+    # DeepSeek-V3 (DeepSeek-AI 2024, arXiv 2412.19437; Hugging Face's names):
+    # - Multi-head latent attention (DeepSeek-V2, arXiv 2405.04434 §2.1.2), on when
+    #   kv_lora_rank > 0: keys and values made per head from a `kv_lora_rank` latent, beside one
+    #   shared `qk_rope_head_dim` rotary key; queries from a `q_lora_rank` latent (0: a full
+    #   projection); per head, `qk_nope_head_dim` + `qk_rope_head_dim` query/key widths and
+    #   `v_head_dim` value widths (head_dim is then unused).
+    # - `first_k_dense_replace`: the first layers of a mixture-of-experts model hold a dense
+    #   SwiGLU MLP `dense_intermediate_size` wide in place of the experts.
+    # - Group-limited routing: the experts in `n_group` groups, a token routed within its best
+    #   `topk_group` groups (node-limited routing, §2.1.2), the weights scaled by
+    #   `routed_scaling_factor`; no parameters or FLOPs beyond the router's.
+    # - `num_nextn_predict_layers`: multi-token prediction modules (§2.2), each one more
+    #   layer of the model's last kind, a projection of 2h to h and two norms on the last
+    #   pipeline stage, sharing the embedding and LM head; trained, so priced, but outside
+    #   the published parameter count (671B main model, 14B MTP).
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    first_k_dense_replace: int = 0
+    dense_intermediate_size: int = 0
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    num_nextn_predict_layers: int = 0
     # How Hugging Face runs it (memory only; no parameter or FLOP changes):
     sliding_window: int | None = None       # Mistral: a mask is built once seq_len reaches it
     hidden_act: str | None = None           # HF's name; "gelu_new" is an elementwise formula
@@ -192,19 +218,83 @@ class ModelSpec:
         return self.mlp != "gelu"
 
     @property
+    def is_mla(self) -> bool:
+        """Multi-head latent attention (DeepSeek-V2 §2.1.2)."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def query_head_dim(self) -> int:
+        """Width of one head's query and key: nope + rope under MLA, else head_dim."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.is_mla else self.head_dim
+
+    @property
+    def value_head_dim(self) -> int:
+        return self.v_head_dim if self.is_mla else self.head_dim
+
+    @property
     def q_size(self) -> int:
-        """Width of the Q projection output (and the output projection's input)."""
-        return self.num_attention_heads * self.head_dim
+        """Width of the queries (and of the keys made from MLA's latent)."""
+        return self.num_attention_heads * self.query_head_dim
+
+    @property
+    def out_size(self) -> int:
+        """Width of the attention output: the output projection's input."""
+        return self.num_attention_heads * self.value_head_dim
 
     @property
     def kv_size(self) -> int:
-        """Width of the K (or V) projection output."""
+        """Width of the K (or V) projection output; under MLA the per-head keys made from
+        the latent (values: `out_size`)."""
+        if self.is_mla:
+            return self.q_size
         return self.num_key_value_heads * self.head_dim
+
+    @property
+    def kv_values_per_token(self) -> int:
+        """Key and value values a token's attention takes from the projections: K and V
+        (2 kv_size); under MLA the latent and the shared rotary key, which DeepSeek
+        caches, and which context parallelism gathers, in their place (DeepSeek-V2
+        §2.1.2: kv_lora_rank + qk_rope_head_dim a token)."""
+        if self.is_mla:
+            return self.kv_lora_rank + self.qk_rope_head_dim
+        return 2 * self.kv_size
+
+    @property
+    def dense_layers(self) -> int:
+        """Layers whose MLP is dense: all of a dense model's, the first
+        `first_k_dense_replace` of a mixture of experts."""
+        return self.num_hidden_layers if not self.is_moe else self.first_k_dense_replace
+
+    def layer_kinds(self) -> tuple[tuple[ModelSpec, int], ...]:
+        """(the spec of a kind of layer, how many layers are of it), in layer order: the
+        model itself for every layer, or its dense layers (`dense_layer`) and then the
+        mixture-of-experts layers."""
+        dense = self.dense_layer()
+        if dense is None:
+            return ((self, self.num_hidden_layers),)
+        return ((dense, self.first_k_dense_replace), (self, self.num_hidden_layers - self.first_k_dense_replace))
+
+    def dense_layer(self) -> ModelSpec | None:
+        """The spec of this mixture-of-experts model's dense layers (its first
+        `first_k_dense_replace`): the same attention and a dense MLP
+        `dense_intermediate_size` wide. None when every layer is alike."""
+        if not (self.is_moe and self.first_k_dense_replace):
+            return None
+        return replace(self, name=f"{self.name} dense layers", model_type="llama" if self.model_type == "mixtral"
+                       else self.model_type, num_local_experts=1, num_experts_per_tok=1,
+                       intermediate_size=self.dense_intermediate_size or self.intermediate_size,
+                       moe_capacity_factor=None, shared_expert_intermediate_size=0, shared_expert_gate=False,
+                       norm_topk_prob=True, router_scoring="softmax", router_bias=False, swiglu_limit=None,
+                       first_k_dense_replace=0, dense_intermediate_size=0, n_group=1, topk_group=1,
+                       routed_scaling_factor=1.0, num_nextn_predict_layers=0)
 
 
 _ARCHITECTURE_FIELDS = ("moe_capacity_factor", "shared_expert_intermediate_size", "shared_expert_gate",
                         "norm_topk_prob", "attention_window", "windowed_layers", "chunked_attention", "router_scoring",
-                        "attention_sinks", "router_bias", "swiglu_limit", "head_dim", "mlp", "norm",
+                        "attention_sinks", "router_bias", "swiglu_limit", "q_lora_rank", "kv_lora_rank",
+                        "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "first_k_dense_replace",
+                        "dense_intermediate_size", "n_group", "topk_group", "routed_scaling_factor",
+                        "num_nextn_predict_layers", "head_dim", "mlp", "norm",
                         "position_embedding", "attention_bias", "attention_out_bias", "mlp_bias", "qk_norm",
                         "parallel_block", "norms_per_layer", "lm_head_bias", "sliding_window", "hidden_act",
                         "resid_dropout", "fused_qkv")

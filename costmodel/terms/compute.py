@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from costmodel.specs import ClusterSpec, GPUSpec, ModelSpec, RuntimeSpec, TrainingSpec
-from costmodel.terms.recompute import op_level_split
+from costmodel.terms.recompute import attention_matmuls, op_level_split
 
 # Best fraction of peak a large bf16/fp16 GEMM reaches (cuBLAS on A100 sustains ~80-85%
 # of the 312 TFLOP/s peak on large square GEMMs); fitted to Korthikanti Table 4.
@@ -102,6 +102,17 @@ class LayerCompute:
         return BACKWARD_FACTOR * (self.forward_s - self.cast_forward_s) + self.cast_backward_s
 
 
+def cp_gathered_values_per_token(model: ModelSpec, tp: int) -> float:
+    """Values a rank gathers per token of the sequence under context parallelism (Llama
+    3, Dubey et al. 2024 §3.3.2: K and V all-gathered before attention): its tp share of
+    the heads' K and V, or under MLA the latent and the shared rotary key
+    (`ModelSpec.kv_values_per_token`), whole on every tp rank as the down projection is
+    replicated, from which each rank makes its heads' keys and values."""
+    if model.is_mla:
+        return float(model.kv_values_per_token)
+    return model.kv_values_per_token / tp
+
+
 def activation_bytes_per_value(training: TrainingSpec) -> int:
     return 4 if training.precision == "fp32" else 2
 
@@ -138,7 +149,10 @@ def layer_compute(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
     def linear_s(m: float, n: float, k: float) -> float:
         return gemm_time_s(m, n, k, linear_peak, 1.0, cluster.gpu)
 
-    gemm = linear_s(tokens, qkv_width, h) + linear_s(tokens, h, model.q_size / tp)
+    if model.is_mla:
+        gemm = sum(linear_s(tokens, m.out_width, m.in_width) for m in attention_matmuls(model, tp))
+    else:
+        gemm = linear_s(tokens, qkv_width, h) + linear_s(tokens, h, model.q_size / tp)
     if model.is_moe:
         # Each rank's experts see tokens * k * ep / E tokens each under balanced routing
         # (the all-to-all gathers them from the ep group), E / ep experts per rank; a
@@ -167,7 +181,9 @@ def layer_compute(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
     # 2cp) gives every rank half of its (q x s) block below the diagonal, as without cp
     # (Llama 3, Dubey et al. 2024 §3.3.2).
     batch = b * heads_local
-    core = gemm_s(queries, s, hd, batch) + gemm_s(queries, hd, s, batch)
+    # QK^T over the query width, AV over the value width (MLA: 192 and 128 a head).
+    qk, vd = model.query_head_dim, model.value_head_dim
+    core = gemm_s(queries, s, qk, batch) + gemm_s(queries, vd, s, batch)
     if training.flash_attention:
         core *= FLASH_CAUSAL_FRACTION
     else:
@@ -181,7 +197,7 @@ def layer_compute(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
         # off by half their difference). Eager attention computes the whole masked matrix.
         keys = min(model.attention_window + (0 if model.chunked_attention else FLASH_BLOCK_KEYS), s)
         fraction = model.windowed_attention_fraction(s, FLASH_BLOCK_KEYS) * s / keys
-        band = fraction * (gemm_s(queries, keys, hd, batch) + gemm_s(queries, hd, keys, batch))
+        band = fraction * (gemm_s(queries, keys, qk, batch) + gemm_s(queries, vd, keys, batch))
         windowed = model.windowed_layers / model.num_hidden_layers
         core = (1 - windowed) * core + windowed * band
 
@@ -194,6 +210,9 @@ def layer_compute(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
     norms = 4 if model.norms_per_layer == 4 else 2   # Gemma's post-norms read and write too
     per_h = norms * (2 * value) + 2 * (3 * value) + (2 if model.is_gpt else 0)
     replicated = per_h * tokens * h / (tp if sequence_parallel else 1)
+    # MLA's two latent RMSNorms read and write their latents on every rank (the down
+    # projections are replicated over tp).
+    replicated += 2 * (2 * value) * (model.q_lora_rank + model.kv_lora_rank) * tokens
     # GELU reads and writes f values; SwiGLU reads two and writes one; sharded by tp.
     act_values = (3 if model.gated_mlp else 2) * (f * model.busiest_rank_rows_per_token(ep)
                                                  + model.shared_expert_intermediate_size)
@@ -223,7 +242,10 @@ def fp8_linears(model: ModelSpec, tp: int) -> list[tuple[float, float]]:
     as the executor and torchtitan write them (wq, wk, wv, wo; w1, w3, w2), each casting
     its own input; an MoE layer's experts and router stay in bf16."""
     h, q, kv, f = model.hidden_size, model.q_size / tp, model.kv_size / tp, model.intermediate_size / tp
-    linears = [(h, q), (h, kv), (h, kv), (q, h)]
+    if model.is_mla:
+        linears = [(m.in_width, m.out_width) for m in attention_matmuls(model, tp)]
+    else:
+        linears = [(h, q), (h, kv), (h, kv), (q, h)]
     if not model.is_moe:
         linears += [(h, f)] * (2 if model.gated_mlp else 1) + [(f, h)]
     return linears
@@ -247,7 +269,10 @@ def fp8_cast_values(model: ModelSpec, tp: int, sequence_parallel: bool, recipe: 
     shared = h / (tp if recipe == "tensorwise" and tp > 1 and sequence_parallel else 1)
     # One shared input per block (attention, and a dense MLP), then wo's and w2's own.
     blocks = 1 if model.is_moe else 2
-    own = [model.q_size / tp] + ([] if model.is_moe else [model.intermediate_size / tp])
+    own = [model.out_size / tp] + ([] if model.is_moe else [model.intermediate_size / tp])
+    if model.is_mla:
+        # The up projections' inputs: the query and kv latents (each rank's whole).
+        own += [model.q_lora_rank, model.kv_lora_rank] if model.q_lora_rank else [model.kv_lora_rank]
     casts_per_gradient = 1 if recipe == "tensorwise" else 2
     return blocks * shared + sum(own), casts_per_gradient * sum(n for _, n in linears)
 

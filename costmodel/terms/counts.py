@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from costmodel.specs import ModelSpec
+from costmodel.terms.recompute import attention_matmuls
 
 if TYPE_CHECKING:
     import networkx as nx
@@ -15,14 +16,17 @@ if TYPE_CHECKING:
 
 def attention_parameters(model: ModelSpec) -> int:
     """Q, K, V and output projections with their biases (Korthikanti et al. 2022 eq. 2
-    for GPT; Qwen2: q/k/v biases only) and per-head q/k RMSNorm weights (Qwen3). The Q
-    and output widths are heads x head_dim, which need not be hidden_size (Gemma)."""
-    h, q, kv = model.hidden_size, model.q_size, model.kv_size
-    weights = h * q + 2 * h * kv + q * h
-    biases = (q + 2 * kv if model.attention_bias else 0) + (h if model.attention_out_bias else 0)
+    for GPT; Qwen2: q/k/v biases only; MLA's five, `attention_matmuls`) and per-head q/k
+    RMSNorm weights (Qwen3). The Q and output widths are heads x head_dim, which need not
+    be hidden_size (Gemma)."""
+    matmuls = attention_matmuls(model)
+    weights = sum(m.out_width * m.in_width for m in matmuls)
+    biases = sum(m.out_width for m in matmuls if m.bias)
     qk_norm = 2 * model.head_dim if model.qk_norm else 0
     sinks = model.num_attention_heads if model.attention_sinks else 0   # gpt-oss: a logit per head
-    return weights + biases + qk_norm + sinks
+    # MLA's RMSNorms on the query and kv latents (DeepSeek-V2 §2.1.2, q_a_layernorm and kv_a_layernorm).
+    latent_norms = model.q_lora_rank + model.kv_lora_rank
+    return int(weights + biases) + qk_norm + sinks + latent_norms
 
 
 def expert_parameters(model: ModelSpec, width: int | None = None) -> int:
@@ -73,18 +77,38 @@ def head_parameters(model: ModelSpec) -> int:
 
 
 def total_parameters(model: ModelSpec) -> int:
-    dense, experts = layer_parameters(model)
-    return embedding_parameters(model) + model.num_hidden_layers * (dense + experts) + head_parameters(model)
+    """Every parameter of the model, multi-token prediction modules left out (as DeepSeek
+    counts its 671B: `mtp_parameters`)."""
+    layers = sum(count * sum(layer_parameters(kind)) for kind, count in model.layer_kinds())
+    return embedding_parameters(model) + layers + head_parameters(model)
 
 
 def active_parameters(model: ModelSpec) -> int:
     """Parameters one token's forward uses: every dense weight (a shared expert's too) and
     the k experts it is routed to in each layer (the "activated parameters" model cards quote, embedding and
     head included: Mixtral 8x7B 12.9B of 46.7B, Jiang et al. 2024 §2; Qwen3-30B-A3B 3.3B
-    of 30.5B, Qwen3 technical report table 1). Dense models: every parameter."""
-    dense, experts = layer_parameters(model)
-    routed = experts // model.num_local_experts * model.num_experts_per_tok if model.is_moe else 0
-    return embedding_parameters(model) + model.num_hidden_layers * (dense + routed) + head_parameters(model)
+    of 30.5B, Qwen3 technical report table 1; DeepSeek-V3 37B of 671B). Dense models:
+    every parameter."""
+    layers = 0
+    for kind, count in model.layer_kinds():
+        dense, experts = layer_parameters(kind)
+        routed = experts // kind.num_local_experts * kind.num_experts_per_tok if kind.is_moe else 0
+        layers += count * (dense + routed)
+    return embedding_parameters(model) + layers + head_parameters(model)
+
+
+def mtp_projection_parameters(model: ModelSpec) -> int:
+    """One multi-token prediction module's own weights beside its layer (DeepSeek-V3
+    §2.2): the projection M of the normed hidden state and embedding (2h to h) and three
+    RMSNorms (the two inputs', and the shared head's own before the shared LM head;
+    Hugging Face's enorm, hnorm and shared_head.norm)."""
+    return 2 * model.hidden_size * model.hidden_size + 3 * norm_parameters(model)
+
+
+def mtp_parameters(model: ModelSpec) -> int:
+    """The multi-token prediction modules' parameters, each a layer of the model's last
+    kind and `mtp_projection_parameters`; they share the embedding and LM head."""
+    return model.num_nextn_predict_layers * (sum(layer_parameters(model)) + mtp_projection_parameters(model))
 
 
 def layer_forward_flops(model: ModelSpec, seq_len: int) -> float:
@@ -94,10 +118,11 @@ def layer_forward_flops(model: ModelSpec, seq_len: int) -> float:
     the rows each token sends to the experts (ModelSpec.routed_rows_per_token: the
     num_experts_per_tok experts it visits, less what a capacity factor below 1 drops) and
     the shared expert's MLP over every token."""
-    h, s, q, kv, f = model.hidden_size, seq_len, model.q_size, model.kv_size, model.intermediate_size
-    projections = 2 * s * (2 * h * q + 2 * h * kv)
-    # Windowed layers (gpt-oss's banded attention) see min(window, s) keys a query.
-    scores = 4 * s * model.attended_keys(s) * q
+    h, s, f = model.hidden_size, seq_len, model.intermediate_size
+    projections = 2 * s * sum(m.out_width * m.in_width for m in attention_matmuls(model))
+    # Windowed layers (gpt-oss's banded attention) see min(window, s) keys a query; QK^T
+    # over the query width and AV over the value width (MLA: 192 and 128 a head).
+    scores = 2 * s * model.attended_keys(s) * (model.q_size + model.out_size)
     mlp_matrices = 3 if model.gated_mlp else 2
     mlp = 2 * s * mlp_matrices * h * f * model.routed_rows_per_token
     router = 2 * s * h * model.num_local_experts if model.is_moe else 0
@@ -111,9 +136,20 @@ def head_forward_flops(model: ModelSpec, seq_len: int) -> float:
     return 2.0 * seq_len * model.hidden_size * model.vocab_size
 
 
+def mtp_forward_flops(model: ModelSpec, seq_len: int) -> float:
+    """The multi-token prediction modules' forward for one sequence (DeepSeek-V3 §2.2):
+    each its projection of 2h to h, a layer of the model's last kind, and the shared LM
+    head's logits again."""
+    h = model.hidden_size
+    each = 2.0 * seq_len * 2 * h * h + layer_forward_flops(model, seq_len) + head_forward_flops(model, seq_len)
+    return model.num_nextn_predict_layers * each
+
+
 def model_flops_per_step(model: ModelSpec, global_batch: int, seq_len: int) -> float:
-    """Forward + backward model FLOPs of one step, backward = 2x forward (eq. 7)."""
-    per_sequence = model.num_hidden_layers * layer_forward_flops(model, seq_len) + head_forward_flops(model, seq_len)
+    """Forward + backward model FLOPs of one step, backward = 2x forward (eq. 7);
+    multi-token prediction modules included, as they are trained."""
+    layers = sum(count * layer_forward_flops(kind, seq_len) for kind, count in model.layer_kinds())
+    per_sequence = layers + head_forward_flops(model, seq_len) + mtp_forward_flops(model, seq_len)
     return 3.0 * global_batch * per_sequence
 
 
@@ -123,15 +159,16 @@ def build_graph(model: ModelSpec, seq_len: int) -> nx.DiGraph:
     import networkx as nx  # only who draws or traces a layer graph pays for it
 
     graph = nx.DiGraph(name=model.name)
-    dense, experts = layer_parameters(model)
     graph.add_node("embedding", kind="embedding", parameters=embedding_parameters(model), forward_flops=0.0)
-    previous = "embedding"
-    for i in range(model.num_hidden_layers):
-        node = f"layer.{i}"
-        graph.add_node(node, kind="layer", index=i, parameters=dense + experts,
-                       expert_parameters=experts, forward_flops=layer_forward_flops(model, seq_len))
-        graph.add_edge(previous, node)
-        previous = node
+    previous, i = "embedding", 0
+    for kind, count in model.layer_kinds():
+        dense, experts = layer_parameters(kind)
+        for _ in range(count):
+            node = f"layer.{i}"
+            graph.add_node(node, kind="layer", index=i, parameters=dense + experts,
+                           expert_parameters=experts, forward_flops=layer_forward_flops(kind, seq_len))
+            graph.add_edge(previous, node)
+            previous, i = node, i + 1
     graph.add_node("head", kind="head", parameters=head_parameters(model), forward_flops=head_forward_flops(model, seq_len))
     graph.add_edge(previous, "head")
     return graph

@@ -235,7 +235,7 @@ def pytorch_layer_activation_bytes(model: ModelSpec, training: TrainingSpec, mic
         return residual * tokens * h / seq_split
     v, q, kv, hd = 2.0, model.q_size, model.kv_size, model.head_dim
     gated = model.gated_mlp
-    attention_consumers = 3 if autocast else 1
+    attention_consumers = (2 if model.is_mla else 3) if autocast else 1
     # An MoE layer's norm output feeds the router; its experts cast the rows they take
     # (moe_rows_saved_bytes).
     mlp_consumers = (1 if model.is_moe else 2 if gated else 1) if autocast else 1
@@ -272,6 +272,9 @@ def pytorch_layer_activation_bytes(model: ModelSpec, training: TrainingSpec, mic
         # executor_runs.json are 2-10% over the estimate with it counted).
         keys += 2 * v * (q - kv)
     attention += keys * gathered_kv_factor(cp)
+    latents = 0.0
+    if model.is_mla:
+        attention, latents = mla_saved_bytes(model, v, cp)
     if model.qk_norm:
         attention += 6.0 * (q + kv) + 4.0 * (model.num_attention_heads + model.num_key_value_heads)
     if model.sliding_window is not None and s >= model.sliding_window and not autocast:
@@ -294,11 +297,15 @@ def pytorch_layer_activation_bytes(model: ModelSpec, training: TrainingSpec, mic
         # 1 + tanh are kept beside its input (measured: Phi-2, 5 tensors of f).
         mlp_tensors += 3
     mlp = v * mlp_tensors * (f * expert_rows_held_per_token(model, ep) + model.shared_expert_intermediate_size)
-    split = (attention + mlp) * tokens / tp + rope_tables * tokens
+    split = (attention + mlp) * tokens / tp + (rope_tables + latents) * tokens
     router = (moe_rows_saved_bytes(model, ep, v) + shared_gate_saved_bytes(model, v)) * tokens
     weight_copies = 0.0
     if autocast:
-        from costmodel.terms.counts import attention_parameters, expert_parameters, shared_expert_parameters
+        from costmodel.terms.counts import (
+            attention_parameters,
+            expert_parameters,
+            shared_expert_parameters,
+        )
         experts = model.num_local_experts if model.is_moe else 1
         router_weights = model.hidden_size * model.num_local_experts if model.is_moe else 0
         matmuls = (attention_parameters(model) + expert_parameters(model) * experts + router_weights
@@ -318,6 +325,22 @@ def pytorch_layer_activation_bytes(model: ModelSpec, training: TrainingSpec, mic
     # (executor.models.ContextShard.gather; measured with saved_tensors_hooks).
     gather_index = 8.0 * s if cp > 1 else 0.0
     return split + replicated / seq_split + router + weight_copies + scores + gather_index
+
+
+def mla_saved_bytes(model: ModelSpec, value_bytes: float, cp: int) -> tuple[float, float]:
+    """(bytes split by tp, bytes every tp rank holds whole) that multi-head latent
+    attention keeps for backward per local token (DeepSeek-V2 §2.1.2, the tensors of
+    transformers' DeepseekV3Attention): SDPA's query, key, value, output and fp32
+    log-sum-exp per head; the query latent's and the kv latent's RMSNorm input and output
+    and fp32 inverse RMS, replicated over tp as the down projections are. RoPE saves its
+    tables, not its inputs. Under context parallelism the kv latent and the shared
+    rotary key are gathered (`ModelSpec.kv_values_per_token`), so the keys and values
+    made from them, and the latent's norm, hold the whole sequence (`gathered_kv_factor`)."""
+    gathered = gathered_kv_factor(cp)
+    per_head = value_bytes * (model.q_size + model.out_size) * (1 + gathered) + 4.0 * model.num_attention_heads
+    latent_norm = 2 * value_bytes * model.kv_lora_rank + 4.0
+    query_norm = 2 * value_bytes * model.q_lora_rank + 4.0 if model.q_lora_rank else 0.0
+    return per_head, query_norm + latent_norm * gathered
 
 
 def gathered_kv_factor(cp: int) -> float:
@@ -346,11 +369,12 @@ def op_level_activation_bytes(model: ModelSpec, training: TrainingSpec, micro_ba
     saved = residual * tokens * model.hidden_size / seq_split
     saved += v * sum(m.output_values(tokens) for m in kept_matmuls)
     if training.flash_attention:
-        saved += (v * model.q_size + 4.0 * model.num_attention_heads) * tokens / tp
+        saved += (v * model.out_size + 4.0 * model.num_attention_heads) * tokens / tp
     if tp > 1 and sequence_parallel:
         saved += 2 * v * tokens * model.hidden_size / tp
     if cp > 1:
-        saved += v * 2 * model.kv_size * tokens * gathered_kv_factor(cp) / tp
+        keys_values = model.q_size + model.out_size if model.is_mla else 2 * model.kv_size
+        saved += v * keys_values * tokens * gathered_kv_factor(cp) / tp
     return saved
 
 
@@ -395,6 +419,10 @@ def layer_activation_bytes(model: ModelSpec, training: TrainingSpec, micro_batch
     replicated = ((4 + 2 * rms_norm_extra + post_norms) * v + 2 * dropout_mask) * tokens_h
     tokens_q, tokens_kv = b * s * model.q_size, b * s * model.kv_size * gathered_kv_factor(cp)
     attention = v * (2 * tokens_q + 2 * tokens_kv)   # Q, K, V and the projection input
+    latents = 0.0
+    if model.is_mla:
+        per_head, per_token = mla_saved_bytes(model, v, cp)
+        attention, latents = per_head * b * s, per_token * b * s
     if training.flash_attention and model.position_embedding == "rope" and saved.head_major_output_copy:
         attention += v * tokens_q
     per_token = 0.0
@@ -407,7 +435,7 @@ def layer_activation_bytes(model: ModelSpec, training: TrainingSpec, micro_batch
         CLAMPED_SWIGLU_EXTRA_TENSORS if model.swiglu_limit is not None else 0)
     mlp = v * mlp_tensors * (f * expert_rows_held_per_token(model, ep) + model.shared_expert_intermediate_size) * b * s
     router = (moe_rows_saved_bytes(model, ep, v) + shared_gate_saved_bytes(model, v)) * b * s
-    split = (attention + mlp) / tp + (replicated + per_token) / seq_split + router
+    split = (attention + mlp) / tp + (replicated + per_token) / seq_split + router + latents
     scores = 0.0
     if not training.flash_attention and recompute != "selective":
         # softmax output (v), dropout mask (1) and dropout output (v) per score element.

@@ -42,19 +42,40 @@ class Matmul:
         return self.out_width * tokens * self.tokens_fraction
 
 
+def attention_matmuls(model: ModelSpec, tp: int = 1) -> tuple[Matmul, ...]:
+    """The attention's projections in forward order, on one rank: q, k, v (or GPT-NeoX's
+    fused qkv) and o; under multi-head latent attention (DeepSeek-V2 §2.1.2, as
+    transformers' DeepseekV3Attention calls them) the query's down and up projections
+    (or one q projection without a query latent), the joint down projection to the kv
+    latent and the shared rotary key, the latent's up projection to every head's key and
+    value, and o. The down projections are replicated over tp, not split (Megatron-LM's
+    MLA builds them "duplicated"): each rank computes them whole."""
+    h, q, kv = model.hidden_size, model.q_size, model.kv_size
+    bias, out_bias = model.attention_bias, model.attention_out_bias
+    if model.is_mla:
+        if model.q_lora_rank:
+            query = [Matmul("q_a", model.q_lora_rank, h, bias=bias), Matmul("q_b", q / tp, model.q_lora_rank)]
+        else:
+            query = [Matmul("q", q / tp, h)]
+        heads = model.num_attention_heads / tp
+        return (*query, Matmul("kv_a", model.kv_lora_rank + model.qk_rope_head_dim, h, bias=bias),
+                Matmul("kv_b", heads * (model.qk_nope_head_dim + model.v_head_dim), model.kv_lora_rank),
+                Matmul("o", h, model.out_size / tp, bias=out_bias))
+    if model.fused_qkv:
+        projections = [Matmul("qkv", (q + 2 * kv) / tp, h, bias=bias)]
+    else:
+        projections = [Matmul(name, width / tp, h, bias=bias) for name, width in (("q", q), ("k", kv), ("v", kv))]
+    return (*projections, Matmul("o", h, q / tp, bias=out_bias))
+
+
 def layer_matmuls(model: ModelSpec, tp: int, ep: int = 1) -> tuple[Matmul, ...]:
     """A layer's matmuls in the order its forward calls them (executor.models.Attention,
     MLP and MoE; torchtitan's llama3 Attention and FeedForward call theirs in the same
     order). Column-parallel outputs are split by tp; a row-parallel matmul (output
     projection, MLP down) writes the whole hidden width per token before its all-reduce
     or reduce-scatter sums the partial results (Shoeybi et al. 2019 §3)."""
-    h, f, q, kv = model.hidden_size, model.intermediate_size, model.q_size, model.kv_size
-    if model.fused_qkv:
-        attention = [Matmul("qkv", (q + 2 * kv) / tp, h, bias=model.attention_bias)]
-    else:
-        attention = [Matmul(name, width / tp, h, bias=model.attention_bias)
-                     for name, width in (("q", q), ("k", kv), ("v", kv))]
-    attention.append(Matmul("o", h, q / tp, bias=model.attention_out_bias))
+    h, f = model.hidden_size, model.intermediate_size
+    attention = list(attention_matmuls(model, tp))
 
     def mlp(share: float, width: float = f, grouped: bool = False) -> list[Matmul]:
         up = [Matmul("gate", width / tp, h, share, model.mlp_bias, grouped)] if model.gated_mlp else []

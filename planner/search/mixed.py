@@ -146,6 +146,10 @@ def fastest_units(units: list[UnitCosts]) -> UnitCosts:
     """Unit costs that are, term by term, the least of `units` (a bound on every group)."""
     def least(values):
         first = values[0]
+        if first is None:
+            return None
+        if isinstance(first, UnitCosts):
+            return fastest_units(values)
         if isinstance(first, Work):
             return Work(*(min(getattr(v, f.name) for v in values) for f in fields(Work)))
         if isinstance(first, dict):

@@ -34,6 +34,7 @@ from dataclasses import dataclass, replace
 
 from costmodel.estimate.uniform import (
     UnitCosts,
+    backward_window_s,
     dp_sync_s,
     optimizer_step_s,
     rank_memory,
@@ -131,7 +132,7 @@ def rank_model(problem: Problem, units: UnitCosts, strategy: Strategy, pp_rank: 
 
     def at(layers: int, full: int = 0, selective: int = 0):
         s = rank_strategy(strategy, pp_rank, (layers, full, selective))
-        window = layers * units.layer_backward_s
+        window = backward_window_s(units, s, pp_rank)
         return (rank_work(units, s, pp_rank).total_s,
                 rank_memory(problem, units, s, pp_rank).total_bytes,
                 dp_sync_s(problem, units, s, pp_rank) - window,
