@@ -64,7 +64,12 @@ def unbuilt_features(spec: ModelSpec) -> list[str]:
                                   ("swiglu_limit", spec.swiglu_limit is not None),
                                   ("mlp_bias", spec.is_moe and spec.mlp_bias),
                                   ("router_scoring", spec.router_scoring != "softmax"),
-                                  ("norms_per_layer", spec.norms_per_layer == 4)) if on]
+                                  ("norms_per_layer", spec.norms_per_layer == 4),
+                                  ("kv_lora_rank", spec.is_mla),
+                                  ("first_k_dense_replace", spec.first_k_dense_replace),
+                                  ("n_group", spec.n_group > 1),
+                                  ("routed_scaling_factor", spec.routed_scaling_factor != 1.0),
+                                  ("num_nextn_predict_layers", spec.num_nextn_predict_layers)) if on]
 
 
 def check_supported(spec: ModelSpec, strategy: Strategy, seq_len: int, precision: str = "bf16",
@@ -94,7 +99,7 @@ def check_supported(spec: ModelSpec, strategy: Strategy, seq_len: int, precision
     built = unbuilt_features(spec)
     if built:
         raise UnsupportedPlan(f"model.{built[0]}: the executor's built-in model does not build the model's "
-                              f"{', '.join(built)} (gpt-oss, Llama 4, Gemma 3) yet; export the plan (shardwise export) "
+                              f"{', '.join(built)} (gpt-oss, Llama 4, Gemma 3, DeepSeek-V3) yet; export the plan (shardwise export) "
                               "to an engine that does")
     if spec.is_moe and strategy.tp > 1:
         raise UnsupportedPlan("strategy.tp: tensor parallelism inside the experts of an MoE model is not supported; plan with --fix tp=1")

@@ -72,7 +72,7 @@ _FAMILY_OF = {
     "llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama", "gemma": "llama",
     "gemma3_text": "llama",
     "mixtral": "mixtral", "qwen2_moe": "mixtral", "qwen3_moe": "mixtral", "gpt_oss": "mixtral",
-    "llama4_text": "mixtral",
+    "llama4_text": "mixtral", "deepseek_v3": "mixtral",
 }
 # What each Hugging Face model_type builds beyond its family's defaults, read off the
 # modeling_*.py of transformers 5: (fixed fields, tie_word_embeddings when the config
@@ -148,6 +148,8 @@ def _hf_architecture(model_type: str, raw: dict, lenient: bool) -> dict:
         out.update(_llama4(raw))
     if model_type == "gemma3_text":
         out.update(_gemma3(raw))
+    if model_type == "deepseek_v3":
+        out.update(_deepseek_v3(raw))
     if model_type == "phi" and raw.get("qk_layernorm"):
         raise SpecError("qk_layernorm", "Phi's per-head LayerNorm on q and k is not modelled (RMSNorm q/k norm is: qk_norm)")
     if lenient:
@@ -291,10 +293,47 @@ def _gemma3(raw: dict) -> dict:
             **_windows(raw.get("layer_types") or default, layers, "sliding_attention", raw.get("sliding_window", 4096))}
 
 
+def _deepseek_v3(raw: dict) -> dict:
+    """DeepSeek-V3 as transformers builds it (modeling_deepseek_v3.py, DeepseekV3Config's
+    defaults): multi-head latent attention (q and kv latents, split nope / rope query and
+    key widths, head_dim the rotary width); the first `first_k_dense_replace` layers a
+    dense SwiGLU MLP `intermediate_size` wide, the rest `n_routed_experts` SwiGLU experts
+    `moe_intermediate_size` wide beside `n_shared_experts` of them as one shared MLP,
+    routed by the sigmoid of the logits within the best `topk_group` of `n_group` groups
+    (the selection bias e_score_correction_bias is a buffer, not a parameter), the top k
+    renormalised (norm_topk_prob) and scaled by routed_scaling_factor. transformers builds
+    no multi-token prediction module; num_nextn_predict_layers is read for the cost
+    (DeepSeek-V3 trains with one). A sparse layer other than every one after the dense
+    ones (moe_layer_freq) is refused by name."""
+    if raw.get("moe_layer_freq", 1) != 1:
+        raise SpecError("moe_layer_freq", f"{raw['moe_layer_freq']}: dense layers between sparse ones are not "
+                                          f"modelled (every layer after first_k_dense_replace sparse: 1)")
+    experts_width = raw.get("moe_intermediate_size", 2048)
+    q_lora = raw.get("q_lora_rank", 1536)
+    rope = raw.get("qk_rope_head_dim", 64)
+    bias = raw.get("attention_bias", False)
+    return {"num_local_experts": raw.get("n_routed_experts", 256), "intermediate_size": experts_width,
+            "dense_intermediate_size": raw.get("intermediate_size", 18432),
+            "first_k_dense_replace": raw.get("first_k_dense_replace", 3),
+            "shared_expert_intermediate_size": experts_width * (raw.get("n_shared_experts") or 0),
+            "router_scoring": "sigmoid", "norm_topk_prob": raw.get("norm_topk_prob", True),
+            "n_group": raw.get("n_group", 8), "topk_group": raw.get("topk_group", 4),
+            "routed_scaling_factor": raw.get("routed_scaling_factor", 2.5),
+            "num_nextn_predict_layers": raw.get("num_nextn_predict_layers", 0),
+            "q_lora_rank": 0 if q_lora is None else q_lora, "kv_lora_rank": raw.get("kv_lora_rank", 512),
+            "qk_nope_head_dim": raw.get("qk_nope_head_dim", 128), "qk_rope_head_dim": rope,
+            "v_head_dim": raw.get("v_head_dim", 128), "head_dim": rope,
+            "num_key_value_heads": raw.get("num_attention_heads"),
+            "attention_bias": bias, "attention_out_bias": bias}
+
+
 _TEXT_MODEL_TYPES = {"llama4": "llama4_text", "gemma3": "gemma3_text"}
 # ModelSpec fields that describe experts or their router, and their defaults.
 _EXPERT_FIELDS = {"shared_expert_intermediate_size": 0, "router_bias": False, "swiglu_limit": None,
-                  "router_scoring": "softmax", "norm_topk_prob": True}
+                  "router_scoring": "softmax", "norm_topk_prob": True, "first_k_dense_replace": 0,
+                  "dense_intermediate_size": 0, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0}
+# Multi-head latent attention's widths (ModelSpec.is_mla), all above 0 or all 0.
+_MLA_FIELDS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 _WINDOWED_MODEL_TYPES = ("gpt_oss", "llama4_text", "gemma3_text")
 
 
@@ -516,6 +555,13 @@ def model_from_dict(data: dict, name: str, overrides: dict[str, str] | None = No
     if raw.get("shared_expert_intermediate_size") is not None:
         values["shared_expert_intermediate_size"] = as_int(raw["shared_expert_intermediate_size"],
                                                            "shared_expert_intermediate_size", minimum=0)
+    for key in (*_MLA_FIELDS, "q_lora_rank", "first_k_dense_replace", "dense_intermediate_size", "n_group",
+                "topk_group", "num_nextn_predict_layers"):
+        if raw.get(key) is not None:
+            values[key] = as_int(raw[key], key, minimum=0)
+    if raw.get("routed_scaling_factor") is not None:
+        values["routed_scaling_factor"] = as_float(raw["routed_scaling_factor"], "routed_scaling_factor")
+    _check_deepseek_fields(values)
     if raw.get("attention_window") is not None:
         values["attention_window"] = as_int(raw["attention_window"], "attention_window")
     if raw.get("windowed_layers") is not None:
@@ -563,6 +609,32 @@ def model_from_dict(data: dict, name: str, overrides: dict[str, str] | None = No
     if family == "mixtral" and values["num_local_experts"] < 2:
         raise SpecError("num_local_experts", "a mixtral model needs at least 2 experts")
     return ModelSpec(name=name, **{k: values[k] for k in known if k in values})
+
+
+def _check_deepseek_fields(values: dict) -> None:
+    """Multi-head latent attention's widths go together; the dense first layers leave at
+    least one sparse layer; routing groups split the experts evenly and hold the top k."""
+    mla = [values.get(key, 0) for key in _MLA_FIELDS]
+    if any(mla) and not all(mla):
+        missing = next(key for key, value in zip(_MLA_FIELDS, mla) if not value)
+        raise SpecError(missing, f"multi-head latent attention needs {', '.join(_MLA_FIELDS)} all above 0")
+    if values.get("q_lora_rank") and not all(mla):
+        raise SpecError("q_lora_rank", "set without multi-head latent attention (kv_lora_rank 0)")
+    layers = values["num_hidden_layers"]
+    if values.get("first_k_dense_replace", 0) >= layers:
+        raise SpecError("first_k_dense_replace", f"{values['first_k_dense_replace']} dense layers leave none of the "
+                                                 f"{layers} a mixture of experts (fewer than num_hidden_layers)")
+    if values.get("dense_intermediate_size") and not values.get("first_k_dense_replace"):
+        raise SpecError("dense_intermediate_size", "set without dense layers (first_k_dense_replace 0)")
+    experts, groups = values["num_local_experts"], values.get("n_group", 1)
+    if groups < 1 or experts % groups:
+        raise SpecError("n_group", f"{groups} groups do not split {experts} experts evenly")
+    chosen = values.get("topk_group", 1)
+    if not 1 <= chosen <= groups:
+        raise SpecError("topk_group", f"{chosen}: between 1 and n_group {groups}")
+    if values["num_experts_per_tok"] > chosen * experts // groups:
+        raise SpecError("topk_group", f"{chosen} groups of {experts // groups} experts cannot hold the "
+                                      f"{values['num_experts_per_tok']} experts a token takes")
 
 
 def load_model(source: str | Path, overrides: dict[str, str] | None = None) -> ModelSpec:

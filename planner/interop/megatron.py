@@ -94,6 +94,12 @@ MEGATRON_INT_ARGS = (
     "--seq-length", "--max-position-embeddings",   # arguments.py
     "--num-experts", "--moe-router-topk",     # TransformerConfig.num_moe_experts, moe_router_topk
     "--moe-shared-expert-intermediate-size",  # TransformerConfig.moe_shared_expert_intermediate_size
+    # DeepSeek-V3 (megatron-core 0.16.1 TransformerConfig and MLATransformerConfig):
+    "--moe-ffn-hidden-size",                  # TransformerConfig.moe_ffn_hidden_size (the experts' width)
+    "--q-lora-rank", "--kv-lora-rank",        # MLATransformerConfig.q_lora_rank, kv_lora_rank
+    "--qk-head-dim", "--qk-pos-emb-head-dim", "--v-head-dim",   # MLATransformerConfig (nope, rope, value)
+    "--moe-router-num-groups", "--moe-router-group-topk",   # TransformerConfig (group-limited routing)
+    "--mtp-num-layers",                       # TransformerConfig.mtp_num_layers
 )
 
 
@@ -127,7 +133,8 @@ MEGATRON_CP_COMM_DEFAULT = "p2p"
 # TransformerConfig.moe_expert_capacity_factor (None: dropless), moe_token_drop_policy
 # ("probs" drops the lowest router probabilities, "position" the latest tokens: the
 # executor's) and moe_pad_expert_input_to_capacity.
-MEGATRON_FLOAT_MODEL_ARGS = ("--moe-expert-capacity-factor",)
+MEGATRON_FLOAT_MODEL_ARGS = ("--moe-expert-capacity-factor",
+                             "--moe-router-topk-scaling-factor")   # TransformerConfig.moe_router_topk_scaling_factor
 MEGATRON_DROP_POLICIES = ("probs", "position")
 
 
@@ -150,6 +157,7 @@ MEGATRON_FLAGS = (
     # not renormalised (the spec's norm_topk_prob False); Megatron's default is the softmax
     # over the k chosen logits.
     "--moe-router-pre-softmax",
+    "--multi-latent-attention",               # TransformerConfig.multi_latent_attention
 )
 
 
@@ -159,7 +167,41 @@ MEGATRON_NARGS_ARGS = ("--recompute-modules",    # TransformerConfig.recompute_m
 
 
 
-MEGATRON_STR_MODEL_ARGS = ("--normalization", "--position-embedding-type")   # arguments.py
+MEGATRON_STR_MODEL_ARGS = ("--normalization", "--position-embedding-type",   # arguments.py
+                           # TransformerConfig.moe_layer_freq: an int (every N-th layer sparse) or a
+                           # Python list expression of 0 (dense) and 1 (sparse) a layer, "([0]*3+[1]*58)".
+                           "--moe-layer-freq")
+
+
+def moe_layer_pattern(model: ModelSpec) -> str:
+    """--moe-layer-freq for a model whose first layers are dense, as Megatron-LM's
+    DeepSeek-V3 recipe writes it."""
+    dense = model.first_k_dense_replace
+    return f"([0]*{dense}+[1]*{model.num_hidden_layers - dense})"
+
+
+def read_moe_layer_freq(text: str | None, layers: int) -> int:
+    """The dense first layers --moe-layer-freq gives (1 or absent: none), refusing any
+    other pattern: a list of 0 and 1 a layer (or the ([0]*K+[1]*N) form) whose sparse
+    layers all follow its dense ones."""
+    if text is None or text.strip() == "1":
+        return 0
+    flat = text.replace(" ", "")
+    match = re.fullmatch(r"\(?\[0\]\*(\d+)\+\[1\]\*(\d+)\)?", flat)
+    if match:
+        pattern = [0] * int(match.group(1)) + [1] * int(match.group(2))
+    elif re.fullmatch(r"\[[01](,[01])*\]", flat):
+        pattern = [int(c) for c in flat[1:-1].split(",")]
+    else:
+        raise SpecError("--moe-layer-freq", f"{text!r}: Shardwise reads 1, a list of 0 and 1 a layer, or "
+                                            "([0]*K+[1]*N)")
+    if len(pattern) != layers:
+        raise SpecError("--moe-layer-freq", f"{len(pattern)} entries for {layers} layers")
+    dense = pattern.index(1) if 1 in pattern else layers
+    if 0 in pattern[dense:]:
+        raise SpecError("--moe-layer-freq", "dense layers between sparse ones are not modelled (dense first "
+                                            "layers, then every layer sparse)")
+    return dense
 
 
 
@@ -284,6 +326,34 @@ def _check_moe_layout(args: argparse.Namespace, model: ModelSpec, whole: bool) -
                                   f"{has if expected else has_not}")
 
 
+def _check_deepseek(args: argparse.Namespace, model: ModelSpec, whole: bool) -> None:
+    """Multi-head latent attention and its ranks, the dense first layers, group-limited
+    routing, its scaling and the multi-token prediction modules (DeepSeek-V3): a command
+    that gives one the model does not have, or (a `whole` model description) leaves out
+    one it has, describes another model. Megatron's q_lora_rank unset is no query latent."""
+    pairs = [("--multi-latent-attention", args.multi_latent_attention or None, model.is_mla or None)]
+    if model.is_mla or args.multi_latent_attention:
+        pairs += [("--q-lora-rank", args.q_lora_rank, model.q_lora_rank or None),
+                  ("--kv-lora-rank", args.kv_lora_rank, model.kv_lora_rank),
+                  ("--qk-head-dim", args.qk_head_dim, model.qk_nope_head_dim),
+                  ("--qk-pos-emb-head-dim", args.qk_pos_emb_head_dim, model.qk_rope_head_dim),
+                  ("--v-head-dim", args.v_head_dim, model.v_head_dim)]
+    dense = read_moe_layer_freq(args.moe_layer_freq, model.num_hidden_layers)
+    pairs += [("--moe-layer-freq", dense or None, model.first_k_dense_replace or None),
+              ("--moe-router-num-groups", args.moe_router_num_groups, model.n_group if model.n_group > 1 else None),
+              ("--moe-router-group-topk", args.moe_router_group_topk, model.topk_group if model.n_group > 1 else None),
+              ("--moe-router-topk-scaling-factor", args.moe_router_topk_scaling_factor,
+               model.routed_scaling_factor if model.routed_scaling_factor != 1.0 else None),
+              ("--mtp-num-layers", args.mtp_num_layers, model.num_nextn_predict_layers or None)]
+    for flag, given, expected in pairs:
+        if given != expected and (whole or given is not None):
+            said = "absent" if given is None else (f"{given} dense first layers" if flag == "--moe-layer-freq"
+                                                   else "given" if given is True else given)
+            has = "none" if expected is None else (f"{expected} dense first layers" if flag == "--moe-layer-freq"
+                                                   else "it" if expected is True else expected)
+            raise SpecError(flag, f"{said}, but {model.name} has {has}")
+
+
 def read_megatron(text: str, model: ModelSpec, num_gpus: int) -> Imported:
     """Megatron-LM command-line arguments (a whole pasted command line is fine: words
     that are not arguments Shardwise reads are ignored with a warning)."""
@@ -304,11 +374,14 @@ def read_megatron(text: str, model: ModelSpec, num_gpus: int) -> Imported:
     kv = model.num_key_value_heads if model.num_key_value_heads != model.num_attention_heads else None
     check_model([("--num-layers", args.num_layers, model.num_hidden_layers),
                   ("--hidden-size", args.hidden_size, model.hidden_size),
-                  ("--ffn-hidden-size", args.ffn_hidden_size, model.intermediate_size),
+                  ("--ffn-hidden-size", args.ffn_hidden_size, (model.dense_intermediate_size or model.intermediate_size)
+                   if model.first_k_dense_replace else model.intermediate_size),
+                  ("--moe-ffn-hidden-size", args.moe_ffn_hidden_size,
+                   model.intermediate_size if model.is_moe else None),
                   ("--num-attention-heads", args.num_attention_heads, model.num_attention_heads),
                   ("--num-query-groups", args.num_query_groups if args.group_query_attention else None,
                    model.num_key_value_heads),
-                  ("--kv-channels", args.kv_channels, model.head_dim),
+                  ("--kv-channels", args.kv_channels, None if model.is_mla else model.head_dim),
                   ("--num-experts", args.num_experts, model.num_local_experts if model.is_moe else None),
                   ("--moe-router-topk", args.moe_router_topk, model.num_experts_per_tok if model.is_moe else None)],
                  model)
@@ -317,13 +390,14 @@ def read_megatron(text: str, model: ModelSpec, num_gpus: int) -> Imported:
     if kv is not None and not args.group_query_attention and args.num_attention_heads is not None:
         raise SpecError("--group-query-attention", f"missing: {model.name} has {kv} KV heads")
     # Megatron-LM's kv_channels defaults to hidden / heads, and q/k are not normalised unless asked.
-    if args.kv_channels is None and args.hidden_size is not None and \
+    if args.kv_channels is None and args.hidden_size is not None and not model.is_mla and \
             model.head_dim != model.hidden_size // model.num_attention_heads:
         raise SpecError("--kv-channels", f"missing: {model.name} has head_dim {model.head_dim}, not "
                                          f"hidden / heads = {model.hidden_size // model.num_attention_heads}")
     if model.qk_norm and not args.qk_layernorm and args.hidden_size is not None:
         raise SpecError("--qk-layernorm", f"missing: {model.name} normalises q and k per head")
     _check_moe_layout(args, model, whole=args.hidden_size is not None)
+    _check_deepseek(args, model, whole=args.hidden_size is not None)
     tp = args.tensor_model_parallel_size or 1
     pp = args.pipeline_model_parallel_size or 1
     cp = args.context_parallel_size or 1
@@ -500,11 +574,19 @@ def export_megatron(strategy: Strategy, model: ModelSpec, training: TrainingSpec
         # Megatron-LM's default is p2p (a ring); all_gather is the exchange the plan priced.
         args += ["--cp-comm-type", "all_gather"]
     args += ["--expert-model-parallel-size", str(s.ep)]
+    ffn = (model.dense_intermediate_size or model.intermediate_size) if model.first_k_dense_replace \
+        else model.intermediate_size
     args += ["--num-layers", str(model.num_hidden_layers), "--hidden-size", str(model.hidden_size),
-             "--ffn-hidden-size", str(model.intermediate_size), "--num-attention-heads", str(model.num_attention_heads)]
+             "--ffn-hidden-size", str(ffn), "--num-attention-heads", str(model.num_attention_heads)]
     if model.num_key_value_heads != model.num_attention_heads:
         args += ["--group-query-attention", "--num-query-groups", str(model.num_key_value_heads)]
-    if model.head_dim != model.hidden_size // model.num_attention_heads:
+    if model.is_mla:
+        args.append("--multi-latent-attention")
+        if model.q_lora_rank:
+            args += ["--q-lora-rank", str(model.q_lora_rank)]
+        args += ["--kv-lora-rank", str(model.kv_lora_rank), "--qk-head-dim", str(model.qk_nope_head_dim),
+                 "--qk-pos-emb-head-dim", str(model.qk_rope_head_dim), "--v-head-dim", str(model.v_head_dim)]
+    elif model.head_dim != model.hidden_size // model.num_attention_heads:
         args += ["--kv-channels", str(model.head_dim)]
     if model.qk_norm:
         args.append("--qk-layernorm")
@@ -521,6 +603,14 @@ def export_megatron(strategy: Strategy, model: ModelSpec, training: TrainingSpec
             args.append("--moe-router-pre-softmax")
         if model.router_scoring != "softmax":
             args += ["--moe-router-score-function", model.router_scoring]
+        if model.first_k_dense_replace:
+            args += ["--moe-ffn-hidden-size", str(model.intermediate_size), "--moe-layer-freq", f'"{moe_layer_pattern(model)}"']
+        if model.n_group > 1:
+            args += ["--moe-router-num-groups", str(model.n_group), "--moe-router-group-topk", str(model.topk_group)]
+        if model.routed_scaling_factor != 1.0:
+            args += ["--moe-router-topk-scaling-factor", f"{model.routed_scaling_factor:g}"]
+    if model.num_nextn_predict_layers:
+        args += ["--mtp-num-layers", str(model.num_nextn_predict_layers)]
     if model.attention_bias and not model.is_gpt:
         args.append("--add-qkv-bias")
     if not model.is_gpt:
@@ -533,7 +623,8 @@ def export_megatron(strategy: Strategy, model: ModelSpec, training: TrainingSpec
     if model.chunked_attention:
         warnings.append(f"Megatron-LM has no chunked attention (Llama 4's, {model.windowed_layers} of "
                         f"{model.num_hidden_layers} layers in chunks of {model.attention_window})")
-    if model.router_scoring == "sigmoid":
+    if model.router_scoring == "sigmoid" and model.n_group == 1:
+        # Llama 4's; DeepSeek-V3's group-limited sigmoid routing scales the outputs, as Megatron does.
         warnings.append("Megatron-LM scales the experts' outputs by the router's sigmoid, where Llama 4 scales their "
                         "inputs (the same FLOPs and traffic)")
     gpt_oss = [name for name, on in (("attention window", model.windowed_layers and not model.chunked_attention),

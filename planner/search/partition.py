@@ -14,6 +14,12 @@ times and (a, c) the schedule's coefficients (`costmodel.terms.pipeline`):
                 pp * max_r t_r <= (1 + max_stage_imbalance) * sum_r t_r
                 sum_r N_r = L,  N_r >= vpp,  F_r + S_r <= N_r
 
+A model whose first K layers are dense (DeepSeek-V3's first_k_dense_replace) gives each
+rank one more count, D_r of those layers, which the layer counts fix: the virtual stages
+take layers in order, so the first stages take the K (`_place_prefix`). D enters the
+affine forms as the others do, its coefficient read as a dense layer in place of a
+mixture-of-experts one.
+
 Rank r's layers are split as evenly as possible over its vpp model chunks afterwards;
 the cost model charges a rank by its totals, so this loses nothing.
 
@@ -42,7 +48,7 @@ from costmodel.estimate.uniform import (
 )
 from costmodel.problem import Problem, TracedProblem
 from costmodel.specs.loading import load_runtime
-from costmodel.strategy import Stage, Strategy, rank_stage_indices
+from costmodel.strategy import Stage, Strategy, rank_stage_indices, stage_rank
 from costmodel.terms.pipeline import coefficient_scale, pipeline_coefficients
 from costmodel.units import MIB
 from planner.rules import Rules
@@ -64,13 +70,14 @@ MAX_MEMORY_CUTS = 64
 
 @dataclass(frozen=True)
 class Affine:
-    """value = const + per_layer * N + per_full * F + per_selective * S (+ indicator)."""
+    """value = const + per_layer * N + per_full * F + per_selective * S + per_dense * D (+ indicator)."""
 
     const: float
     per_layer: float
     per_full: float = 0.0
     per_selective: float = 0.0
     if_recompute: float = 0.0   # added once when the rank rebuilds any layer in backward
+    per_dense: float = 0.0      # per dense first layer among the N (ModelSpec.layer_kinds): D
 
 
 @dataclass(frozen=True)
@@ -101,14 +108,20 @@ class TimedOut:
     bound_s: float
 
 
-def _rank_stages(strategy: Strategy, pp_rank: int, layers: int, full: int, selective: int) -> tuple[Stage, ...]:
-    """Rank `pp_rank`'s chunks with `layers` layers, as `split_rank` lays them out.
-    Layer offsets are placeholders: the cost model only counts layers per rank."""
+def _rank_stages(strategy: Strategy, pp_rank: int, layers: int, full: int, selective: int, dense: int = 0,
+                 prefix: int = 0) -> tuple[Stage, ...]:
+    """Rank `pp_rank`'s chunks with `layers` layers, `dense` of them among the model's
+    first `prefix` (its dense layers, which fill the rank's first chunks first: they are
+    the earliest virtual stages), as `layout` lays them out. Layer offsets are
+    placeholders that give each chunk its dense layers: the cost model counts a rank's
+    layers by kind and mode."""
     counts = _split(layers, strategy.vpp)
     fulls = _fill(full, counts)
     selectives = _fill(selective, [c - f for c, f in zip(counts, fulls)])
+    denses = _fill(dense, counts)
     indices = rank_stage_indices(pp_rank, strategy.pp, strategy.vpp, strategy.schedule)
-    return tuple(Stage(index, pp_rank, 0, c, f, s) for index, c, f, s in zip(indices, counts, fulls, selectives))
+    return tuple(Stage(index, pp_rank, prefix - d, c, f, s)
+                 for index, c, f, s, d in zip(indices, counts, fulls, selectives, denses))
 
 
 def _split(total: int, parts: int) -> list[int]:
@@ -130,8 +143,8 @@ def rank_model(problem: Problem, units: UnitCosts, strategy: Strategy, pp_rank: 
     """Affine coefficients of rank `pp_rank`, read off the cost model by finite differences."""
     v = strategy.vpp
 
-    def at(layers: int, full: int = 0, selective: int = 0):
-        s = rank_strategy(strategy, pp_rank, (layers, full, selective))
+    def at(layers: int, full: int = 0, selective: int = 0, dense: int = 0):
+        s = rank_strategy(strategy, pp_rank, (layers, full, selective, dense), units.prefix_layers)
         window = backward_window_s(units, s, pp_rank)
         return (rank_work(units, s, pp_rank).total_s,
                 rank_memory(problem, units, s, pp_rank).total_bytes,
@@ -146,14 +159,16 @@ def rank_model(problem: Problem, units: UnitCosts, strategy: Strategy, pp_rank: 
     indicator = [o - b - f for o, b, f in zip(one_full, base, per_full)]
     per_sel = [b - a for a, b in zip(one_sel, two_sel)]
     sel_indicator = [o - b - s for o, b, s in zip(one_sel, base, per_sel)]
+    # A dense first layer in place of a mixture-of-experts one (ModelSpec.layer_kinds).
+    per_dense = [b - a for a, b in zip(base, at(v + 2, dense=1))] if units.prefix_layers else [0.0] * 4
     # Where selective recompute rebuilds the layer too, both indicators stand for the one
     # rebuilt layer's activations: one z, at the smaller of the two, keeps the program's
     # memory a relaxation.
     rebuilds = problem.runtime.selective_rebuilds_layer
     if rebuilds:
         indicator = [min(a, b) for a, b in zip(indicator, sel_indicator)]
-    affines = [Affine(base[i] - (v + 2) * per_layer[i], per_layer[i], per_full[i], per_sel[i], indicator[i])
-               for i in range(4)]
+    affines = [Affine(base[i] - (v + 2) * per_layer[i], per_layer[i], per_full[i], per_sel[i], indicator[i],
+                      per_dense[i]) for i in range(4)]
     return RankModel(*affines, selective_rebuilds=rebuilds)
 
 
@@ -211,6 +226,7 @@ def solve_partition(problem: Problem, units: UnitCosts, strategy: Strategy, mode
                                   + abs(r.optimizer.per_layer) + abs(r.dp_exposed.per_layer))
                       for r in ranks)) + 1000 * (layers + pp)
     n_vars, t_vars, z_vars = [], [], []
+    prefix = units.prefix_layers
     usable = [usable_memory_bytes(p, rules) for p, _ in rank_costs]
     caps = [math.floor(u / MEMORY_UNIT_BYTES) for u in usable]
     mem_cap = max(caps)
@@ -222,6 +238,7 @@ def solve_partition(problem: Problem, units: UnitCosts, strategy: Strategy, mode
         n = model.NewIntVar(vpp, layers, f"n{r}")
         f = model.NewIntVar(0, layers if "full" in modes else 0, f"f{r}")
         s = model.NewIntVar(0, layers if "selective" in modes else 0, f"s{r}")
+        d = model.NewIntVar(0, prefix, f"d{r}")
         model.Add(f + s <= n)
         if "none" not in modes:
             model.Add(f + s == n)
@@ -231,19 +248,21 @@ def solve_partition(problem: Problem, units: UnitCosts, strategy: Strategy, mode
             model.Add(s <= layers * z)
         tr = model.NewIntVar(0, big_t, f"t{r}")
         model.Add(tr == t(rm.time.const) + t(rm.time.per_layer) * n + t(rm.time.per_full) * f
-                  + t(rm.time.per_selective) * s)
+                  + t(rm.time.per_selective) * s + t(rm.time.per_dense) * d)
         model.Add(peak_t >= tr)
         mem = (b(rm.memory.const) + b(rm.memory.per_layer) * n + b(rm.memory.per_full) * f
-               + b(rm.memory.per_selective) * s + b(rm.memory.if_recompute) * z)
+               + b(rm.memory.per_selective) * s + b(rm.memory.if_recompute) * z + b(rm.memory.per_dense) * d)
         model.Add(mem <= peak_mem)
         if caps[r] < mem_cap:
             model.Add(mem <= caps[r])
-        model.Add(exposed >= t(rm.dp_exposed.const) + t(rm.dp_exposed.per_layer) * n)
-        model.Add(opt >= t(rm.optimizer.const) + t(rm.optimizer.per_layer) * n)
-        n_vars.append((n, f, s))
+        model.Add(exposed >= t(rm.dp_exposed.const) + t(rm.dp_exposed.per_layer) * n
+                  + t(rm.dp_exposed.per_dense) * d)
+        model.Add(opt >= t(rm.optimizer.const) + t(rm.optimizer.per_layer) * n + t(rm.optimizer.per_dense) * d)
+        n_vars.append((n, f, s, d))
         t_vars.append(tr)
         z_vars.append(z)
-    model.Add(sum(n for n, _, _ in n_vars) == layers)
+    model.Add(sum(n for n, *_ in n_vars) == layers)
+    _place_prefix(model, strategy, n_vars, prefix, layers)
     if pp > 1:
         # Imbalance as a ratio of integers: pp * max <= (1 + imb) * sum, in thousandths.
         model.Add(1000 * pp * peak_t <= round(1000 * (1 + rules.max_stage_imbalance)) * sum(t_vars))
@@ -265,7 +284,7 @@ def solve_partition(problem: Problem, units: UnitCosts, strategy: Strategy, mode
 
     # Each rank time's rounding error is at most half a unit per term, so the program's
     # bound, less this, bounds the objective of the unrounded times.
-    rounding = (a_int + c_int * pp + 2 * scale) * (1 + 3 * layers) / 2
+    rounding = (a_int + c_int * pp + 2 * scale) * (1 + 3 * layers + prefix) / 2
 
     def seconds(units_: float) -> float:
         return units_ * time_unit / scale
@@ -274,7 +293,7 @@ def solve_partition(problem: Problem, units: UnitCosts, strategy: Strategy, mode
     # 1F1B programs): a greedy split, each rank recomputing as little as fits.
     hint = greedy_hint(ranks, layers, vpp, caps, modes, t, b)
     if hint is not None:
-        for (n, f, s), z, values in zip(n_vars, z_vars, hint):
+        for (n, f, s, _), z, values in zip(n_vars, z_vars, hint):
             for var, value in zip((n, f, s, z), values):
                 model.AddHint(var, value)
 
@@ -283,7 +302,8 @@ def solve_partition(problem: Problem, units: UnitCosts, strategy: Strategy, mode
         if isinstance(solved, str):
             return None if solved == "infeasible" else TimedOut(0.0)
         status, value, bound, counts = solved
-        over = [r for r, (p, u) in enumerate(rank_costs) if rank_bytes(p, u, strategy, r, counts[r]) > usable[r]]
+        over = [r for r, (p, u) in enumerate(rank_costs)
+                if rank_bytes(p, u, strategy, r, counts[r], prefix) > usable[r]]
         if not over:
             break
         for r in over:   # the affine memory under-counted this rank's layer counts
@@ -294,7 +314,46 @@ def solve_partition(problem: Problem, units: UnitCosts, strategy: Strategy, mode
     timed_out = status != cp_model.OPTIMAL
     bound = max(0.0, bound - rounding)
     gap = 0.0 if not timed_out or value <= 0 else max(0.0, (value - bound) / value)
-    return Solution(strategy.with_stages(layout(strategy, counts)), seconds(value), gap, timed_out)
+    return Solution(strategy.with_stages(layout(strategy, [c[:3] for c in counts])), seconds(value), gap, timed_out)
+
+
+def _place_prefix(model, strategy: Strategy, n_vars: list, prefix: int, layers: int) -> None:
+    """Tie each rank's D (the `prefix` dense first layers it holds) to its layer count N:
+    the virtual stages take layers in order, rank r's chunk k holding N // vpp layers and
+    one more while k < N % vpp (`_split`), so the first stages take the prefix, each
+    min(its layers, what is left of it)."""
+    if not prefix:
+        return
+    pp, vpp = strategy.pp, strategy.vpp
+    chunk_sizes = {}
+    for r, (n, *_) in enumerate(n_vars):
+        if vpp == 1:
+            chunk_sizes[r] = [n]
+            continue
+        base = model.NewIntVar(0, layers, f"base{r}")
+        extra = model.NewIntVar(0, vpp - 1, f"extra{r}")
+        model.AddDivisionEquality(base, n, vpp)
+        model.AddModuloEquality(extra, n, vpp)
+        sizes = []
+        for k in range(vpp):
+            more = model.NewBoolVar(f"more{r}_{k}")
+            model.Add(extra >= k + 1).OnlyEnforceIf(more)
+            model.Add(extra <= k).OnlyEnforceIf(more.Not())
+            sizes.append(base + more)
+        chunk_sizes[r] = sizes
+    held = {r: [] for r in range(pp)}
+    left = prefix
+    for index in range(min(prefix, strategy.num_virtual_stages)):   # a stage holds at least one layer
+        r = stage_rank(index, pp, strategy.schedule)
+        k = rank_stage_indices(r, pp, vpp, strategy.schedule).index(index)
+        size = model.NewIntVar(0, layers, f"size{index}")
+        model.Add(size == chunk_sizes[r][k])
+        taken = model.NewIntVar(0, prefix, f"dense{index}")
+        model.AddMinEquality(taken, [size, left])
+        held[r].append(taken)
+        left = left - taken
+    for r, (_, _, _, d) in enumerate(n_vars):
+        model.Add(d == sum(held[r]))
 
 
 def greedy_hint(ranks: list[RankModel], layers: int, vpp: int, caps: list[int], modes: tuple[str, ...],
@@ -362,20 +421,21 @@ def _solve(model, n_vars: list, objective: str, peak_mem, time_objective):
     model.ClearAssumptions()
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return "infeasible" if status == cp_model.INFEASIBLE else "timeout"
-    counts = [tuple(solver.Value(x) for x in triple) for triple in n_vars]
+    counts = [tuple(solver.Value(x) for x in values) for values in n_vars]
     return status, solver.ObjectiveValue(), solver.BestObjectiveBound(), counts
 
 
-def rank_strategy(strategy: Strategy, pp_rank: int, counts: tuple[int, int, int]) -> Strategy:
+def rank_strategy(strategy: Strategy, pp_rank: int, counts: tuple[int, ...], prefix: int = 0) -> Strategy:
     """`strategy` with only rank `pp_rank`'s stages, holding `counts` (layers, full,
-    selective): what the cost model's per-rank functions read."""
-    return replace(strategy, stages=_rank_stages(strategy, pp_rank, *counts))
+    selective and, of a model with `prefix` dense first layers, how many of those): what
+    the cost model's per-rank functions read."""
+    return replace(strategy, stages=_rank_stages(strategy, pp_rank, *counts, prefix=prefix))
 
 
 def rank_bytes(problem: Problem, units: UnitCosts, strategy: Strategy, pp_rank: int,
-               counts: tuple[int, int, int]) -> float:
+               counts: tuple[int, ...], prefix: int = 0) -> float:
     """The full cost model's peak memory of rank `pp_rank` holding `counts`."""
-    return rank_memory(problem, units, rank_strategy(strategy, pp_rank, counts), pp_rank).total_bytes
+    return rank_memory(problem, units, rank_strategy(strategy, pp_rank, counts, prefix), pp_rank).total_bytes
 
 
 def layout(strategy: Strategy, counts: list[tuple[int, int, int]]) -> tuple[Stage, ...]:
