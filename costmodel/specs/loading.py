@@ -632,7 +632,7 @@ def _check_deepseek_fields(values: dict) -> None:
     chosen = values.get("topk_group", 1)
     if not 1 <= chosen <= groups:
         raise SpecError("topk_group", f"{chosen}: between 1 and n_group {groups}")
-    if values["num_experts_per_tok"] > chosen * experts // groups:
+    if groups > 1 and values["num_experts_per_tok"] > chosen * experts // groups:
         raise SpecError("topk_group", f"{chosen} groups of {experts // groups} experts cannot hold the "
                                       f"{values['num_experts_per_tok']} experts a token takes")
 

@@ -48,7 +48,10 @@ class Bounds:
 
 @dataclass(frozen=True)
 class _Terms:
-    """Per-layer quantities of one candidate, at the fastest allowed mode."""
+    """Per-layer quantities of one candidate, at the fastest allowed mode: the least over
+    the model's kinds of layer (a bound on any rank's layers), and their sums over every
+    layer (ModelSpec.layer_kinds: DeepSeek-V3's dense first layers beside its mixture-of-
+    experts ones)."""
 
     layer_s: float            # one layer, one micro-batch
     layer_states_bytes: float
@@ -59,15 +62,28 @@ class _Terms:
     rank_s: tuple[float, ...]  # fixed work per rank: embedding, head, p2p
     in_flight: tuple[float, ...]
     rank_credit_bytes: float  # activations a rank may free beyond its layers' count (ZeRO-3, one micro-batch)
+    layers_s: float = 0.0            # every layer at its fastest mode
+    layers_act_bytes: float = 0.0    # every layer's activations at its fastest mode
+    layers_min_act_bytes: float = 0.0   # every layer's at the most frugal mode
 
 
-def _terms(problem: Problem, units: UnitCosts, strategy: Strategy, modes: tuple[str, ...]) -> _Terms:
-    layers, pp = problem.model.num_hidden_layers, strategy.pp
+@dataclass(frozen=True)
+class _Layer:
+    """One kind of layer's quantities (as _Terms)."""
+
+    seconds: float
+    states_bytes: float
+    act_bytes: float
+    min_act_bytes: float
+    s_per_byte: float
+    credit_bytes: float
+
+
+def _layer(problem: Problem, units: UnitCosts, strategy: Strategy, modes: tuple[str, ...]) -> _Layer:
     training, dp, zero = problem.training, strategy.dp_cp, strategy.zero_stage   # ZeRO shards over dp x cp
     dense_layer, expert_layer = units.layer_dense_parameters, units.layer_expert_parameters
     layer_states = (sum(memory.sharded_state_bytes(dense_layer, training, zero, dp))
                     + sum(memory.sharded_state_bytes(expert_layer, training, zero, dp // strategy.ep)))
-    ends = sum(memory.sharded_state_bytes(units.first_parameters + units.last_parameters, training, zero, dp))
     act = {mode: units.layer_activation_bytes[mode] for mode in modes}
     credit = 0.0
     if strategy.num_microbatches == 1:
@@ -80,15 +96,33 @@ def _terms(problem: Problem, units: UnitCosts, strategy: Strategy, modes: tuple[
     work = {mode: units.layer_work[mode].total_s for mode in modes}
     fastest = min(modes, key=lambda m: (work[m], act[m]))
     prices = [(work[m] - work[fastest]) / (act[fastest] - act[m]) for m in modes if act[m] < act[fastest]]
+    return _Layer(work[fastest], layer_states, act[fastest], min(act[m] for m in modes),
+                  min(prices) if prices else float("inf"), credit)
+
+
+def _terms(problem: Problem, units: UnitCosts, strategy: Strategy, modes: tuple[str, ...]) -> _Terms:
+    pp, training, dp, zero = strategy.pp, problem.training, strategy.dp_cp, strategy.zero_stage
+    kinds = [(_layer(problem, units, strategy, modes), problem.model.num_hidden_layers - units.prefix_layers)]
+    if units.prefix_layers:
+        kinds.append((_layer(problem, units.dense, strategy, modes), units.prefix_layers))
+    ends = sum(memory.sharded_state_bytes(units.first_parameters + units.last_parameters, training, zero, dp))
     rank_s = [p2p_sends(strategy, r) * units.p2p_s for r in range(pp)]
     rank_s[0] += units.first_work.total_s
     # The last stage's rank: the last one, or rank 0 under a V (zbv, dualpipev).
     rank_s[stage_rank(strategy.num_virtual_stages - 1, pp, strategy.schedule)] += units.last_work.total_s
     in_flight = tuple(memory.in_flight_microbatches(strategy.schedule, pp, r, strategy.num_microbatches,
                                                     strategy.vpp) for r in range(pp))
-    return _Terms(work[fastest], layer_states, act[fastest], min(act[m] for m in modes),
-                  min(prices) if prices else float("inf"), layers * layer_states + ends,
-                  tuple(rank_s), in_flight, credit)
+
+    def least(name: str) -> float:
+        return min(getattr(k, name) for k, _ in kinds)
+
+    def total(name: str) -> float:
+        return sum(n * getattr(k, name) for k, n in kinds)
+
+    return _Terms(least("seconds"), least("states_bytes"), least("act_bytes"), least("min_act_bytes"),
+                  least("s_per_byte"), total("states_bytes") + ends, tuple(rank_s), in_flight,
+                  max(k.credit_bytes for k, _ in kinds), total("seconds"), total("act_bytes"),
+                  total("min_act_bytes"))
 
 
 def states_memory_bytes(problem: Problem, units: UnitCosts, strategy: Strategy) -> float:
@@ -100,28 +134,28 @@ def states_memory_bytes(problem: Problem, units: UnitCosts, strategy: Strategy) 
 
 def quick(problem: Problem, units: UnitCosts, strategy: Strategy, modes: tuple[str, ...],
           usable_bytes: float) -> Bounds:
-    layers, pp = problem.model.num_hidden_layers, strategy.pp
+    pp = strategy.pp
     x = _terms(problem, units, strategy, modes)
     # Every rank holds at least the fewest in-flight micro-batches of any rank (1 for
     # 1F1B's last rank; min(m, 2 pp) everywhere under the zero-bubble schedules).
     held = min(x.in_flight)
     memory_bytes = (memory.RUNTIME_RESERVE_BYTES
-                    + max(x.states_bytes + held * layers * x.min_act_bytes - pp * x.rank_credit_bytes, 0.0) / pp)
+                    + max(x.states_bytes + held * x.layers_min_act_bytes - pp * x.rank_credit_bytes, 0.0) / pp)
     a, c = pipeline_coefficients(strategy.schedule, strategy.num_microbatches, strategy.vpp,
                                  units.weight_grad_share, units.forward_share)
-    return Bounds((a + c * pp) * _total_s(x, layers, pp, usable_bytes) / pp, memory_bytes)
+    return Bounds((a + c * pp) * _total_s(x, pp, usable_bytes) / pp, memory_bytes)
 
 
-def _total_s(x: _Terms, layers: int, pp: int, usable_bytes: float) -> float:
+def _total_s(x: _Terms, pp: int, usable_bytes: float) -> float:
     """Lower bound on sum_r t_r. Summed over ranks, states and the fewest in-flight
     micro-batches of activations must fit pp devices; the excess is recomputed at the
     best price."""
     held = min(x.in_flight)
-    excess = (x.states_bytes + held * layers * x.layer_act_bytes
+    excess = (x.states_bytes + held * x.layers_act_bytes
               - pp * (usable_bytes - memory.RUNTIME_RESERVE_BYTES + x.rank_credit_bytes))
     # A byte of a micro-batch's activations recomputed frees `held` bytes of memory.
     extra_s = excess * x.s_per_byte / held if excess > 0 else 0.0
-    return layers * x.layer_s + extra_s + sum(x.rank_s)
+    return x.layers_s + extra_s + sum(x.rank_s)
 
 
 def _max_layers(x: _Terms, rank: int, time_s: float, free_bytes: float) -> float:
@@ -150,7 +184,7 @@ def balanced(problem: Problem, units: UnitCosts, strategy: Strategy, modes: tupl
     layers, pp = problem.model.num_hidden_layers, strategy.pp
     x = _terms(problem, units, strategy, modes)
     free = usable_bytes - memory.RUNTIME_RESERVE_BYTES + x.rank_credit_bytes
-    total_s = _total_s(x, layers, pp, usable_bytes)
+    total_s = _total_s(x, pp, usable_bytes)
 
     def holds(time_s: float) -> bool:
         return sum(math.floor(_max_layers(x, r, time_s, free) + 1e-9) for r in range(pp)) >= layers

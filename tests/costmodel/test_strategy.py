@@ -134,3 +134,14 @@ def test_schedule_and_microbatch_counts():
     assert schedule_microbatch_error("zb-interleaved", 4, 6) is None       # 1 round of 6
     assert "2 rounds" in schedule_microbatch_error("zb-interleaved", 4, 9)  # 9 // 4 = 2 rounds
     assert schedule_microbatch_error("zb-interleaved", 4, 10) is None      # 2 rounds of 5
+
+
+def test_a_stage_splits_its_modes_at_the_models_first_layers():
+    """Layers 3..8 of a stage, the first 2 fully recomputed and the next 3 selectively, of
+    a model whose first 5 layers are dense: (mode, dense, other) in layer order."""
+    from costmodel.strategy import Stage
+
+    stage = Stage(0, 0, 3, 6, full_recompute_layers=2, selective_recompute_layers=3)
+    assert stage.layers_by_mode(5) == (("full", 2, 0), ("selective", 0, 3), ("none", 0, 1))
+    assert stage.layers_by_mode(0) == (("full", 0, 2), ("selective", 0, 3), ("none", 0, 1))
+    assert stage.layers_by_mode(9) == (("full", 2, 0), ("selective", 3, 0), ("none", 1, 0))

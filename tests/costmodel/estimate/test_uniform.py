@@ -742,3 +742,27 @@ def test_fsdp_prefetch_and_ddp_buckets_are_the_runtimes():
     wide = dataclasses.replace(prob, runtime=dataclasses.replace(base, ddp_bucket_mb=100))
     assert rank_memory(prob, unit_costs(prob, ddp), ddp, 0).comm_buffer_bytes == 2 * 25 * MIB
     assert rank_memory(wide, unit_costs(wide, ddp), ddp, 0).comm_buffer_bytes == 2 * 100 * MIB
+
+
+def test_dense_first_layers_and_mtp_are_held_where_the_stages_put_them():
+    """tiny-deepseek (2 dense first layers of 6, one MTP module) over pp 2, three layers a
+    stage: rank 0 holds both dense layers and one sparse layer, rank 1 three sparse layers,
+    the MTP module's sparse layer and projection, and the head. Parameters and activations
+    by kind of layer; the recomputed dense layers repeat the dense layer's forward FLOPs."""
+    from costmodel.terms.counts import layer_forward_flops, mtp_projection_parameters
+
+    m = load_model("tiny-deepseek")
+    c = load_cluster("dgx-a100-80gb", gpus=4)
+    p = Problem(m, c, make_training(m, c, 8, 64))
+    s = Strategy(dp=2, tp=1, pp=2, micro_batch_size=1, num_microbatches=4, ep=2, zero_stage=1,
+                 recompute="full").with_stages(even_stages(6, 2, 1, "full"))
+    units = unit_costs(p, s)
+    dense_layer = sum(layer_parameters(m.dense_layer()))
+    sparse_dense, experts = layer_parameters(m)
+    embedding, head = 512 * 64, 64 + 512 * 64
+    assert rank_parameters(units, s, 0) == (2 * dense_layer + sparse_dense + embedding, experts / 2)
+    assert rank_parameters(units, s, 1) == (4 * sparse_dense + head + mtp_projection_parameters(m), 4 * experts / 2)
+    assert units.dense.layer_activation_bytes["full"] == units.layer_activation_bytes["full"]   # the input alone
+    assert units.dense.layer_activation_bytes["none"] != units.layer_activation_bytes["none"]
+    flops = 8 * (2 * layer_forward_flops(m.dense_layer(), 64) + 4 * layer_forward_flops(m, 64))
+    assert recompute_flops(p, s) == pytest.approx(flops, rel=1e-12)

@@ -323,3 +323,60 @@ def test_llama4_layer_kinds_follow_no_rope_layers(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(data))
     with pytest.raises(SpecError, match="^no_rope_layer_interval: expected an integer of at least 1, got 0"):
         load_model(str(tmp_path / "config.json"))
+
+
+def test_deepseek_v3_loads_as_transformers_builds_it(tmp_path):
+    """DeepSeek-V3's released config: 671,026,404,352 parameters as transformers builds
+    them (DeepSeek-AI 2024: 671B, 37B activated), its multi-token prediction module
+    (which transformers does not build) priced apart; multi-head latent attention's
+    ranks, the 3 dense first layers 18432 wide and 256 experts 2048 wide in 8 groups."""
+    from costmodel.specs.hf import check_spec
+    from costmodel.terms.counts import active_parameters
+
+    path = _builtin_as_config_json("deepseek-v3", tmp_path)
+    spec = load_model(str(path))
+    assert (spec.q_lora_rank, spec.kv_lora_rank, spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.v_head_dim,
+            spec.head_dim) == (1536, 512, 128, 64, 128, 64)
+    assert (spec.first_k_dense_replace, spec.dense_intermediate_size, spec.intermediate_size,
+            spec.shared_expert_intermediate_size, spec.num_local_experts, spec.num_experts_per_tok) == (
+        3, 18432, 2048, 2048, 256, 8)
+    assert (spec.router_scoring, spec.n_group, spec.topk_group, spec.routed_scaling_factor,
+            spec.num_nextn_predict_layers) == ("sigmoid", 8, 4, 2.5, 1)
+    assert total_parameters(spec) == 671_026_404_352 == total_parameters(load_model("deepseek-v3"))
+    assert active_parameters(spec) == 37_552_282_624
+    check_spec(path, spec)
+
+
+def test_deepseek_v3_without_a_query_latent_loads_as_transformers_builds_it(tmp_path):
+    """q_lora_rank null (DeepSeek-V2-Lite's form): one q projection, no query latent."""
+    from costmodel.specs.hf import check_spec
+
+    path = _builtin_as_config_json("deepseek-v3", tmp_path, q_lora_rank=None, num_hidden_layers=4,
+                                   n_routed_experts=16, first_k_dense_replace=1)
+    spec = load_model(str(path))
+    assert spec.q_lora_rank == 0
+    check_spec(path, spec)
+
+
+def test_deepseek_v3_traces_to_the_spec_flops(tmp_path):
+    """Per layer, dense and mixture-of-experts alike: MLA's five projections, scores over
+    the 48-wide query/key heads and 32-wide value heads, routed and shared experts."""
+    check(_builtin_as_config_json("deepseek-v3", tmp_path, num_hidden_layers=3, first_k_dense_replace=1,
+                                  hidden_size=256, intermediate_size=512, moe_intermediate_size=64,
+                                  num_attention_heads=4, num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=32,
+                                  qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=8,
+                                  num_experts_per_tok=2, n_group=4, topk_group=2, vocab_size=1000,
+                                  max_position_embeddings=128, rope_scaling=None), seq=64)
+
+
+@pytest.mark.parametrize("changes, field, text", [
+    ({"moe_layer_freq": 2}, "moe_layer_freq", "dense layers between sparse ones are not modelled"),
+    ({"v_head_dim": 0}, "v_head_dim", "multi-head latent attention needs"),
+    ({"first_k_dense_replace": 61}, "first_k_dense_replace", "leave none of the 61 a mixture of experts"),
+    ({"n_group": 7}, "n_group", "7 groups do not split 256 experts evenly"),
+    ({"topk_group": 9}, "topk_group", "between 1 and n_group 8"),
+    ({"topk_group": 1, "n_group": 64}, "topk_group", "1 groups of 4 experts cannot hold the 8 experts"),
+])
+def test_deepseek_v3_layouts_the_spec_cannot_describe_are_refused_by_name(tmp_path, changes, field, text):
+    with pytest.raises(SpecError, match=f"^{field}: .*{text}"):
+        load_model(str(_builtin_as_config_json("deepseek-v3", tmp_path, **changes)))

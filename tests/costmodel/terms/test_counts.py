@@ -22,6 +22,7 @@ from costmodel.terms.counts import (
     layer_forward_flops,
     layer_parameters,
     model_flops_per_step,
+    mtp_parameters,
     norm_parameters,
     total_parameters,
 )
@@ -271,3 +272,34 @@ def test_graph_attributes_add_up():
     assert layer["forward_flops"] == layer_forward_flops(m, s)
     assert g.nodes["embedding"]["forward_flops"] == 0.0
     assert g.nodes["head"]["forward_flops"] == 2 * s * 64 * 512
+
+
+def test_deepseek_v3_parameters_and_flops_by_hand():
+    """DeepSeek-V3 (DeepSeek-AI 2024: 671B, 37B activated): multi-head latent attention
+    (q_a 7168 x 1536, q_b 1536 x 128 x 192, kv_a 7168 x 576, kv_b 512 x 128 x 256, o 16384
+    x 7168, the two latents' norms), 3 dense layers with a SwiGLU 18432 wide, 58 with 256
+    experts 2048 wide (8 per token) beside a shared one and a 256-way router; the MTP
+    module (a sparse layer, a 2h x h projection and three norms) priced apart."""
+    h, V, L, K, E, k, f, fd = 7168, 129280, 61, 3, 256, 8, 2048, 18432
+    attention = h * 1536 + 1536 * 128 * 192 + h * 576 + 512 * 128 * 256 + 128 * 128 * h + 1536 + 512
+    assert attention_parameters(load_model("deepseek-v3")) == attention == 187_107_328
+    dense_layer = attention + 2 * h + 3 * h * fd
+    sparse_dense = attention + 2 * h + E * h + 3 * h * f
+    experts = E * 3 * h * f
+    m = load_model("deepseek-v3")
+    assert layer_parameters(m) == (sparse_dense, experts)
+    assert layer_parameters(m.dense_layer()) == (dense_layer, 0)
+    assert total_parameters(m) == 2 * V * h + h + K * dense_layer + (L - K) * (sparse_dense + experts) \
+        == 671_026_404_352
+    assert active_parameters(m) == 2 * V * h + h + K * dense_layer + (L - K) * (sparse_dense + k * 3 * h * f)
+    assert mtp_parameters(m) == sparse_dense + experts + 2 * h * h + 3 * h
+    s = 4096
+    projections = 2 * s * (attention - 1536 - 512)
+    scores = 2 * s * s * (128 * 192 + 128 * 128)
+    dense_flops = projections + scores + 2 * s * 3 * h * fd
+    sparse_flops = projections + scores + 2 * s * (3 * h * f * k + h * E + 3 * h * f)
+    assert layer_forward_flops(m.dense_layer(), s) == dense_flops
+    assert layer_forward_flops(m, s) == sparse_flops
+    head = 2 * s * h * V
+    mtp = 2 * s * 2 * h * h + sparse_flops + head
+    assert model_flops_per_step(m, 2, s) == 3 * 2 * (K * dense_flops + (L - K) * sparse_flops + head + mtp)

@@ -430,3 +430,33 @@ def test_fp8_linears_save_no_bf16_weight_copy(dgx):
     dropped = 2 * (attention_parameters(spec) + expert_parameters(spec))
     assert (pytorch_layer_activation_bytes(spec, bf16, 1, 1, False, "none")
             - pytorch_layer_activation_bytes(spec, fp8, 1, 1, False, "none")) == dropped
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_mla_activations_keep_the_heads_and_the_latents(dgx, cp):
+    """DeepSeek-V3's dense layer, Megatron-LM's recipe, tp 8: SDPA's query, key, value and
+    output of 128 heads (192-wide queries and keys, 128-wide values) and fp32 log-sum-exp,
+    split by tp; the two latents' RMSNorm inputs and outputs and fp32 inverse RMS, whole on
+    every rank (the down projections are replicated). Under cp the keys, values and kv
+    latent made from the gathered latent hold the whole sequence."""
+    m = load_model("deepseek-v3").dense_layer()
+    t = training(m, dgx, flash=True, seq=4096)
+    s, b, h, f, tp = 4096, 1, 7168, 18432, 8
+    tokens = s * b / cp
+    replicated = 4 * 2 * tokens * h              # two norm inputs, the attention's input, MLP input
+    heads = 2 * (128 * 192 + 128 * 128) * (1 + cp) + 4 * 128
+    latents = (2 * 2 * 1536 + 4) + (2 * 2 * 512 + 4) * cp
+    mlp = 2 * 3 * f
+    assert layer_activation_bytes(m, t, b, tp, False, "none", cp=cp) == pytest.approx(
+        (heads + mlp) * tokens / tp + latents * tokens + replicated, rel=1e-12)
+
+
+def test_mla_context_parallel_gathers_the_latent(dgx):
+    """Context parallelism gathers MLA's kv latent and shared rotary key (512 + 64 values a
+    token), whole on every tp rank, in place of every head's K and V."""
+    from costmodel.terms.compute import cp_gathered_values_per_token
+
+    m = load_model("deepseek-v3")
+    assert cp_gathered_values_per_token(m, 8) == 576 == m.kv_lora_rank + m.qk_rope_head_dim
+    llama = load_model("llama3-70b")
+    assert cp_gathered_values_per_token(llama, 8) == 2 * 8 * 128 / 8

@@ -63,6 +63,12 @@ CASES = {
     # --moe-router-pre-softmax.
     "moe-shared-ep": dict(model="tiny-moe-shared", gpus=8, batch=32, seq=64,
                           fix="dp=8,tp=1,pp=1,ep=4,mbs=1,zero=2,recompute=none"),
+    # DeepSeek-V3's shape: multi-head latent attention, dense first layers, group-limited
+    # sigmoid routing scaled by 2.5 and an MTP module (Megatron-LM's --multi-latent-attention
+    # and its ranks, --moe-layer-freq, --moe-router-num-groups / -group-topk,
+    # --moe-router-topk-scaling-factor, --mtp-num-layers).
+    "deepseek-ep-pp": dict(model="tiny-deepseek", gpus=8, batch=32, seq=64,
+                           fix="dp=4,tp=1,pp=2,ep=4,mbs=1,zero=1,recompute=none,schedule=1f1b"),
     "moe-capacity-ep": dict(model="tiny-moe", gpus=8, batch=32, seq=64, overrides={"moe_capacity_factor": "1.25"},
                             fix="dp=8,tp=1,pp=1,ep=4,mbs=1,zero=3,recompute=none"),
     # Context parallelism (K/V all-gathered): torchtitan's context_parallel_degree with FSDP2
@@ -75,6 +81,7 @@ CASES = {
 }
 # (case, target) pairs the target expresses exactly; every other pair must warn.
 EXACT = {
+    ("deepseek-ep-pp", "megatron"),
     ("zero1-sp-full-pp", "megatron"),
     ("interleaved-uneven", "megatron"),
     ("zero3-selective", "torchtitan"), ("zero3-selective", "torchtitan-toml"), ("zero3-selective", "megatron"),
@@ -259,8 +266,13 @@ def megatron_mirror() -> argparse.ArgumentParser:
                  "--expert-model-parallel-size", "--num-layers", "--hidden-size", "--ffn-hidden-size",
                  "--num-attention-heads", "--num-query-groups", "--kv-channels", "--seq-length",
                  "--max-position-embeddings", "--num-experts", "--moe-router-topk",
-                 "--moe-shared-expert-intermediate-size"):
+                 "--moe-shared-expert-intermediate-size", "--moe-ffn-hidden-size", "--q-lora-rank", "--kv-lora-rank",
+                 "--qk-head-dim", "--qk-pos-emb-head-dim", "--v-head-dim", "--moe-router-num-groups",
+                 "--moe-router-group-topk", "--mtp-num-layers"):
         parser.add_argument(name, type=int)
+    # arguments.py: moe_freq_type, an int or a Python list expression such as "([0]*3+[1]*58)".
+    parser.add_argument("--moe-layer-freq", type=str)
+    parser.add_argument("--moe-router-topk-scaling-factor", type=float)
     parser.add_argument("--recompute-granularity", choices=["full", "selective"])
     parser.add_argument("--recompute-method", choices=["uniform", "block"])
     parser.add_argument("--data-parallel-sharding-strategy", choices=["no_shard", "optim", "optim_grads",
@@ -283,7 +295,7 @@ def megatron_mirror() -> argparse.ArgumentParser:
                  "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split", "--bf16", "--fp16",
                  "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
                  "--moe-pad-expert-input-to-capacity", "--qk-layernorm", "--add-qkv-bias", "--moe-shared-expert-gate",
-                 "--moe-router-pre-softmax"):
+                 "--moe-router-pre-softmax", "--multi-latent-attention"):
         parser.add_argument(flag, action="store_true")
     return parser
 
@@ -305,7 +317,10 @@ def test_megatron_arguments_parse_with_a_mirror_of_megatron_lm(case):
     if doc["model"]["num_key_value_heads"] != doc["model"]["num_attention_heads"]:
         assert args.group_query_attention and args.num_query_groups == doc["model"]["num_key_value_heads"]
     model = model_of(doc)
-    assert (args.kv_channels or model.hidden_size // model.num_attention_heads) == model.head_dim
+    if model.is_mla:   # the heads' widths are MLA's own arguments
+        assert args.multi_latent_attention and args.kv_channels is None and args.v_head_dim == model.v_head_dim
+    else:
+        assert (args.kv_channels or model.hidden_size // model.num_attention_heads) == model.head_dim
     assert args.qk_layernorm == model.qk_norm
 
 
@@ -1014,3 +1029,35 @@ def test_evaluate_a_torchtitan_toml_with_fp8_on_an_a100_names_its_converters(tmp
                                     "--cluster", "dgx-a100-80gb", "--gpus", "8"])
     assert out.exit_code == 2 and out.stderr.strip().splitlines()[-1].startswith(
         "error: model.converters: FP8 (rowwise) on A100-80GB, which has no fp8 peak"), out.stderr
+
+
+@pytest.mark.parametrize("drop, field, message", [
+    ("--multi-latent-attention", "--multi-latent-attention", "absent, but tiny-deepseek has it"),
+    ("--q-lora-rank 32", "--q-lora-rank", "absent, but tiny-deepseek has 32"),
+    ('--moe-layer-freq "([0]*2+[1]*4)"', "--moe-layer-freq", "absent, but tiny-deepseek has 2 dense first layers"),
+    ("--moe-router-num-groups 4", "--moe-router-num-groups", "absent, but tiny-deepseek has 4"),
+    ("--moe-router-topk-scaling-factor 2.5", "--moe-router-topk-scaling-factor", "absent, but tiny-deepseek has 2.5"),
+    ("--mtp-num-layers 1", "--mtp-num-layers", "absent, but tiny-deepseek has 1"),
+])
+def test_megatron_deepseek_v3_layout_is_the_model_s(drop, field, message):
+    """Multi-head latent attention and its ranks, the dense first layers (their width as
+    --ffn-hidden-size, the experts' as --moe-ffn-hidden-size), group-limited routing, its
+    scaling and the MTP modules go out as Megatron-LM's arguments and read back; a whole
+    model description without one is another model."""
+    doc = _doc("deepseek-ep-pp")
+    text = export_plan(doc, "megatron").text.replace("\\\n", " ")
+    args = megatron_mirror().parse_args(shlex.split(text))
+    assert (args.multi_latent_attention, args.q_lora_rank, args.kv_lora_rank, args.qk_head_dim,
+            args.qk_pos_emb_head_dim, args.v_head_dim, args.kv_channels) == (True, 32, 16, 16, 8, 16, None)
+    assert (args.ffn_hidden_size, args.moe_ffn_hidden_size, args.moe_layer_freq) == (256, 32, "([0]*2+[1]*4)")
+    assert (args.moe_router_num_groups, args.moe_router_group_topk, args.moe_router_topk_scaling_factor,
+            args.mtp_num_layers, args.moe_router_score_function) == (4, 2, 2.5, 1, "sigmoid")
+    assert read_text("megatron", text, model_of(doc), 8).strategy == strategy_of(doc)
+    assert drop in text
+    with pytest.raises(SpecError, match=f"^{re.escape(field)}: {re.escape(message)}"):
+        read_text("megatron", text.replace(drop, ""), model_of(doc), 8)
+    with pytest.raises(SpecError, match=r"^--moe-layer-freq: dense layers between sparse ones are not modelled"):
+        read_text("megatron", text.replace('"([0]*2+[1]*4)"', "[0,1,0,1,1,1]"), model_of(doc), 8)
+    with pytest.raises(SpecError, match="^--multi-latent-attention: given, but tiny-moe has none"):
+        read_text("megatron", "--expert-model-parallel-size 2 --global-batch-size 32 --multi-latent-attention",
+                  load_model("tiny-moe"), 8)

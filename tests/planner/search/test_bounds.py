@@ -17,12 +17,15 @@ from planner.search.partition import usable_memory_bytes
 from planner.search.space import enumerate_space, recompute_modes
 
 # Chosen so that memory binds in different ways: one micro-batch per step (gradients and
-# activations do not coexist), ZeRO-3 with full recompute, interleaved pipelines, MoE.
+# activations do not coexist), ZeRO-3 with full recompute, interleaved pipelines, MoE,
+# two kinds of layer.
 CASES = {
     "gpt3-16l-megatron": ("gpt3-175b", 16, "dgx-a100-80gb", 32, 64, 2048, "megatron"),
     "llama2-70b-40l-fsdp": ("llama2-70b", 40, "dgx-a100-80gb", 8, 32, 4096, "fsdp"),
     "llama2-7b-default": ("llama2-7b", 32, "dgx-a100-40gb", 8, 32, 4096, "default"),
     "mixtral-8l-default": ("mixtral-8x7b", 8, "dgx-h100", 16, 32, 4096, "default"),
+    # Dense first layers (3 of 8) beside the mixture-of-experts ones, and an MTP module.
+    "deepseek-v3-8l-default": ("deepseek-v3", 8, "dgx-h100", 32, 64, 4096, "default"),
 }
 
 
