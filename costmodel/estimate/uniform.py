@@ -328,12 +328,17 @@ def stage_layers(units: UnitCosts, stage: Stage, last_index: int | None = None) 
     """The layers of `stage` as (unit costs of their kind, recompute mode, how many): the
     model's dense first layers priced by `units.dense`, the rest by `units`; on the last
     virtual stage (`last_index`) the multi-token prediction modules' layers too, plain."""
-    out = []
-    for mode, prefix, rest in stage.layers_by_mode(units.prefix_layers):
-        if prefix:
-            out.append((units.dense, mode, prefix))
-        if rest:
-            out.append((units, mode, rest))
+    if stage.first_layer >= units.prefix_layers:   # no dense first layer here (the usual case, kept quick)
+        out = [(units, mode, count) for mode, count in (("full", stage.full_recompute_layers),
+                                                        ("selective", stage.selective_recompute_layers),
+                                                        ("none", stage.plain_layers)) if count]
+    else:
+        out = []
+        for mode, prefix, rest in stage.layers_by_mode(units.prefix_layers):
+            if prefix:
+                out.append((units.dense, mode, prefix))
+            if rest:
+                out.append((units, mode, rest))
     if stage.index == last_index and units.mtp_layers:
         out.append((units, "none", units.mtp_layers))
     return out

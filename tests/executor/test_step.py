@@ -204,19 +204,25 @@ def test_zero_bubble_plans_the_executor_cannot_run_are_refused():
     check_compile(PLANS["pp2-interleaved"], True)
 
 
-def test_gpt_oss_llama4_and_gemma3_are_refused_by_name_before_any_weights():
-    """gpt-oss's banded attention, sinks, biased router and experts and clamped SwiGLU, and
-    Llama 4's chunked attention and sigmoid routing, and Gemma 3's banded layers and
-    post-norms, are planned and exported, not built:
+def test_gpt_oss_llama4_gemma3_and_deepseek_v3_are_refused_by_name_before_any_weights():
+    """gpt-oss's banded attention, sinks, biased router and experts and clamped SwiGLU,
+    Llama 4's chunked attention and sigmoid routing, Gemma 3's banded layers and
+    post-norms, and DeepSeek-V3's pieces, are planned and exported, not built:
     `run` refuses them naming the first."""
     with pytest.raises(UnsupportedPlan, match="^model.attention_window: the executor's built-in model does not build "
                                               "the model's attention_window, attention_sinks, router_bias, "
-                                              "swiglu_limit, mlp_bias \\(gpt-oss, Llama 4, Gemma 3\\) yet"):
+                                              "swiglu_limit, mlp_bias \\(gpt-oss, Llama 4, Gemma 3, DeepSeek-V3\\) "
+                                              "yet"):
         check_supported(load_model("gpt-oss-20b", {"num_hidden_layers": "2"}), strategy(dp=2, ep=2), 16)
     with pytest.raises(UnsupportedPlan, match="^model.attention_window: .* attention_window, router_scoring "):
         check_supported(load_model("llama4-scout", {"num_hidden_layers": "4"}), strategy(dp=2, ep=2), 16)
     with pytest.raises(UnsupportedPlan, match="^model.attention_window: .* attention_window, norms_per_layer "):
         check_supported(load_model("gemma3-1b", {"num_hidden_layers": "6"}), strategy(dp=2), 16)
+    # DeepSeek-V3's latent attention, dense first layers, grouped routing and MTP module.
+    with pytest.raises(UnsupportedPlan, match="^model.router_scoring: .* router_scoring, kv_lora_rank, "
+                                              "first_k_dense_replace, n_group, routed_scaling_factor, "
+                                              "num_nextn_predict_layers "):
+        check_supported(load_model("tiny-deepseek"), strategy(dp=2, ep=2), 16)
 
 
 def test_context_parallel_plans_the_executor_cannot_run_are_refused():
