@@ -110,15 +110,15 @@ class Stage:
     def plain_layers(self) -> int:
         return self.num_layers - self.full_recompute_layers - self.selective_recompute_layers
 
-    def layers_by_mode(self, prefix_layers: int = 0) -> tuple[tuple[str, int, int], ...]:
-        """(recompute mode, layers of the model's first `prefix_layers`, other layers) of
-        this stage, in layer order: full, selective, then plain (a model's dense layers
-        before its mixture-of-experts ones: ModelSpec.layer_kinds)."""
+    def layers_by_mode(self, dense_upto: tuple[int, ...] = ()) -> tuple[tuple[str, int, int], ...]:
+        """(recompute mode, dense-MLP layers, other layers) of this stage, in layer order:
+        full, selective, then plain. `dense_upto[i]`: the model's dense-MLP layers among its
+        first i (ModelSpec.dense_upto; empty: none)."""
         out, start = [], self.first_layer
         for mode, count in (("full", self.full_recompute_layers), ("selective", self.selective_recompute_layers),
                             ("none", self.plain_layers)):
-            prefix = max(0, min(start + count, prefix_layers) - start)
-            out.append((mode, prefix, count - prefix))
+            dense = dense_upto[start + count] - dense_upto[start] if dense_upto else 0
+            out.append((mode, dense, count - dense))
             start += count
         return tuple(out)
 

@@ -166,7 +166,7 @@ def _check_model(model: nn.Module, plan: dict) -> None:
                               "models (Shardwise's own, Hugging Face decoder LMs)")
     spec = _decoder_spec(model)
     mine = {k: v for k, v in asdict(spec).items() if k != "name"}
-    planned = {k: v for k, v in plan["model"].items() if k != "name"}
+    planned = {k: v for k, v in asdict(ModelSpec(**plan["model"])).items() if k != "name"}
     if mine != planned:
         field = next(k for k in sorted(mine) if mine[k] != planned.get(k))
         raise UnsupportedPlan(f"plan.model.{field}: the plan was made for {plan['model']['name']} "

@@ -66,7 +66,7 @@ def unbuilt_features(spec: ModelSpec) -> list[str]:
                                   ("router_scoring", spec.router_scoring != "softmax"),
                                   ("norms_per_layer", spec.norms_per_layer == 4),
                                   ("kv_lora_rank", spec.is_mla),
-                                  ("first_k_dense_replace", spec.first_k_dense_replace),
+                                  ("mlp_only_layers", bool(spec.dense_upto)),
                                   ("n_group", spec.n_group > 1),
                                   ("routed_scaling_factor", spec.routed_scaling_factor != 1.0),
                                   ("num_nextn_predict_layers", spec.num_nextn_predict_layers)) if on]

@@ -55,10 +55,15 @@ class UnitCosts:
     # per forward GEMM, Narayanan et al. 2021 §3.5).
     layer_weight_grad_s: float = 0.0
     layer_forward_s: float = 0.0           # one layer's forward pass: compute and its collectives
-    # A model whose first layers are dense (ModelSpec.layer_kinds): those layers' own unit
-    # costs (only their layer fields are read) and how many they are.
+    # A model with dense-MLP layers among its mixture-of-experts ones (ModelSpec.layer_kinds):
+    # those layers' own unit costs (only their layer fields are read), and how many of them
+    # the first i layers hold (ModelSpec.dense_upto).
     dense: UnitCosts | None = None
-    prefix_layers: int = 0
+    dense_upto: tuple[int, ...] = ()
+
+    @property
+    def dense_layers(self) -> int:
+        return self.dense_upto[-1] if self.dense_upto else 0
     # Multi-token prediction modules on the last virtual stage: that many more plain
     # layers, and their projections and norms (per rank, dense).
     mtp_layers: int = 0
@@ -87,7 +92,7 @@ def unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
     if dense is None:
         return units
     return replace(units, dense=_unit_costs(replace(problem, model=dense), strategy),
-                   prefix_layers=problem.model.first_k_dense_replace)
+                   dense_upto=problem.model.dense_upto)
 
 
 def _unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
@@ -326,17 +331,19 @@ def cross_entropy_bytes(micro_batch_size: int, seq_len: int) -> int:
 
 def stage_layers(units: UnitCosts, stage: Stage, last_index: int | None = None) -> list[tuple[UnitCosts, str, int]]:
     """The layers of `stage` as (unit costs of their kind, recompute mode, how many): the
-    model's dense first layers priced by `units.dense`, the rest by `units`; on the last
+    model's dense-MLP layers priced by `units.dense`, the rest by `units`; on the last
     virtual stage (`last_index`) the multi-token prediction modules' layers too, plain."""
-    if stage.first_layer >= units.prefix_layers:   # no dense first layer here (the usual case, kept quick)
+    upto = units.dense_upto
+    if not upto or upto[stage.first_layer + stage.num_layers] == upto[stage.first_layer]:
+        # No dense-MLP layer here (the usual case, kept quick).
         out = [(units, mode, count) for mode, count in (("full", stage.full_recompute_layers),
                                                         ("selective", stage.selective_recompute_layers),
                                                         ("none", stage.plain_layers)) if count]
     else:
         out = []
-        for mode, prefix, rest in stage.layers_by_mode(units.prefix_layers):
-            if prefix:
-                out.append((units.dense, mode, prefix))
+        for mode, dense, rest in stage.layers_by_mode(upto):
+            if dense:
+                out.append((units.dense, mode, dense))
             if rest:
                 out.append((units, mode, rest))
     if stage.index == last_index and units.mtp_layers:
@@ -606,12 +613,10 @@ def recompute_flops(problem: Problem, strategy: Strategy) -> float:
     full recompute repeats each layer's forward, selective the attention scores."""
     model, training = problem.model, problem.training
     sequences = training.global_batch
-    kinds = model.layer_kinds()
-    prefix = kinds[0][1] if len(kinds) > 1 else 0
-    full_flops = {True: layer_forward_flops(kinds[0][0], training.seq_len),
-                  False: layer_forward_flops(kinds[-1][0], training.seq_len)}
-    full = sum(count * full_flops[dense] for s in strategy.stages for mode, *counts in s.layers_by_mode(prefix)
-               if mode == "full" for dense, count in zip((True, False), counts))
+    dense_model = model.dense_layer() or model
+    per_layer = (layer_forward_flops(dense_model, training.seq_len), layer_forward_flops(model, training.seq_len))
+    full = sum(dense * per_layer[0] + rest * per_layer[1] for s in strategy.stages
+               for mode, dense, rest in s.layers_by_mode(model.dense_upto) if mode == "full")
     selective = 0 if training.flash_attention else sum(s.selective_recompute_layers for s in strategy.stages)
     # Eq. 8 adds 72BLsh^2 * s/(6h) = 12 s^2 h per selectively recomputed layer and
     # sequence (its HFU convention: 22B HFU/MFU 43.7/41.5 in Table 5), three times the

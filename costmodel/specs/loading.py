@@ -177,8 +177,8 @@ def _qwen_moe(model_type: str, raw: dict) -> dict:
     the k chosen logits. Qwen2-MoE adds a shared expert `shared_expert_intermediate_size`
     wide (5632 when the key is left out, the config class's default) behind a sigmoid
     gate; Qwen3-MoE has none. Routing weights follow norm_topk_prob (Qwen2-MoE's
-    default is the unnormalised top k). Dense layers among sparse ones are refused by
-    name."""
+    default is the unnormalised top k). Layers in mlp_only_layers, or off the
+    decoder_sparse_step, hold a dense MLP `intermediate_size` wide."""
     out: dict = {}
     if raw.get("num_experts") is not None:
         out["num_local_experts"] = raw["num_experts"]
@@ -196,11 +196,20 @@ def _qwen_moe(model_type: str, raw: dict) -> dict:
         out["shared_expert_gate"] = True
     else:
         out["shared_expert_intermediate_size"] = 0   # Qwen3MoeSparseMoeBlock builds none, whatever the key says
-    if raw.get("decoder_sparse_step", 1) != 1:
-        raise SpecError("decoder_sparse_step", f"{raw['decoder_sparse_step']}: dense layers between sparse ones are "
-                                               f"not modelled (every layer a mixture of experts: 1)")
-    if raw.get("mlp_only_layers"):
-        raise SpecError("mlp_only_layers", "dense layers among sparse ones are not modelled (an empty list is)")
+    # A layer is sparse when it is not in mlp_only_layers and (i + 1) % decoder_sparse_step
+    # is 0; the others hold a dense MLP intermediate_size wide.
+    layers = as_int(raw.get("num_hidden_layers", 24), "num_hidden_layers")
+    step = raw.get("decoder_sparse_step", 1)
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise SpecError("decoder_sparse_step", f"expected an integer of at least 1, got {step!r}")
+    listed = raw.get("mlp_only_layers") or []
+    if not isinstance(listed, list):
+        raise SpecError("mlp_only_layers", f"expected a list of layer indices, got {listed!r}")
+    dense = sorted({i for i in listed if isinstance(i, int) and i < layers}   # --set num_hidden_layers keeps its first
+                   | {i for i in range(layers) if (i + 1) % step})
+    out["mlp_only_layers"] = dense
+    if dense:
+        out["dense_intermediate_size"] = raw.get("intermediate_size")
     # Qwen2MoeConfig's norm_topk_prob defaults to False, Qwen3MoeConfig's to True.
     out["norm_topk_prob"] = bool(raw.get("norm_topk_prob", model_type == "qwen3_moe"))
     return out
@@ -241,8 +250,8 @@ def _llama4(raw: dict) -> dict:
     """Llama 4's text model as transformers builds it (modeling_llama4.py, Llama4TextConfig's
     defaults): every layer a mixture of `num_local_experts` SwiGLU experts
     `intermediate_size` wide beside a shared expert as wide, routed by the sigmoid of the
-    top-k logits (Scout; Maverick's dense layers between sparse ones are refused by
-    name); the layers whose layer_types entry is "chunked_attention" (three of every four,
+    top-k logits, but the layers not in moe_layers (Maverick's every other), which hold a
+    dense SwiGLU `intermediate_size_mlp` wide; the layers whose layer_types entry is "chunked_attention" (three of every four,
     those with RoPE, by default) attend within chunks of attention_chunk_size tokens. The
     q/k L2 norm, the NoPE layers and the attention temperature carry no parameters."""
     layers = as_int(raw.get("num_hidden_layers", 48), "num_hidden_layers")
@@ -252,10 +261,11 @@ def _llama4(raw: dict) -> dict:
         moe_layers = list(range(step - 1, layers, step)) if isinstance(step, int) and step > 0 else []
     if isinstance(moe_layers, list) and len(moe_layers) > layers:
         moe_layers = [i for i in moe_layers if isinstance(i, int) and i < layers]   # --set num_hidden_layers
-    if not isinstance(moe_layers, list) or sorted(moe_layers) != list(range(layers)):
+    if not isinstance(moe_layers, list) or not moe_layers or not set(moe_layers) <= set(range(layers)):
         raise SpecError("moe_layers" if raw.get("moe_layers") is not None else "interleave_moe_layer_step",
-                        "dense layers between sparse ones are not modelled (every layer a mixture of experts: "
-                        "interleave_moe_layer_step 1, as Llama 4 Scout)")
+                        f"expected the indices of the sparse layers among {layers}, got {moe_layers!r}")
+    # The other layers hold a dense SwiGLU MLP intermediate_size_mlp wide (Maverick's every other).
+    dense = [i for i in range(layers) if i not in set(moe_layers)]
     types = raw.get("layer_types")
     no_rope = raw.get("no_rope_layers")
     if not types and isinstance(no_rope, list) and no_rope:
@@ -270,7 +280,8 @@ def _llama4(raw: dict) -> dict:
     bias = raw.get("attention_bias", False)
     return {"attention_bias": bias, "attention_out_bias": bias, "router_scoring": "sigmoid",
             "shared_expert_intermediate_size": raw.get("intermediate_size", 8192),
-            "chunked_attention": bool(windows["windowed_layers"]), **windows}
+            "chunked_attention": bool(windows["windowed_layers"]), "mlp_only_layers": dense,
+            **({"dense_intermediate_size": raw.get("intermediate_size_mlp", 16384)} if dense else {}), **windows}
 
 
 def _gemma3(raw: dict) -> dict:
@@ -293,28 +304,36 @@ def _gemma3(raw: dict) -> dict:
             **_windows(raw.get("layer_types") or default, layers, "sliding_attention", raw.get("sliding_window", 4096))}
 
 
+def _first_k(raw: dict) -> int:
+    """DeepSeek's first_k_dense_replace (3 unset, DeepseekV3Config's default), checked."""
+    k = raw.get("first_k_dense_replace", 3)
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise SpecError("first_k_dense_replace", f"expected an integer of at least 0, got {k!r}")
+    return k
+
+
 def _deepseek_v3(raw: dict) -> dict:
     """DeepSeek-V3 as transformers builds it (modeling_deepseek_v3.py, DeepseekV3Config's
     defaults): multi-head latent attention (q and kv latents, split nope / rope query and
     key widths, head_dim the rotary width); the first `first_k_dense_replace` layers a
-    dense SwiGLU MLP `intermediate_size` wide, the rest `n_routed_experts` SwiGLU experts
+    dense SwiGLU MLP `intermediate_size` wide (mlp_only_layers), the rest `n_routed_experts` SwiGLU experts
     `moe_intermediate_size` wide beside `n_shared_experts` of them as one shared MLP,
     routed by the sigmoid of the logits within the best `topk_group` of `n_group` groups
     (the selection bias e_score_correction_bias is a buffer, not a parameter), the top k
     renormalised (norm_topk_prob) and scaled by routed_scaling_factor. transformers builds
     no multi-token prediction module; num_nextn_predict_layers is read for the cost
     (DeepSeek-V3 trains with one). A sparse layer other than every one after the dense
-    ones (moe_layer_freq) is refused by name."""
+    ones (moe_layer_freq, which transformers ignores) is refused by name."""
     if raw.get("moe_layer_freq", 1) != 1:
-        raise SpecError("moe_layer_freq", f"{raw['moe_layer_freq']}: dense layers between sparse ones are not "
-                                          f"modelled (every layer after first_k_dense_replace sparse: 1)")
+        raise SpecError("moe_layer_freq", f"{raw['moe_layer_freq']}: transformers builds every layer after "
+                                          f"first_k_dense_replace sparse (1)")
     experts_width = raw.get("moe_intermediate_size", 2048)
     q_lora = raw.get("q_lora_rank", 1536)
     rope = raw.get("qk_rope_head_dim", 64)
     bias = raw.get("attention_bias", False)
     return {"num_local_experts": raw.get("n_routed_experts", 256), "intermediate_size": experts_width,
             "dense_intermediate_size": raw.get("intermediate_size", 18432),
-            "first_k_dense_replace": raw.get("first_k_dense_replace", 3),
+            "mlp_only_layers": list(range(_first_k(raw))),
             "shared_expert_intermediate_size": experts_width * (raw.get("n_shared_experts") or 0),
             "router_scoring": "sigmoid", "norm_topk_prob": raw.get("norm_topk_prob", True),
             "n_group": raw.get("n_group", 8), "topk_group": raw.get("topk_group", 4),
@@ -330,7 +349,7 @@ def _deepseek_v3(raw: dict) -> dict:
 _TEXT_MODEL_TYPES = {"llama4": "llama4_text", "gemma3": "gemma3_text"}
 # ModelSpec fields that describe experts or their router, and their defaults.
 _EXPERT_FIELDS = {"shared_expert_intermediate_size": 0, "router_bias": False, "swiglu_limit": None,
-                  "router_scoring": "softmax", "norm_topk_prob": True, "first_k_dense_replace": 0,
+                  "router_scoring": "softmax", "norm_topk_prob": True, "mlp_only_layers": (),
                   "dense_intermediate_size": 0, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0}
 # Multi-head latent attention's widths (ModelSpec.is_mla), all above 0 or all 0.
 _MLA_FIELDS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
@@ -555,7 +574,9 @@ def model_from_dict(data: dict, name: str, overrides: dict[str, str] | None = No
     if raw.get("shared_expert_intermediate_size") is not None:
         values["shared_expert_intermediate_size"] = as_int(raw["shared_expert_intermediate_size"],
                                                            "shared_expert_intermediate_size", minimum=0)
-    for key in (*_MLA_FIELDS, "q_lora_rank", "first_k_dense_replace", "dense_intermediate_size", "n_group",
+    if raw.get("mlp_only_layers"):
+        values["mlp_only_layers"] = _layer_list(raw["mlp_only_layers"], values["num_hidden_layers"])
+    for key in (*_MLA_FIELDS, "q_lora_rank", "dense_intermediate_size", "n_group",
                 "topk_group", "num_nextn_predict_layers"):
         if raw.get(key) is not None:
             values[key] = as_int(raw[key], key, minimum=0)
@@ -611,6 +632,21 @@ def model_from_dict(data: dict, name: str, overrides: dict[str, str] | None = No
     return ModelSpec(name=name, **{k: values[k] for k in known if k in values})
 
 
+def _layer_list(value: Any, layers: int) -> tuple[int, ...]:
+    """mlp_only_layers: layer indices, given as a list or as "0,1,2" (--set), each once,
+    sorted; every one below num_hidden_layers."""
+    if isinstance(value, str):
+        value = [v for v in value.strip("[]() ").replace(" ", "").split(",") if v]
+    if not isinstance(value, (list, tuple)):
+        raise SpecError("mlp_only_layers", f"expected a list of layer indices, got {value!r}")
+    out = sorted({as_int(v, "mlp_only_layers", minimum=0) for v in value})
+    if len(out) != len(value):
+        raise SpecError("mlp_only_layers", "a layer is listed twice")
+    if out and out[-1] >= layers:
+        raise SpecError("mlp_only_layers", f"layer {out[-1]} of a model of {layers} layers")
+    return tuple(out)
+
+
 def _check_deepseek_fields(values: dict) -> None:
     """Multi-head latent attention's widths go together; the dense first layers leave at
     least one sparse layer; routing groups split the experts evenly and hold the top k."""
@@ -621,11 +657,10 @@ def _check_deepseek_fields(values: dict) -> None:
     if values.get("q_lora_rank") and not all(mla):
         raise SpecError("q_lora_rank", "set without multi-head latent attention (kv_lora_rank 0)")
     layers = values["num_hidden_layers"]
-    if values.get("first_k_dense_replace", 0) >= layers:
-        raise SpecError("first_k_dense_replace", f"{values['first_k_dense_replace']} dense layers leave none of the "
-                                                 f"{layers} a mixture of experts (fewer than num_hidden_layers)")
-    if values.get("dense_intermediate_size") and not values.get("first_k_dense_replace"):
-        raise SpecError("dense_intermediate_size", "set without dense layers (first_k_dense_replace 0)")
+    if len(values.get("mlp_only_layers", ())) >= layers:
+        raise SpecError("mlp_only_layers", f"every one of the {layers} layers dense leaves none a mixture of experts")
+    if values.get("dense_intermediate_size") and not values.get("mlp_only_layers"):
+        raise SpecError("dense_intermediate_size", "set without dense-MLP layers (mlp_only_layers empty)")
     experts, groups = values["num_local_experts"], values.get("n_group", 1)
     if groups < 1 or experts % groups:
         raise SpecError("n_group", f"{groups} groups do not split {experts} experts evenly")

@@ -107,7 +107,8 @@ class ModelSpec:
     #   shared `qk_rope_head_dim` rotary key; queries from a `q_lora_rank` latent (0: a full
     #   projection); per head, `qk_nope_head_dim` + `qk_rope_head_dim` query/key widths and
     #   `v_head_dim` value widths (head_dim is then unused).
-    # - `first_k_dense_replace`: the first layers of a mixture-of-experts model hold a dense
+    # - `mlp_only_layers` (Qwen-MoE's name; DeepSeek's first_k_dense_replace, Llama 4's
+    #   layers not in moe_layers): the layers of a mixture-of-experts model that hold a dense
     #   SwiGLU MLP `dense_intermediate_size` wide in place of the experts.
     # - Group-limited routing: the experts in `n_group` groups, a token routed within its best
     #   `topk_group` groups (node-limited routing, §2.1.2), the weights scaled by
@@ -121,7 +122,7 @@ class ModelSpec:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
-    first_k_dense_replace: int = 0
+    mlp_only_layers: tuple[int, ...] = ()
     dense_intermediate_size: int = 0
     n_group: int = 1
     topk_group: int = 1
@@ -140,6 +141,8 @@ class ModelSpec:
                 object.__setattr__(self, key, value)
         if self.head_dim is None:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        # A plan file's JSON list, sorted: the frozen spec holds a tuple (hashable, one form).
+        object.__setattr__(self, "mlp_only_layers", tuple(sorted(self.mlp_only_layers)))
 
     def canonical_dict(self) -> dict:
         """The fields, less the architecture fields at their family's value: a model
@@ -260,39 +263,46 @@ class ModelSpec:
         return 2 * self.kv_size
 
     @property
-    def dense_layers(self) -> int:
-        """Layers whose MLP is dense: all of a dense model's, the first
-        `first_k_dense_replace` of a mixture of experts."""
-        return self.num_hidden_layers if not self.is_moe else self.first_k_dense_replace
+    def dense_upto(self) -> tuple[int, ...]:
+        """Dense-MLP layers among the first i layers, for i = 0 .. num_hidden_layers, of a
+        mixture-of-experts model with `mlp_only_layers` (empty otherwise): a stage holding
+        layers [a, b) holds dense_upto[b] - dense_upto[a] of them."""
+        if not (self.is_moe and self.mlp_only_layers):
+            return ()
+        dense, out = set(self.mlp_only_layers), [0]
+        for i in range(self.num_hidden_layers):
+            out.append(out[-1] + (i in dense))
+        return tuple(out)
 
     def layer_kinds(self) -> tuple[tuple[ModelSpec, int], ...]:
-        """(the spec of a kind of layer, how many layers are of it), in layer order: the
-        model itself for every layer, or its dense layers (`dense_layer`) and then the
-        mixture-of-experts layers."""
+        """(the spec of a kind of layer, how many layers are of it): the model itself for
+        every layer, or its dense-MLP layers (`dense_layer`) and its mixture-of-experts
+        layers."""
         dense = self.dense_layer()
         if dense is None:
             return ((self, self.num_hidden_layers),)
-        return ((dense, self.first_k_dense_replace), (self, self.num_hidden_layers - self.first_k_dense_replace))
+        count = len(self.mlp_only_layers)
+        return ((dense, count), (self, self.num_hidden_layers - count))
 
     def dense_layer(self) -> ModelSpec | None:
-        """The spec of this mixture-of-experts model's dense layers (its first
-        `first_k_dense_replace`): the same attention and a dense MLP
-        `dense_intermediate_size` wide. None when every layer is alike."""
-        if not (self.is_moe and self.first_k_dense_replace):
+        """The spec of this mixture-of-experts model's `mlp_only_layers`: the same
+        attention and a dense MLP `dense_intermediate_size` wide. None when every layer is
+        alike."""
+        if not (self.is_moe and self.mlp_only_layers):
             return None
         return replace(self, name=f"{self.name} dense layers", model_type="llama" if self.model_type == "mixtral"
                        else self.model_type, num_local_experts=1, num_experts_per_tok=1,
                        intermediate_size=self.dense_intermediate_size or self.intermediate_size,
                        moe_capacity_factor=None, shared_expert_intermediate_size=0, shared_expert_gate=False,
                        norm_topk_prob=True, router_scoring="softmax", router_bias=False, swiglu_limit=None,
-                       first_k_dense_replace=0, dense_intermediate_size=0, n_group=1, topk_group=1,
+                       mlp_only_layers=(), dense_intermediate_size=0, n_group=1, topk_group=1,
                        routed_scaling_factor=1.0, num_nextn_predict_layers=0)
 
 
 _ARCHITECTURE_FIELDS = ("moe_capacity_factor", "shared_expert_intermediate_size", "shared_expert_gate",
                         "norm_topk_prob", "attention_window", "windowed_layers", "chunked_attention", "router_scoring",
                         "attention_sinks", "router_bias", "swiglu_limit", "q_lora_rank", "kv_lora_rank",
-                        "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "first_k_dense_replace",
+                        "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "mlp_only_layers",
                         "dense_intermediate_size", "n_group", "topk_group", "routed_scaling_factor",
                         "num_nextn_predict_layers", "head_dim", "mlp", "norm",
                         "position_embedding", "attention_bias", "attention_out_bias", "mlp_bias", "qk_norm",

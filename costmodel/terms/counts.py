@@ -160,15 +160,15 @@ def build_graph(model: ModelSpec, seq_len: int) -> nx.DiGraph:
 
     graph = nx.DiGraph(name=model.name)
     graph.add_node("embedding", kind="embedding", parameters=embedding_parameters(model), forward_flops=0.0)
-    previous, i = "embedding", 0
-    for kind, count in model.layer_kinds():
+    previous, dense_layers = "embedding", set(model.mlp_only_layers if model.is_moe else ())
+    for i in range(model.num_hidden_layers):
+        kind = model.dense_layer() if i in dense_layers else model
         dense, experts = layer_parameters(kind)
-        for _ in range(count):
-            node = f"layer.{i}"
-            graph.add_node(node, kind="layer", index=i, parameters=dense + experts,
-                           expert_parameters=experts, forward_flops=layer_forward_flops(kind, seq_len))
-            graph.add_edge(previous, node)
-            previous, i = node, i + 1
+        node = f"layer.{i}"
+        graph.add_node(node, kind="layer", index=i, parameters=dense + experts,
+                       expert_parameters=experts, forward_flops=layer_forward_flops(kind, seq_len))
+        graph.add_edge(previous, node)
+        previous = node
     graph.add_node("head", kind="head", parameters=head_parameters(model), forward_flops=head_forward_flops(model, seq_len))
     graph.add_edge(previous, "head")
     return graph

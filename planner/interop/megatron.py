@@ -174,35 +174,33 @@ MEGATRON_STR_MODEL_ARGS = ("--normalization", "--position-embedding-type",   # a
 
 
 def moe_layer_pattern(model: ModelSpec) -> str:
-    """--moe-layer-freq for a model whose first layers are dense, as Megatron-LM's
-    DeepSeek-V3 recipe writes it."""
-    dense = model.first_k_dense_replace
-    return f"([0]*{dense}+[1]*{model.num_hidden_layers - dense})"
+    """--moe-layer-freq for a model with dense-MLP layers (mlp_only_layers): dense first
+    layers as Megatron-LM's DeepSeek-V3 recipe writes them, "([0]*3+[1]*58)", any other
+    layout as its list of 0 (dense) and 1 (sparse) a layer."""
+    dense, layers = set(model.mlp_only_layers), model.num_hidden_layers
+    if dense == set(range(len(dense))):
+        return f"([0]*{len(dense)}+[1]*{layers - len(dense)})"
+    return "[" + ",".join("0" if i in dense else "1" for i in range(layers)) + "]"
 
 
-def read_moe_layer_freq(text: str | None, layers: int) -> int:
-    """The dense first layers --moe-layer-freq gives (1 or absent: none), refusing any
-    other pattern: a list of 0 and 1 a layer (or the ([0]*K+[1]*N) form) whose sparse
-    layers all follow its dense ones."""
-    if text is None or text.strip() == "1":
-        return 0
-    flat = text.replace(" ", "")
+def read_moe_layer_freq(text: str | None, layers: int) -> tuple[int, ...]:
+    """The dense-MLP layers --moe-layer-freq gives: an int N makes layer i sparse when
+    i % N is 0 (megatron-core gpt_layer_specs.py; 1 or absent: every layer), a list of 0
+    (dense) and 1 (sparse) a layer, or the ([0]*K+[1]*N) form."""
+    flat = (text or "1").replace(" ", "").strip("\"'")
+    if flat.isdigit() and int(flat) > 0:
+        return tuple(i for i in range(layers) if i % int(flat))
     match = re.fullmatch(r"\(?\[0\]\*(\d+)\+\[1\]\*(\d+)\)?", flat)
     if match:
         pattern = [0] * int(match.group(1)) + [1] * int(match.group(2))
     elif re.fullmatch(r"\[[01](,[01])*\]", flat):
         pattern = [int(c) for c in flat[1:-1].split(",")]
     else:
-        raise SpecError("--moe-layer-freq", f"{text!r}: Shardwise reads 1, a list of 0 and 1 a layer, or "
+        raise SpecError("--moe-layer-freq", f"{text!r}: Shardwise reads an int, a list of 0 and 1 a layer, or "
                                             "([0]*K+[1]*N)")
     if len(pattern) != layers:
         raise SpecError("--moe-layer-freq", f"{len(pattern)} entries for {layers} layers")
-    dense = pattern.index(1) if 1 in pattern else layers
-    if 0 in pattern[dense:]:
-        raise SpecError("--moe-layer-freq", "dense layers between sparse ones are not modelled (dense first "
-                                            "layers, then every layer sparse)")
-    return dense
-
+    return tuple(i for i, sparse in enumerate(pattern) if not sparse)
 
 
 class _ArgError(Exception):
@@ -326,9 +324,19 @@ def _check_moe_layout(args: argparse.Namespace, model: ModelSpec, whole: bool) -
                                   f"{has if expected else has_not}")
 
 
+def _dense_said(dense: tuple[int, ...]) -> str | None:
+    """Dense-MLP layers in words (None: none)."""
+    if not dense:
+        return None
+    if dense == tuple(range(len(dense))):
+        return f"{len(dense)} dense first layers"
+    return f"dense-MLP layers {', '.join(map(str, dense))}"
+
+
 def _check_deepseek(args: argparse.Namespace, model: ModelSpec, whole: bool) -> None:
-    """Multi-head latent attention and its ranks, the dense first layers, group-limited
-    routing, its scaling and the multi-token prediction modules (DeepSeek-V3): a command
+    """Multi-head latent attention and its ranks, the dense-MLP layers, group-limited
+    routing, its scaling and the multi-token prediction modules (DeepSeek-V3, Llama 4
+    Maverick's dense layers): a command
     that gives one the model does not have, or (a `whole` model description) leaves out
     one it has, describes another model. Megatron's q_lora_rank unset is no query latent."""
     pairs = [("--multi-latent-attention", args.multi_latent_attention or None, model.is_mla or None)]
@@ -339,7 +347,8 @@ def _check_deepseek(args: argparse.Namespace, model: ModelSpec, whole: bool) -> 
                   ("--qk-pos-emb-head-dim", args.qk_pos_emb_head_dim, model.qk_rope_head_dim),
                   ("--v-head-dim", args.v_head_dim, model.v_head_dim)]
     dense = read_moe_layer_freq(args.moe_layer_freq, model.num_hidden_layers)
-    pairs += [("--moe-layer-freq", dense or None, model.first_k_dense_replace or None),
+    expected = model.mlp_only_layers if model.is_moe else ()
+    pairs += [("--moe-layer-freq", _dense_said(dense), _dense_said(expected)),
               ("--moe-router-num-groups", args.moe_router_num_groups, model.n_group if model.n_group > 1 else None),
               ("--moe-router-group-topk", args.moe_router_group_topk, model.topk_group if model.n_group > 1 else None),
               ("--moe-router-topk-scaling-factor", args.moe_router_topk_scaling_factor,
@@ -347,10 +356,8 @@ def _check_deepseek(args: argparse.Namespace, model: ModelSpec, whole: bool) -> 
               ("--mtp-num-layers", args.mtp_num_layers, model.num_nextn_predict_layers or None)]
     for flag, given, expected in pairs:
         if given != expected and (whole or given is not None):
-            said = "absent" if given is None else (f"{given} dense first layers" if flag == "--moe-layer-freq"
-                                                   else "given" if given is True else given)
-            has = "none" if expected is None else (f"{expected} dense first layers" if flag == "--moe-layer-freq"
-                                                   else "it" if expected is True else expected)
+            said = "absent" if given is None else "given" if given is True else given
+            has = "none" if expected is None else "it" if expected is True else expected
             raise SpecError(flag, f"{said}, but {model.name} has {has}")
 
 
@@ -375,7 +382,7 @@ def read_megatron(text: str, model: ModelSpec, num_gpus: int) -> Imported:
     check_model([("--num-layers", args.num_layers, model.num_hidden_layers),
                   ("--hidden-size", args.hidden_size, model.hidden_size),
                   ("--ffn-hidden-size", args.ffn_hidden_size, (model.dense_intermediate_size or model.intermediate_size)
-                   if model.first_k_dense_replace else model.intermediate_size),
+                   if model.dense_upto else model.intermediate_size),
                   ("--moe-ffn-hidden-size", args.moe_ffn_hidden_size,
                    model.intermediate_size if model.is_moe else None),
                   ("--num-attention-heads", args.num_attention_heads, model.num_attention_heads),
@@ -574,8 +581,7 @@ def export_megatron(strategy: Strategy, model: ModelSpec, training: TrainingSpec
         # Megatron-LM's default is p2p (a ring); all_gather is the exchange the plan priced.
         args += ["--cp-comm-type", "all_gather"]
     args += ["--expert-model-parallel-size", str(s.ep)]
-    ffn = (model.dense_intermediate_size or model.intermediate_size) if model.first_k_dense_replace \
-        else model.intermediate_size
+    ffn = (model.dense_intermediate_size or model.intermediate_size) if model.dense_upto else model.intermediate_size
     args += ["--num-layers", str(model.num_hidden_layers), "--hidden-size", str(model.hidden_size),
              "--ffn-hidden-size", str(ffn), "--num-attention-heads", str(model.num_attention_heads)]
     if model.num_key_value_heads != model.num_attention_heads:
@@ -603,7 +609,7 @@ def export_megatron(strategy: Strategy, model: ModelSpec, training: TrainingSpec
             args.append("--moe-router-pre-softmax")
         if model.router_scoring != "softmax":
             args += ["--moe-router-score-function", model.router_scoring]
-        if model.first_k_dense_replace:
+        if model.dense_upto:
             args += ["--moe-ffn-hidden-size", str(model.intermediate_size), "--moe-layer-freq", f'"{moe_layer_pattern(model)}"']
         if model.n_group > 1:
             args += ["--moe-router-num-groups", str(model.n_group), "--moe-router-group-topk", str(model.topk_group)]

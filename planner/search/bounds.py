@@ -50,7 +50,7 @@ class Bounds:
 class _Terms:
     """Per-layer quantities of one candidate, at the fastest allowed mode: the least over
     the model's kinds of layer (a bound on any rank's layers), and their sums over every
-    layer (ModelSpec.layer_kinds: DeepSeek-V3's dense first layers beside its mixture-of-
+    layer (ModelSpec.layer_kinds: DeepSeek-V3's dense-MLP layers beside its mixture-of-
     experts ones)."""
 
     layer_s: float            # one layer, one micro-batch
@@ -102,9 +102,9 @@ def _layer(problem: Problem, units: UnitCosts, strategy: Strategy, modes: tuple[
 
 def _terms(problem: Problem, units: UnitCosts, strategy: Strategy, modes: tuple[str, ...]) -> _Terms:
     pp, training, dp, zero = strategy.pp, problem.training, strategy.dp_cp, strategy.zero_stage
-    kinds = [(_layer(problem, units, strategy, modes), problem.model.num_hidden_layers - units.prefix_layers)]
-    if units.prefix_layers:
-        kinds.append((_layer(problem, units.dense, strategy, modes), units.prefix_layers))
+    kinds = [(_layer(problem, units, strategy, modes), problem.model.num_hidden_layers - units.dense_layers)]
+    if units.dense_layers:
+        kinds.append((_layer(problem, units.dense, strategy, modes), units.dense_layers))
     ends = sum(memory.sharded_state_bytes(units.first_parameters + units.last_parameters, training, zero, dp))
     rank_s = [p2p_sends(strategy, r) * units.p2p_s for r in range(pp)]
     rank_s[0] += units.first_work.total_s

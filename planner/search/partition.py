@@ -14,11 +14,13 @@ times and (a, c) the schedule's coefficients (`costmodel.terms.pipeline`):
                 pp * max_r t_r <= (1 + max_stage_imbalance) * sum_r t_r
                 sum_r N_r = L,  N_r >= vpp,  F_r + S_r <= N_r
 
-A model whose first K layers are dense (DeepSeek-V3's first_k_dense_replace) gives each
-rank one more count, D_r of those layers, which the layer counts fix: the virtual stages
-take layers in order, so the first stages take the K (`_place_prefix`). D enters the
-affine forms as the others do, its coefficient read as a dense layer in place of a
-mixture-of-experts one.
+A mixture-of-experts model with dense-MLP layers among its sparse ones (DeepSeek-V3's
+first three, Llama 4 Maverick's every other) gives each rank one more count, D_r of those
+layers, which the layer counts fix: the virtual stages take layers in order, so stage i
+holds the dense layers between its two boundaries (`_place_dense`, a table lookup at each
+boundary). D enters the affine forms as the others do, its coefficients read as a dense
+layer in place of a sparse one, the rank's dense layers evaluated first in its chunks; the
+full check after the solve costs the real layout.
 
 Rank r's layers are split as evenly as possible over its vpp model chunks afterwards;
 the cost model charges a rank by its totals, so this loses nothing.
@@ -110,11 +112,11 @@ class TimedOut:
 
 def _rank_stages(strategy: Strategy, pp_rank: int, layers: int, full: int, selective: int, dense: int = 0,
                  prefix: int = 0) -> tuple[Stage, ...]:
-    """Rank `pp_rank`'s chunks with `layers` layers, `dense` of them among the model's
-    first `prefix` (its dense layers, which fill the rank's first chunks first: they are
-    the earliest virtual stages), as `layout` lays them out. Layer offsets are
-    placeholders that give each chunk its dense layers: the cost model counts a rank's
-    layers by kind and mode."""
+    """Rank `pp_rank`'s chunks with `layers` layers, `dense` of them dense-MLP layers,
+    filling the rank's first chunks first, as `layout` lays the chunks out. Layer offsets
+    are placeholders for a model whose first `prefix` layers are its dense ones
+    (`_prefix_units`), so that each chunk holds its dense layers: the cost model counts a
+    rank's layers by kind and mode."""
     counts = _split(layers, strategy.vpp)
     fulls = _fill(full, counts)
     selectives = _fill(selective, [c - f for c, f in zip(counts, fulls)])
@@ -139,17 +141,26 @@ def _fill(amount: int, capacities: list[int]) -> list[int]:
     return out
 
 
+def _prefix_units(units: UnitCosts, layers: int) -> UnitCosts:
+    """`units` for a model of the same kinds whose dense-MLP layers come first: what
+    `_rank_stages`' placeholder offsets stand for (tables long enough for any of them)."""
+    dense = units.dense_layers
+    return replace(units, dense_upto=tuple(min(i, dense) for i in range(dense + layers + 1)))
+
+
 def rank_model(problem: Problem, units: UnitCosts, strategy: Strategy, pp_rank: int) -> RankModel:
     """Affine coefficients of rank `pp_rank`, read off the cost model by finite differences."""
     v = strategy.vpp
+    dense = units.dense_layers
+    placed = _prefix_units(units, problem.model.num_hidden_layers) if dense else units
 
-    def at(layers: int, full: int = 0, selective: int = 0, dense: int = 0):
-        s = rank_strategy(strategy, pp_rank, (layers, full, selective, dense), units.prefix_layers)
-        window = backward_window_s(units, s, pp_rank)
-        return (rank_work(units, s, pp_rank).total_s,
-                rank_memory(problem, units, s, pp_rank).total_bytes,
-                dp_sync_s(problem, units, s, pp_rank) - window,
-                optimizer_step_s(problem, units, s, pp_rank))
+    def at(layers: int, full: int = 0, selective: int = 0, dense_layers: int = 0):
+        s = rank_strategy(strategy, pp_rank, (layers, full, selective, dense_layers), dense)
+        window = backward_window_s(placed, s, pp_rank)
+        return (rank_work(placed, s, pp_rank).total_s,
+                rank_memory(problem, placed, s, pp_rank).total_bytes,
+                dp_sync_s(problem, placed, s, pp_rank) - window,
+                optimizer_step_s(problem, placed, s, pp_rank))
 
     base, more = at(v + 2), at(v + 3)
     one_full, two_full = at(v + 2, full=1), at(v + 2, full=2)
@@ -159,8 +170,8 @@ def rank_model(problem: Problem, units: UnitCosts, strategy: Strategy, pp_rank: 
     indicator = [o - b - f for o, b, f in zip(one_full, base, per_full)]
     per_sel = [b - a for a, b in zip(one_sel, two_sel)]
     sel_indicator = [o - b - s for o, b, s in zip(one_sel, base, per_sel)]
-    # A dense first layer in place of a mixture-of-experts one (ModelSpec.layer_kinds).
-    per_dense = [b - a for a, b in zip(base, at(v + 2, dense=1))] if units.prefix_layers else [0.0] * 4
+    # A dense-MLP layer in place of a mixture-of-experts one (ModelSpec.layer_kinds).
+    per_dense = [b - a for a, b in zip(base, at(v + 2, dense_layers=1))] if dense else [0.0] * 4
     # Where selective recompute rebuilds the layer too, both indicators stand for the one
     # rebuilt layer's activations: one z, at the smaller of the two, keeps the program's
     # memory a relaxation.
@@ -226,7 +237,7 @@ def solve_partition(problem: Problem, units: UnitCosts, strategy: Strategy, mode
                                   + abs(r.optimizer.per_layer) + abs(r.dp_exposed.per_layer))
                       for r in ranks)) + 1000 * (layers + pp)
     n_vars, t_vars, z_vars = [], [], []
-    prefix = units.prefix_layers
+    dense_layers = units.dense_layers
     usable = [usable_memory_bytes(p, rules) for p, _ in rank_costs]
     caps = [math.floor(u / MEMORY_UNIT_BYTES) for u in usable]
     mem_cap = max(caps)
@@ -238,7 +249,7 @@ def solve_partition(problem: Problem, units: UnitCosts, strategy: Strategy, mode
         n = model.NewIntVar(vpp, layers, f"n{r}")
         f = model.NewIntVar(0, layers if "full" in modes else 0, f"f{r}")
         s = model.NewIntVar(0, layers if "selective" in modes else 0, f"s{r}")
-        d = model.NewIntVar(0, prefix, f"d{r}")
+        d = model.NewIntVar(0, dense_layers, f"d{r}")
         model.Add(f + s <= n)
         if "none" not in modes:
             model.Add(f + s == n)
@@ -262,7 +273,7 @@ def solve_partition(problem: Problem, units: UnitCosts, strategy: Strategy, mode
         t_vars.append(tr)
         z_vars.append(z)
     model.Add(sum(n for n, *_ in n_vars) == layers)
-    _place_prefix(model, strategy, n_vars, prefix, layers)
+    _place_dense(model, strategy, n_vars, units.dense_upto)
     if pp > 1:
         # Imbalance as a ratio of integers: pp * max <= (1 + imb) * sum, in thousandths.
         model.Add(1000 * pp * peak_t <= round(1000 * (1 + rules.max_stage_imbalance)) * sum(t_vars))
@@ -284,7 +295,7 @@ def solve_partition(problem: Problem, units: UnitCosts, strategy: Strategy, mode
 
     # Each rank time's rounding error is at most half a unit per term, so the program's
     # bound, less this, bounds the objective of the unrounded times.
-    rounding = (a_int + c_int * pp + 2 * scale) * (1 + 3 * layers + prefix) / 2
+    rounding = (a_int + c_int * pp + 2 * scale) * (1 + 3 * layers + dense_layers) / 2
 
     def seconds(units_: float) -> float:
         return units_ * time_unit / scale
@@ -302,8 +313,9 @@ def solve_partition(problem: Problem, units: UnitCosts, strategy: Strategy, mode
         if isinstance(solved, str):
             return None if solved == "infeasible" else TimedOut(0.0)
         status, value, bound, counts = solved
-        over = [r for r, (p, u) in enumerate(rank_costs)
-                if rank_bytes(p, u, strategy, r, counts[r], prefix) > usable[r]]
+        # The full check, on the layout itself (which layers each chunk holds).
+        staged = strategy.with_stages(layout(strategy, [c[:3] for c in counts]))
+        over = [r for r, (p, u) in enumerate(rank_costs) if rank_memory(p, u, staged, r).total_bytes > usable[r]]
         if not over:
             break
         for r in over:   # the affine memory under-counted this rank's layer counts
@@ -317,14 +329,14 @@ def solve_partition(problem: Problem, units: UnitCosts, strategy: Strategy, mode
     return Solution(strategy.with_stages(layout(strategy, [c[:3] for c in counts])), seconds(value), gap, timed_out)
 
 
-def _place_prefix(model, strategy: Strategy, n_vars: list, prefix: int, layers: int) -> None:
-    """Tie each rank's D (the `prefix` dense first layers it holds) to its layer count N:
-    the virtual stages take layers in order, rank r's chunk k holding N // vpp layers and
-    one more while k < N % vpp (`_split`), so the first stages take the prefix, each
-    min(its layers, what is left of it)."""
-    if not prefix:
+def _place_dense(model, strategy: Strategy, n_vars: list, dense_upto: tuple[int, ...]) -> None:
+    """Tie each rank's D (the dense-MLP layers it holds) to the layer counts N: the virtual
+    stages take layers in order, rank r's chunk k holding N // vpp layers and one more
+    while k < N % vpp (`_split`), so stage i holds dense_upto[b_i+1] - dense_upto[b_i] of
+    them, b_i the layers before it (ModelSpec.dense_upto)."""
+    if not dense_upto:
         return
-    pp, vpp = strategy.pp, strategy.vpp
+    pp, vpp, layers = strategy.pp, strategy.vpp, len(dense_upto) - 1
     chunk_sizes = {}
     for r, (n, *_) in enumerate(n_vars):
         if vpp == 1:
@@ -342,16 +354,16 @@ def _place_prefix(model, strategy: Strategy, n_vars: list, prefix: int, layers: 
             sizes.append(base + more)
         chunk_sizes[r] = sizes
     held = {r: [] for r in range(pp)}
-    left = prefix
-    for index in range(min(prefix, strategy.num_virtual_stages)):   # a stage holds at least one layer
+    boundary, dense_before = 0, 0
+    for index in range(strategy.num_virtual_stages):
         r = stage_rank(index, pp, strategy.schedule)
         k = rank_stage_indices(r, pp, vpp, strategy.schedule).index(index)
-        size = model.NewIntVar(0, layers, f"size{index}")
-        model.Add(size == chunk_sizes[r][k])
-        taken = model.NewIntVar(0, prefix, f"dense{index}")
-        model.AddMinEquality(taken, [size, left])
-        held[r].append(taken)
-        left = left - taken
+        end = model.NewIntVar(0, layers, f"end{index}")
+        model.Add(end == boundary + chunk_sizes[r][k])
+        dense_to_end = model.NewIntVar(0, dense_upto[-1], f"dense_to{index}")
+        model.AddElement(end, list(dense_upto), dense_to_end)
+        held[r].append(dense_to_end - dense_before)
+        boundary, dense_before = end, dense_to_end
     for r, (_, _, _, d) in enumerate(n_vars):
         model.Add(d == sum(held[r]))
 
@@ -433,9 +445,12 @@ def rank_strategy(strategy: Strategy, pp_rank: int, counts: tuple[int, ...], pre
 
 
 def rank_bytes(problem: Problem, units: UnitCosts, strategy: Strategy, pp_rank: int,
-               counts: tuple[int, ...], prefix: int = 0) -> float:
-    """The full cost model's peak memory of rank `pp_rank` holding `counts`."""
-    return rank_memory(problem, units, rank_strategy(strategy, pp_rank, counts, prefix), pp_rank).total_bytes
+               counts: tuple[int, ...]) -> float:
+    """The full cost model's peak memory of rank `pp_rank` holding `counts` (its dense-MLP
+    layers first in its chunks, as the program evaluates them)."""
+    dense = units.dense_layers
+    placed = _prefix_units(units, problem.model.num_hidden_layers) if dense else units
+    return rank_memory(problem, placed, rank_strategy(strategy, pp_rank, counts, dense), pp_rank).total_bytes
 
 
 def layout(strategy: Strategy, counts: list[tuple[int, int, int]]) -> tuple[Stage, ...]:

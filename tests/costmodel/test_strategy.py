@@ -137,11 +137,18 @@ def test_schedule_and_microbatch_counts():
 
 
 def test_a_stage_splits_its_modes_at_the_models_first_layers():
-    """Layers 3..8 of a stage, the first 2 fully recomputed and the next 3 selectively, of
-    a model whose first 5 layers are dense: (mode, dense, other) in layer order."""
+    """Layers 3..8 of a stage, the first 2 fully recomputed and the next 3 selectively:
+    (mode, dense-MLP layers, other layers) in layer order, for a model whose first 5 layers
+    are dense, one whose every other layer is, and one with none."""
     from costmodel.strategy import Stage
 
+    def upto(dense):
+        out = [0]
+        for i in range(12):
+            out.append(out[-1] + (i in dense))
+        return tuple(out)
+
     stage = Stage(0, 0, 3, 6, full_recompute_layers=2, selective_recompute_layers=3)
-    assert stage.layers_by_mode(5) == (("full", 2, 0), ("selective", 0, 3), ("none", 0, 1))
-    assert stage.layers_by_mode(0) == (("full", 0, 2), ("selective", 0, 3), ("none", 0, 1))
-    assert stage.layers_by_mode(9) == (("full", 2, 0), ("selective", 3, 0), ("none", 1, 0))
+    assert stage.layers_by_mode(upto(range(5))) == (("full", 2, 0), ("selective", 0, 3), ("none", 0, 1))
+    assert stage.layers_by_mode(upto(range(0, 12, 2))) == (("full", 1, 1), ("selective", 1, 2), ("none", 1, 0))
+    assert stage.layers_by_mode(()) == (("full", 0, 2), ("selective", 0, 3), ("none", 0, 1))

@@ -220,7 +220,7 @@ def test_gpt_oss_llama4_gemma3_and_deepseek_v3_are_refused_by_name_before_any_we
         check_supported(load_model("gemma3-1b", {"num_hidden_layers": "6"}), strategy(dp=2), 16)
     # DeepSeek-V3's latent attention, dense first layers, grouped routing and MTP module.
     with pytest.raises(UnsupportedPlan, match="^model.router_scoring: .* router_scoring, kv_lora_rank, "
-                                              "first_k_dense_replace, n_group, routed_scaling_factor, "
+                                              "mlp_only_layers, n_group, routed_scaling_factor, "
                                               "num_nextn_predict_layers "):
         check_supported(load_model("tiny-deepseek"), strategy(dp=2, ep=2), 16)
 

@@ -140,14 +140,27 @@ def test_qwen3_moe_traces_to_the_spec_flops(tmp_path):
                                   num_experts=8, num_experts_per_tok=2, vocab_size=1000), seq=64)
 
 
-@pytest.mark.parametrize("field, value, text", [
-    ("decoder_sparse_step", 2, "dense layers between sparse ones are not modelled"),
-    ("mlp_only_layers", [0, 5], "dense layers among sparse ones are not modelled"),
+@pytest.mark.parametrize("changes, dense", [
+    ({"decoder_sparse_step": 2}, tuple(range(0, 48, 2))),
+    ({"mlp_only_layers": [0, 5]}, (0, 5)),
+    ({"decoder_sparse_step": 3, "mlp_only_layers": [2]}, tuple(i for i in range(48) if (i + 1) % 3 or i == 2)),
 ])
-def test_qwen3_moe_layouts_the_spec_cannot_describe_are_refused_by_name(tmp_path, field, value, text):
-    path = _builtin_as_config_json("qwen3-30b-a3b", tmp_path, **{field: value})
-    with pytest.raises(SpecError, match=f"^{field}: .*{text}"):
-        load_model(str(path))
+def test_qwen3_moe_dense_layers_load_as_transformers_builds_them(tmp_path, changes, dense):
+    """A layer off decoder_sparse_step, or in mlp_only_layers, holds a dense MLP
+    intermediate_size wide (Qwen3MoeDecoderLayer)."""
+    from costmodel.specs.hf import check_spec
+
+    path = _builtin_as_config_json("qwen3-30b-a3b", tmp_path, **changes)
+    spec = load_model(str(path))
+    assert (spec.mlp_only_layers, spec.dense_intermediate_size) == (dense, 6144)
+    check_spec(path, spec)
+
+
+def test_qwen3_moe_dense_layers_trace_to_the_spec_flops(tmp_path):
+    check(_builtin_as_config_json("qwen3-30b-a3b", tmp_path, num_hidden_layers=4, hidden_size=256, head_dim=32,
+                                  num_attention_heads=8, num_key_value_heads=2, moe_intermediate_size=64,
+                                  intermediate_size=512, num_experts=8, num_experts_per_tok=2, vocab_size=1000,
+                                  decoder_sparse_step=2), seq=64)
 
 
 def test_qwen2_moe_loads_as_transformers_builds_it(tmp_path):
@@ -258,11 +271,20 @@ def test_llama4_scout_loads_as_transformers_builds_it(tmp_path, nested):
     check_spec(path, spec)
 
 
-def test_llama4_maverick_s_dense_layers_between_sparse_ones_are_refused(tmp_path):
-    path = _builtin_as_config_json("llama4-scout", tmp_path, interleave_moe_layer_step=2,
-                                   moe_layers=list(range(1, 48, 2)), num_local_experts=128)
-    with pytest.raises(SpecError, match="^moe_layers: dense layers between sparse ones are not modelled"):
-        load_model(str(path))
+def test_llama4_maverick_loads_as_transformers_builds_it(tmp_path):
+    """Llama 4 Maverick's text model: 400,711,848,960 parameters as transformers builds
+    them (the card's 400B), 17.18B active (17B): the odd layers 128 experts and a shared
+    expert 8192 wide, the even ones a dense SwiGLU 16384 wide (intermediate_size_mlp)."""
+    from costmodel.specs.hf import check_spec
+    from costmodel.terms.counts import active_parameters
+
+    path = _builtin_as_config_json("llama4-maverick", tmp_path)
+    spec = load_model(str(path))
+    assert (spec.mlp_only_layers, spec.dense_intermediate_size, spec.num_local_experts) == (
+        tuple(range(0, 48, 2)), 16384, 128)
+    assert total_parameters(spec) == 400_711_848_960 == total_parameters(load_model("llama4-maverick"))
+    assert active_parameters(spec) == 17_184_691_200
+    check_spec(path, spec)
 
 
 @pytest.mark.parametrize("nested", [False, True])
@@ -337,9 +359,9 @@ def test_deepseek_v3_loads_as_transformers_builds_it(tmp_path):
     spec = load_model(str(path))
     assert (spec.q_lora_rank, spec.kv_lora_rank, spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.v_head_dim,
             spec.head_dim) == (1536, 512, 128, 64, 128, 64)
-    assert (spec.first_k_dense_replace, spec.dense_intermediate_size, spec.intermediate_size,
+    assert (spec.mlp_only_layers, spec.dense_intermediate_size, spec.intermediate_size,
             spec.shared_expert_intermediate_size, spec.num_local_experts, spec.num_experts_per_tok) == (
-        3, 18432, 2048, 2048, 256, 8)
+        (0, 1, 2), 18432, 2048, 2048, 256, 8)
     assert (spec.router_scoring, spec.n_group, spec.topk_group, spec.routed_scaling_factor,
             spec.num_nextn_predict_layers) == ("sigmoid", 8, 4, 2.5, 1)
     assert total_parameters(spec) == 671_026_404_352 == total_parameters(load_model("deepseek-v3"))
@@ -370,9 +392,10 @@ def test_deepseek_v3_traces_to_the_spec_flops(tmp_path):
 
 
 @pytest.mark.parametrize("changes, field, text", [
-    ({"moe_layer_freq": 2}, "moe_layer_freq", "dense layers between sparse ones are not modelled"),
+    ({"moe_layer_freq": 2}, "moe_layer_freq", "transformers builds every layer after first_k_dense_replace"),
     ({"v_head_dim": 0}, "v_head_dim", "multi-head latent attention needs"),
-    ({"first_k_dense_replace": 61}, "first_k_dense_replace", "leave none of the 61 a mixture of experts"),
+    ({"first_k_dense_replace": 61}, "mlp_only_layers", "every one of the 61 layers dense"),
+    ({"first_k_dense_replace": -1}, "first_k_dense_replace", "expected an integer of at least 0"),
     ({"n_group": 7}, "n_group", "7 groups do not split 256 experts evenly"),
     ({"topk_group": 9}, "topk_group", "between 1 and n_group 8"),
     ({"topk_group": 1, "n_group": 64}, "topk_group", "1 groups of 4 experts cannot hold the 8 experts"),

@@ -1056,8 +1056,13 @@ def test_megatron_deepseek_v3_layout_is_the_model_s(drop, field, message):
     assert drop in text
     with pytest.raises(SpecError, match=f"^{re.escape(field)}: {re.escape(message)}"):
         read_text("megatron", text.replace(drop, ""), model_of(doc), 8)
-    with pytest.raises(SpecError, match=r"^--moe-layer-freq: dense layers between sparse ones are not modelled"):
+    with pytest.raises(SpecError, match=r"^--moe-layer-freq: dense-MLP layers 0, 2, but tiny-deepseek has 2 dense "
+                                        r"first layers"):
         read_text("megatron", text.replace('"([0]*2+[1]*4)"', "[0,1,0,1,1,1]"), model_of(doc), 8)
+    # Megatron's int form: layer i sparse when i % N is 0 (every other, from layer 0).
+    every_other = replace(model_of(doc), mlp_only_layers=(1, 3, 5))
+    assert read_text("megatron", text.replace('"([0]*2+[1]*4)"', "2").replace("--ffn-hidden-size 256", ""),
+                     every_other, 8).strategy.dp == 4
     with pytest.raises(SpecError, match="^--multi-latent-attention: given, but tiny-moe has none"):
         read_text("megatron", "--expert-model-parallel-size 2 --global-batch-size 32 --multi-latent-attention",
                   load_model("tiny-moe"), 8)

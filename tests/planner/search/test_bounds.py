@@ -26,6 +26,8 @@ CASES = {
     "mixtral-8l-default": ("mixtral-8x7b", 8, "dgx-h100", 16, 32, 4096, "default"),
     # Dense first layers (3 of 8) beside the mixture-of-experts ones, and an MTP module.
     "deepseek-v3-8l-default": ("deepseek-v3", 8, "dgx-h100", 32, 64, 4096, "default"),
+    # Every other layer dense.
+    "llama4-maverick-8l-default": ("llama4-maverick", 8, "dgx-h100", 32, 64, 4096, "default"),
 }
 
 

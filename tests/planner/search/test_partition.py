@@ -200,22 +200,24 @@ def test_greedy_hint_is_none_when_a_rank_cannot_hold_its_first_layer():
     assert greedy_hint(ranks, 4, 1, [40, 40], ("none", "full"), int, int) is None
 
 
+@pytest.mark.parametrize("dense", [(0, 1, 2, 3, 4), (0, 2, 4, 6, 8, 10)])
 @pytest.mark.parametrize("strategy", [
     Strategy(dp=2, tp=1, pp=4, micro_batch_size=1, num_microbatches=8, schedule="1f1b", ep=2),
     Strategy(dp=2, tp=1, pp=2, micro_batch_size=1, num_microbatches=8, schedule="interleaved", vpp=3, ep=2),
     Strategy(dp=2, tp=1, pp=2, micro_batch_size=1, num_microbatches=8, schedule="zbv", vpp=2, ep=2),
 ])
-def test_dense_first_layers_partition_matches_exhaustive_enumeration(strategy):
-    """A model whose first 5 of 12 layers are dense (DeepSeek-V3's first_k_dense_replace;
-    dense layers 512x wider here, so a rank holding them is slower): the program places them
-    where the layout does (rank r's chunks in virtual-stage order), so its partition is
-    the fastest of every split, costed in full (1e-3 relative for integer rounding)."""
-    m = replace(load_model("tiny-deepseek"), num_hidden_layers=12, first_k_dense_replace=5, hidden_size=1024,
+def test_dense_mlp_layers_partition_matches_exhaustive_enumeration(strategy, dense):
+    """A model whose first 5 of 12 layers are dense (DeepSeek-V3's first_k_dense_replace),
+    or every other one (Llama 4 Maverick's); dense layers 512x wider here, so a rank
+    holding them is slower. The program counts each rank's dense layers where the layout
+    puts them (rank r's chunks in virtual-stage order), so its partition is the fastest
+    of every split, costed in full (1e-3 relative for integer rounding)."""
+    m = replace(load_model("tiny-deepseek"), num_hidden_layers=12, mlp_only_layers=dense, hidden_size=1024,
                 dense_intermediate_size=16384, max_position_embeddings=2048, num_nextn_predict_layers=0)
     c = load_cluster("dgx-a100-80gb", gpus=4)
     p = Problem(m, c, make_training(m, c, 16, 2048))
     units = unit_costs(p, strategy)
-    assert units.prefix_layers == 5 and units.dense.layer_work["none"].total_s > units.layer_work["none"].total_s
+    assert units.dense_layers == len(dense) and units.dense.layer_work["none"].total_s > units.layer_work["none"].total_s
     rules = replace(load_rules(), max_stage_imbalance=10.0, memory_margin=0.0)
     sol = solve_partition(p, units, strategy, ("none",), rules)
     pp, v = strategy.pp, strategy.vpp
