@@ -9,7 +9,7 @@ model cards (Mixtral: Jiang et al. 2024 §2; Qwen1.5-MoE-A2.7B: its model card; 
 the Qwen3 technical report, table 1;
 DeepSeek-V3: DeepSeek-AI 2024 §4.2; gpt-oss: OpenAI's model card 2025, table 1, whose
 active counts leave out the unembedding, which Shardwise's active_params counts; Llama 4:
-Meta's model card, whose 109B counts the vision encoder Shardwise does not plan; Gemma 3:
+Meta's model card, whose 109B (Scout) counts the vision encoder Shardwise does not plan; Gemma 3:
 the Gemma 3 technical report, table 1).
 """
 
@@ -35,6 +35,7 @@ FAMILIES = [
     ("Qwen3-235B-A22B", "qwen3-235b-a22b", 235.0, 22.0, ("dgx-h100", 256, 1024, 4096, "bf16")),
     ("DeepSeek-V3", "deepseek-v3", 671.0, 37.0, ("dgx-h100", 1024, 4096, 4096, "bf16")),
     ("Llama 4 Scout", "llama4-scout", 109.0, 17.0, ("dgx-h100", 64, 512, 8192, "bf16")),
+    ("Llama 4 Maverick", "llama4-maverick", 400.0, 17.0, ("dgx-h100", 512, 1024, 8192, "bf16")),
     ("Gemma 3 1B", "gemma3-1b", 1.0, 1.0, ("dgx-h100", 8, 512, 8192, "bf16")),
     ("gpt-oss-20b", "gpt-oss-20b", 20.9, 3.6, ("dgx-h100", 16, 256, 4096, "bf16")),
     ("gpt-oss-120b", "gpt-oss-120b", 116.8, 5.1, ("dgx-h100", 64, 512, 4096, "bf16")),

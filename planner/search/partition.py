@@ -17,8 +17,9 @@ times and (a, c) the schedule's coefficients (`costmodel.terms.pipeline`):
 A mixture-of-experts model with dense-MLP layers among its sparse ones (DeepSeek-V3's
 first three, Llama 4 Maverick's every other) gives each rank one more count, D_r of those
 layers, which the layer counts fix: the virtual stages take layers in order, so stage i
-holds the dense layers between its two boundaries (`_place_dense`, a table lookup at each
-boundary). D enters the affine forms as the others do, its coefficients read as a dense
+holds the dense layers between its two boundaries (`_place_dense`; other layouts than
+dense first layers price each layer's time at the mean of the kinds and its memory at the
+larger kind's instead). D enters the affine forms as the others do, its coefficients read as a dense
 layer in place of a sparse one, the rank's dense layers evaluated first in its chunks; the
 full check after the solve costs the real layout.
 
@@ -218,6 +219,18 @@ def solve_partition(problem: Problem, units: UnitCosts, strategy: Strategy, mode
     m = strategy.num_microbatches
     rank_costs = rank_costs or [(problem, units)] * pp
     ranks = [rank_model(p, u, strategy, r) for r, (p, u) in enumerate(rank_costs)]
+    upto = units.dense_upto
+    if upto and upto[upto[-1]] != upto[-1]:
+        # Dense-MLP layers not first (Llama 4 Maverick's every other): each layer's time at
+        # the mean of the kinds (a run of N layers holds N x dense / L of them, within one
+        # for an alternation) and its memory at the larger kind's, so that every partition
+        # the program keeps fits as laid out; the layout is costed in full after the solve.
+        # (An exact chain of lookups, as `_place_dense`, left CP-SAT at its time limit.)
+        share = upto[-1] / layers
+        ranks = [replace(rm, time=_mean_layer(rm.time, share), dp_exposed=_mean_layer(rm.dp_exposed, share),
+                         optimizer=_mean_layer(rm.optimizer, share), memory=_larger_layer(rm.memory))
+                 for rm in ranks]
+        upto = ()
     time_unit = units.layer_work["none"].total_s / TIME_RESOLUTION
 
     def t(x: float) -> int:
@@ -237,7 +250,7 @@ def solve_partition(problem: Problem, units: UnitCosts, strategy: Strategy, mode
                                   + abs(r.optimizer.per_layer) + abs(r.dp_exposed.per_layer))
                       for r in ranks)) + 1000 * (layers + pp)
     n_vars, t_vars, z_vars = [], [], []
-    dense_layers = units.dense_layers
+    dense_layers = units.dense_layers if upto else 0
     usable = [usable_memory_bytes(p, rules) for p, _ in rank_costs]
     caps = [math.floor(u / MEMORY_UNIT_BYTES) for u in usable]
     mem_cap = max(caps)
@@ -273,7 +286,7 @@ def solve_partition(problem: Problem, units: UnitCosts, strategy: Strategy, mode
         t_vars.append(tr)
         z_vars.append(z)
     model.Add(sum(n for n, *_ in n_vars) == layers)
-    _place_dense(model, strategy, n_vars, units.dense_upto)
+    _place_dense(model, strategy, n_vars, upto)
     if pp > 1:
         # Imbalance as a ratio of integers: pp * max <= (1 + imb) * sum, in thousandths.
         model.Add(1000 * pp * peak_t <= round(1000 * (1 + rules.max_stage_imbalance)) * sum(t_vars))
@@ -329,11 +342,21 @@ def solve_partition(problem: Problem, units: UnitCosts, strategy: Strategy, mode
     return Solution(strategy.with_stages(layout(strategy, [c[:3] for c in counts])), seconds(value), gap, timed_out)
 
 
+def _mean_layer(affine: Affine, share: float) -> Affine:
+    """`affine` with a `share` of every layer dense: D folded into N."""
+    return replace(affine, per_layer=affine.per_layer + share * affine.per_dense, per_dense=0.0)
+
+
+def _larger_layer(affine: Affine) -> Affine:
+    """`affine` with every layer of the kind that costs more."""
+    return replace(affine, per_layer=affine.per_layer + max(0.0, affine.per_dense), per_dense=0.0)
+
+
 def _place_dense(model, strategy: Strategy, n_vars: list, dense_upto: tuple[int, ...]) -> None:
-    """Tie each rank's D (the dense-MLP layers it holds) to the layer counts N: the virtual
-    stages take layers in order, rank r's chunk k holding N // vpp layers and one more
-    while k < N % vpp (`_split`), so stage i holds dense_upto[b_i+1] - dense_upto[b_i] of
-    them, b_i the layers before it (ModelSpec.dense_upto)."""
+    """Tie each rank's D (the dense-MLP layers it holds) to the layer counts N, for dense
+    first layers (DeepSeek-V3's): the virtual stages take layers in order, rank r's chunk
+    k holding N // vpp layers and one more while k < N % vpp (`_split`), so stage i holds
+    dense_upto[b_i+1] - dense_upto[b_i] of them, b_i the layers before it."""
     if not dense_upto:
         return
     pp, vpp, layers = strategy.pp, strategy.vpp, len(dense_upto) - 1

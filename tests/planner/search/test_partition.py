@@ -13,6 +13,7 @@ from costmodel.estimate.uniform import rank_memory, unit_costs
 from costmodel.problem import Problem
 from costmodel.specs.loading import load_cluster, load_model, make_training
 from costmodel.strategy import Strategy
+from costmodel.terms.pipeline import pipeline_coefficients
 from planner.rules import load_rules
 from planner.search.partition import (
     Affine,
@@ -209,9 +210,11 @@ def test_greedy_hint_is_none_when_a_rank_cannot_hold_its_first_layer():
 def test_dense_mlp_layers_partition_matches_exhaustive_enumeration(strategy, dense):
     """A model whose first 5 of 12 layers are dense (DeepSeek-V3's first_k_dense_replace),
     or every other one (Llama 4 Maverick's); dense layers 512x wider here, so a rank
-    holding them is slower. The program counts each rank's dense layers where the layout
-    puts them (rank r's chunks in virtual-stage order), so its partition is the fastest
-    of every split, costed in full (1e-3 relative for integer rounding)."""
+    holding them is slower. Dense first layers: the program counts each rank's where the
+    layout puts them (rank r's chunks in virtual-stage order), so its partition is the
+    fastest of every split, costed in full (1e-3 relative for integer rounding). Every
+    other layer: the program prices a layer at the mean of the kinds, off by at most half
+    a layer's difference on a rank, so its partition is within twice that of the fastest."""
     m = replace(load_model("tiny-deepseek"), num_hidden_layers=12, mlp_only_layers=dense, hidden_size=1024,
                 dense_intermediate_size=16384, max_position_embeddings=2048, num_nextn_predict_layers=0)
     c = load_cluster("dgx-a100-80gb", gpus=4)
@@ -223,4 +226,11 @@ def test_dense_mlp_layers_partition_matches_exhaustive_enumeration(strategy, den
     pp, v = strategy.pp, strategy.vpp
     best = min(estimate(p, strategy.with_stages(layout(strategy, [(n, 0, 0) for n in counts])), units).step_time_s
                for counts in itertools.product(range(v, 12), repeat=pp) if sum(counts) == 12)
-    assert estimate(p, sol.strategy, units).step_time_s == pytest.approx(best, rel=1e-3)
+    found = estimate(p, sol.strategy, units).step_time_s
+    if dense[-1] == len(dense) - 1:   # the first layers
+        assert found == pytest.approx(best, rel=1e-3)
+    else:
+        a, c = pipeline_coefficients(strategy.schedule, strategy.num_microbatches, v, units.weight_grad_share,
+                                     units.forward_share)
+        half_layer = abs(units.dense.layer_work["none"].total_s - units.layer_work["none"].total_s) / 2
+        assert best * (1 - 1e-3) <= found <= best + 2 * (a + c * pp) * half_layer
