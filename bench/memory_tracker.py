@@ -460,7 +460,8 @@ def h200_table(rows: list[dict]) -> str:
 SAVED_CASES = (
     ("llama-2-7b", "param_dtype"), ("llama-3-8b", "param_dtype"), ("mistral-7b", "param_dtype"),
     ("qwen3-1.7b", "param_dtype"), ("gemma-2b", "param_dtype"), ("phi-2", "param_dtype"),
-    ("pythia-1.4b", "param_dtype"), ("llama2-7b", "autocast"), ("llama3-8b", "autocast"),
+    ("pythia-1.4b", "param_dtype"), ("deepseek-v3", "param_dtype"), ("llama2-7b", "autocast"),
+    ("llama3-8b", "autocast"),
 )
 
 
@@ -473,6 +474,8 @@ def saved_bytes_per_layer(name: str, mixed_precision: str, seq_len: int = 1024) 
     from costmodel.specs.hf import _meta_masks, build_hf_model
     from costmodel.terms.counts import attention_parameters, expert_parameters
     from costmodel.terms.memory import pytorch_layer_activation_bytes
+
+    spec = load_model(_hf(name) if mixed_precision == "param_dtype" else name)
 
     def saved(layers: int):
         if mixed_precision == "param_dtype":
@@ -489,17 +492,19 @@ def saved_bytes_per_layer(name: str, mixed_precision: str, seq_len: int = 1024) 
                 finally:
                     torch.set_default_dtype(torch.float32)
             model.config._attn_implementation = "sdpa"
-            spec = load_model(_hf(name))
             context, masks = nullcontext(), _meta_masks(transformers)
         else:
-            spec = load_model(name)
             model = build_model(load_model(name, {"num_hidden_layers": str(layers)}), seq_len)
             context, masks = torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False), nullcontext()
         seen: dict[int, int] = {}
 
         def pack(t):
             storage = t.untyped_storage()
-            seen[storage._cdata] = storage.nbytes()
+            # CPU SDPA runs multi-head latent attention's 192-wide keys and 128-wide values
+            # on its math path, keeping fp32 copies and probabilities a CUDA kernel does
+            # not: left out here, and the kernel's own tensors out of the estimate below.
+            if not (spec.is_mla and t.dtype == torch.float32 and spec.num_attention_heads in t.shape[:2]):
+                seen[storage._cdata] = storage.nbytes()
             return t
         with FakeTensorMode(allow_non_fake_inputs=True), masks:
             model.to_empty(device="cpu")
@@ -507,13 +512,16 @@ def saved_bytes_per_layer(name: str, mixed_precision: str, seq_len: int = 1024) 
             with context, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 out = model(torch.zeros(1, seq_len, dtype=torch.long))
                 del out
-        return sum(n for k, n in seen.items() if k not in own), spec
+        return sum(n for k, n in seen.items() if k not in own)
 
-    one, spec = saved(1)
-    two, _ = saved(2)
+    one, two = saved(1), saved(2)
+    # The second layer measured is of the first kind (DeepSeek-V3: a dense-MLP layer).
+    spec = spec.dense_layer() if 1 in spec.mlp_only_layers else spec
     cluster = load_cluster("dgx-h100", gpus=1)
     training = make_training(spec, cluster, 1, seq_len, precision="bf16", mixed_precision=mixed_precision)
     estimated = pytorch_layer_activation_bytes(spec, training, 1, 1, False, "none")
+    if spec.is_mla:   # SDPA's q, k, v and log-sum-exp (its output is the output projection's input)
+        estimated -= (2.0 * (2 * spec.q_size + spec.out_size) + 4.0 * spec.num_attention_heads) * seq_len
     copies = 2.0 * (attention_parameters(spec) + expert_parameters(spec)) if mixed_precision == "autocast" else 0.0
     sh = seq_len * spec.hidden_size
     return (two - one - copies) / sh, (estimated - copies) / sh

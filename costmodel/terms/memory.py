@@ -274,7 +274,9 @@ def pytorch_layer_activation_bytes(model: ModelSpec, training: TrainingSpec, mic
     attention += keys * gathered_kv_factor(cp)
     latents = 0.0
     if model.is_mla:
-        attention, latents = mla_saved_bytes(model, v, cp)
+        # The latents' norms are eager modules too (the same upcasts as the hidden norms),
+        # each read by one up projection.
+        attention, latents = mla_saved_bytes(model, v, cp, norm_saved_bytes(model, training, 1))
     if model.qk_norm:
         attention += 6.0 * (q + kv) + 4.0 * (model.num_attention_heads + model.num_key_value_heads)
     if model.sliding_window is not None and s >= model.sliding_window and not autocast:
@@ -327,19 +329,27 @@ def pytorch_layer_activation_bytes(model: ModelSpec, training: TrainingSpec, mic
     return split + replicated / seq_split + router + weight_copies + scores + gather_index
 
 
-def mla_saved_bytes(model: ModelSpec, value_bytes: float, cp: int) -> tuple[float, float]:
+def mla_saved_bytes(model: ModelSpec, value_bytes: float, cp: int,
+                    norm_bytes: tuple[float, float] | None = None) -> tuple[float, float]:
     """(bytes split by tp, bytes every tp rank holds whole) that multi-head latent
     attention keeps for backward per local token (DeepSeek-V2 §2.1.2, the tensors of
     transformers' DeepseekV3Attention): SDPA's query, key, value, output and fp32
-    log-sum-exp per head; the query latent's and the kv latent's RMSNorm input and output
-    and fp32 inverse RMS, replicated over tp as the down projections are. RoPE saves its
-    tables, not its inputs. Under context parallelism the kv latent and the shared
-    rotary key are gathered (`ModelSpec.kv_values_per_token`), so the keys and values
-    made from them, and the latent's norm, hold the whole sequence (`gathered_kv_factor`)."""
+    log-sum-exp per head (a flash or memory-efficient kernel's; on CPU, SDPA's math
+    fallback for 192-wide keys and 128-wide values keeps fp32 copies and the fp32
+    probabilities instead); the query latent's and the kv latent's RMSNorm, replicated
+    over tp as the down projections are: `norm_bytes` (bytes per latent value, per
+    token: `norm_saved_bytes`), or a fused norm's input and output and fp32 inverse RMS.
+    RoPE saves its tables, not its inputs. Under context parallelism the kv latent and
+    the shared rotary key are gathered (`ModelSpec.kv_values_per_token`), so the keys and
+    values made from them, and the latent's norm, hold the whole sequence
+    (`gathered_kv_factor`). Measured (`python bench/memory_tracker.py saved`, a dense
+    DeepSeek-V3 layer under param_dtype less SDPA's math-path tensors): 43.43 bytes per
+    s*h, counted 43.43."""
+    per_value, per_token = norm_bytes or (2 * value_bytes, 4.0)
     gathered = gathered_kv_factor(cp)
     per_head = value_bytes * (model.q_size + model.out_size) * (1 + gathered) + 4.0 * model.num_attention_heads
-    latent_norm = 2 * value_bytes * model.kv_lora_rank + 4.0
-    query_norm = 2 * value_bytes * model.q_lora_rank + 4.0 if model.q_lora_rank else 0.0
+    latent_norm = per_value * model.kv_lora_rank + per_token
+    query_norm = per_value * model.q_lora_rank + per_token if model.q_lora_rank else 0.0
     return per_head, query_norm + latent_norm * gathered
 
 

@@ -112,13 +112,15 @@ def test_h200_runs_of_the_executor():
 
 @pytest.mark.parametrize("name, mixed", [("llama-3-8b", "param_dtype"), ("qwen3-1.7b", "param_dtype"),
                                          ("gemma-2b", "param_dtype"), ("gemma-3-1b", "param_dtype"),
-                                         ("pythia-1.4b", "param_dtype"), ("llama3-8b", "autocast")])
+                                         ("pythia-1.4b", "param_dtype"), ("deepseek-v3", "param_dtype"),
+                                         ("llama3-8b", "autocast")])
 def test_saved_tensors_per_layer_are_counted(name, mixed):
     """What autograd saves for one layer (saved_tensors_hooks, bf16, seq 1024) equals
     costmodel.terms.memory's count, within Gemma's fp32 (1 + w) of each norm (4h bytes a
     norm a layer, not a token: 4 x norms / 1024 bytes per s*h) and, under autocast on
     CPU, the head-major SDPA output copy CUDA does not make. Gemma 3's layer is one of
-    its banded ones (512 tokens of the 1024), with its four norms."""
+    its banded ones (512 tokens of the 1024), with its four norms. DeepSeek-V3's is a dense
+    layer of multi-head latent attention, outside SDPA's own tensors (bench.saved_bytes_per_layer)."""
     measured, estimated = bench.saved_bytes_per_layer(name, mixed)
     cpu_only = 2.0 if mixed == "autocast" else 0.0
     norms = {"gemma-2b": 2, "gemma-3-1b": 4}.get(name, 0)
