@@ -110,13 +110,18 @@ class Stage:
     def plain_layers(self) -> int:
         return self.num_layers - self.full_recompute_layers - self.selective_recompute_layers
 
+    @property
+    def counts_by_mode(self) -> tuple[tuple[str, int], ...]:
+        """(recompute mode, layers) in layer order: full, selective, then plain."""
+        return (("full", self.full_recompute_layers), ("selective", self.selective_recompute_layers),
+                ("none", self.plain_layers))
+
     def layers_by_mode(self, dense_upto: tuple[int, ...] = ()) -> tuple[tuple[str, int, int], ...]:
-        """(recompute mode, dense-MLP layers, other layers) of this stage, in layer order:
-        full, selective, then plain. `dense_upto[i]`: the model's dense-MLP layers among its
-        first i (ModelSpec.dense_upto; empty: none)."""
+        """(recompute mode, dense-MLP layers, other layers) of this stage, in layer order
+        (`counts_by_mode`). `dense_upto[i]`: the model's dense-MLP layers among its first i
+        (ModelSpec.dense_upto; empty: none)."""
         out, start = [], self.first_layer
-        for mode, count in (("full", self.full_recompute_layers), ("selective", self.selective_recompute_layers),
-                            ("none", self.plain_layers)):
+        for mode, count in self.counts_by_mode:
             dense = dense_upto[start + count] - dense_upto[start] if dense_upto else 0
             out.append((mode, dense, count - dense))
             start += count

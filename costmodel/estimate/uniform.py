@@ -60,14 +60,14 @@ class UnitCosts:
     # the first i layers hold (ModelSpec.dense_upto).
     dense: UnitCosts | None = None
     dense_upto: tuple[int, ...] = ()
-
-    @property
-    def dense_layers(self) -> int:
-        return self.dense_upto[-1] if self.dense_upto else 0
     # Multi-token prediction modules on the last virtual stage: that many more plain
     # layers, and their projections and norms (per rank, dense).
     mtp_layers: int = 0
     mtp_parameters: float = 0.0
+
+    @property
+    def dense_layers(self) -> int:
+        return self.dense_upto[-1] if self.dense_upto else 0
 
     @property
     def forward_share(self) -> float:
@@ -336,9 +336,7 @@ def stage_layers(units: UnitCosts, stage: Stage, last_index: int | None = None) 
     upto = units.dense_upto
     if not upto or upto[stage.first_layer + stage.num_layers] == upto[stage.first_layer]:
         # No dense-MLP layer here (the usual case, kept quick).
-        out = [(units, mode, count) for mode, count in (("full", stage.full_recompute_layers),
-                                                        ("selective", stage.selective_recompute_layers),
-                                                        ("none", stage.plain_layers)) if count]
+        out = [(units, mode, count) for mode, count in stage.counts_by_mode if count]
     else:
         out = []
         for mode, dense, rest in stage.layers_by_mode(upto):
@@ -362,10 +360,6 @@ def stage_work(units: UnitCosts, stage: Stage, last_index: int | None = None) ->
     for kind, mode, count in stage_layers(units, stage, last_index):
         work = work + kind.layer_work[mode].scaled(count)
     return work
-
-
-def stage_activation_bytes(units: UnitCosts, stage: Stage, last_index: int | None = None) -> float:
-    return sum(count * kind.layer_activation_bytes[mode] for kind, mode, count in stage_layers(units, stage, last_index))
 
 
 def backward_window_s(units: UnitCosts, strategy: Strategy, pp_rank: int) -> float:
@@ -484,9 +478,8 @@ def rank_memory(problem: Problem, units: UnitCosts, strategy: Strategy, pp_rank:
     w2, g2, o2 = memory.sharded_state_bytes(experts, training, zero, dp // strategy.ep)
     in_flight = memory.in_flight_microbatches(strategy.schedule, strategy.pp, pp_rank,
                                               strategy.num_microbatches, strategy.vpp)
-    last_index = strategy.num_virtual_stages - 1
     layers = rank_layers(units, strategy, pp_rank)
-    all_activations = in_flight * sum(stage_activation_bytes(units, s, last_index) for s in stages)
+    all_activations = in_flight * sum(count * kind.layer_activation_bytes[mode] for kind, mode, count in layers)
     activations = all_activations
     gradients = g1 + g2
     head_in_backward = holds_head
@@ -613,10 +606,10 @@ def recompute_flops(problem: Problem, strategy: Strategy) -> float:
     full recompute repeats each layer's forward, selective the attention scores."""
     model, training = problem.model, problem.training
     sequences = training.global_batch
-    dense_model = model.dense_layer() or model
+    dense_model, dense_upto = model.dense_layer() or model, model.dense_upto
     per_layer = (layer_forward_flops(dense_model, training.seq_len), layer_forward_flops(model, training.seq_len))
     full = sum(dense * per_layer[0] + rest * per_layer[1] for s in strategy.stages
-               for mode, dense, rest in s.layers_by_mode(model.dense_upto) if mode == "full")
+               for mode, dense, rest in s.layers_by_mode(dense_upto) if mode == "full")
     selective = 0 if training.flash_attention else sum(s.selective_recompute_layers for s in strategy.stages)
     # Eq. 8 adds 72BLsh^2 * s/(6h) = 12 s^2 h per selectively recomputed layer and
     # sequence (its HFU convention: 22B HFU/MFU 43.7/41.5 in Table 5), three times the

@@ -160,9 +160,9 @@ def build_graph(model: ModelSpec, seq_len: int) -> nx.DiGraph:
 
     graph = nx.DiGraph(name=model.name)
     graph.add_node("embedding", kind="embedding", parameters=embedding_parameters(model), forward_flops=0.0)
-    previous, dense_layers = "embedding", set(model.mlp_only_layers if model.is_moe else ())
+    previous, dense_layers, dense_kind = "embedding", set(model.mlp_only_layers), model.dense_layer()
     for i in range(model.num_hidden_layers):
-        kind = model.dense_layer() if i in dense_layers else model
+        kind = dense_kind if dense_kind is not None and i in dense_layers else model
         dense, experts = layer_parameters(kind)
         node = f"layer.{i}"
         graph.add_node(node, kind="layer", index=i, parameters=dense + experts,

@@ -339,7 +339,7 @@ def solve_partition(problem: Problem, units: UnitCosts, strategy: Strategy, mode
     timed_out = status != cp_model.OPTIMAL
     bound = max(0.0, bound - rounding)
     gap = 0.0 if not timed_out or value <= 0 else max(0.0, (value - bound) / value)
-    return Solution(strategy.with_stages(layout(strategy, [c[:3] for c in counts])), seconds(value), gap, timed_out)
+    return Solution(staged, seconds(value), gap, timed_out)
 
 
 def _mean_layer(affine: Affine, share: float) -> Affine:
