@@ -16,6 +16,7 @@ from costmodel.strategy import RECOMPUTE_MODES, Stage, Strategy, ends_apart
 from costmodel.terms import compute, memory
 from costmodel.terms.comm import (
     collective_time_s,
+    expert_exchange_s,
     fsdp_copies_s,
     groups,
     sharded_collective_s,
@@ -28,7 +29,7 @@ from costmodel.terms.counts import (
     model_flops_per_step,
     mtp_projection_parameters,
 )
-from costmodel.terms.pipeline import FORWARD_SHARE, pipeline_time_s
+from costmodel.terms.pipeline import FORWARD_SHARE, paired_share, pipeline_time_s
 
 
 @dataclass(frozen=True)
@@ -149,9 +150,6 @@ def _unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
         # gathers it again in backward before the weight-gradient GEMM can start
         # (Korthikanti et al. §4.2.2): two more all-gathers, exposed (but for async TP).
         tp_backward += async_exposed(2 * coll("all_gather", message, where["tp"]))
-    # MoE: dispatch and combine all-to-alls forward, the same two backward (Lepikhin et
-    # al. 2020, GShard §2.2), of the k copies of each token's hidden vector; the busiest
-    # rank receives moe_load_imbalance times the mean, and the exchange waits for it.
     # Context parallelism (Llama 3, Dubey et al. 2024 §3.3.2, the executor's attention):
     # K and V all-gathered over the cp ranks before attention, their gradients
     # reduce-scattered in backward, one collective each way of the whole sequence's K and
@@ -162,9 +160,10 @@ def _unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
         kv_bytes = value * b * training.seq_len * compute.cp_gathered_values_per_token(model, tp)
         cp_forward = coll("all_gather", kv_bytes, where["cp"])
         cp_backward = coll("reduce_scatter", kv_bytes, where["cp"])
-    ep_one_way = 0.0
-    if model.is_moe:
-        ep_one_way = 2 * coll("all_to_all", message * model.busiest_rank_rows_per_token(ep) / tp, where["ep"])
+    # MoE: dispatch and combine forward, the same two backward (costmodel.terms.comm
+    # expert_exchange_s), of the rank's tokens (split over tp as sequence parallelism splits them).
+    ep_one_way = (expert_exchange_s(model, message / tp, ep, where["ep"], cluster, runtime, value,
+                                    training.fp8 is not None) if model.is_moe else 0.0)
 
     dense, experts = layer_parameters(model)
     dense_local, expert_local = dense / tp, experts / (tp * ep)
@@ -200,8 +199,18 @@ def _unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
                                                                  strategy.dp_cp if fp8_gathered else 1, runtime)
     fwd_compute = layer.forward_s + launch / 3 + weight_cast_fwd
     bwd_compute = layer_backward + 2 * launch / 3 + weight_cast_bwd
+    # A schedule that runs one micro-batch's forward beside another's backward hides the
+    # expert exchange of each behind the other's computation where the runtime overlaps
+    # them (RuntimeSpec.ep_overlap; DeepSeek-AI 2024 §3.2.1): in the paired share of the
+    # chunks, the exchange beyond what the pair computes stays exposed.
+    paired = paired_share(strategy.schedule, strategy.pp, strategy.num_microbatches) * runtime.ep_overlap * hide
+
+    def ep_exposed(exchange_s: float, compute_s: float) -> float:
+        return exchange_s - paired * min(exchange_s, compute_s)
+
+    ep_base = ep_exposed(2 * ep_one_way, fwd_compute + bwd_compute)
     base = Work(compute_s=fwd_compute + bwd_compute, tp_comm_s=tp_forward + tp_backward,
-                ep_comm_s=2 * ep_one_way, dp_comm_s=zero3_fwd + zero3_bwd, cp_comm_s=cp_forward + cp_backward)
+                ep_comm_s=ep_base, dp_comm_s=zero3_fwd + zero3_bwd, cp_comm_s=cp_forward + cp_backward)
     # The runtime's selective recompute (costmodel.terms.recompute): the attention core
     # (Korthikanti et al. §4.3), which FlashAttention already recomputes in its own
     # backward, leaving nothing to repeat (Dao et al. 2022 §3.1); or op-level, which
@@ -219,7 +228,8 @@ def _unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
         # Full recompute repeats the forward's TP and EP collectives, but not ZeRO-3's
         # gather: the recomputed forward runs inside backward, on the weights already
         # gathered for it (FSDP2's pre-backward unshard; counted in the executor).
-        "full": base + Work(recompute_s=fwd_compute, tp_comm_s=tp_forward, ep_comm_s=ep_one_way,
+        "full": base + Work(recompute_s=fwd_compute, tp_comm_s=tp_forward,
+                            ep_comm_s=ep_exposed(3 * ep_one_way, 2 * fwd_compute + bwd_compute) - ep_base,
                             cp_comm_s=cp_forward),  # launches too
     }
     # The runtime's chunked cross-entropy runs on whole-vocabulary logits; vocabulary-

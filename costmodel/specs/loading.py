@@ -40,6 +40,7 @@ from costmodel.specs.runtime import (
     FRACTION_FIELDS,
     FSDP_KEPT_GATHERED,
     INT_FIELDS,
+    MOE_DISPATCHES,
     NUMBER_FIELDS,
     SELECTIVE_POLICIES,
     SETTING_FIELDS,
@@ -851,7 +852,7 @@ def runtime_from_dict(data: dict, name: str, field: str = "--runtime") -> Runtim
     """Validate a runtime profile mapping (configs/runtimes/*.yaml, or a plan's
     `runtime`) into a RuntimeSpec; SpecError names `field`.the_key."""
     allowed = {"name", "version", "description", "fitted_on", "mixed_precision", "selective_recompute",
-               "fsdp_kept_gathered", *INT_FIELDS,
+               "fsdp_kept_gathered", "moe_dispatch", *INT_FIELDS,
                *FRACTION_FIELDS, *NUMBER_FIELDS, *FLAG_FIELDS, *BAND_FIELDS}
     if "selective_recompute_gemm_fraction" in data and "selective_recompute" not in data:
         # Plans written before the policy had a name: 0 was the attention core, 0.5 torchtitan's op-level SAC.
@@ -874,7 +875,7 @@ def runtime_from_dict(data: dict, name: str, field: str = "--runtime") -> Runtim
         if key in data:
             values[key] = as_int(data[key], f"{field}.{key}", minimum=1)
     for key, known in (("mixed_precision", MIXED_PRECISION), ("selective_recompute", SELECTIVE_POLICIES),
-                       ("fsdp_kept_gathered", FSDP_KEPT_GATHERED)):
+                       ("fsdp_kept_gathered", FSDP_KEPT_GATHERED), ("moe_dispatch", MOE_DISPATCHES)):
         if key in data:
             if data[key] not in known:
                 raise SpecError(f"{field}.{key}", f"unknown {data[key]!r} (known: {', '.join(known)})")
@@ -893,7 +894,7 @@ def runtime_from_dict(data: dict, name: str, field: str = "--runtime") -> Runtim
         raise SpecError(f"{field}.fitted_on", "expected a mapping of coefficient to the measurements it was fitted on")
     unknown = sorted(set(fitted) - set(FRACTION_FIELDS) - set(NUMBER_FIELDS) - set(FLAG_FIELDS) - set(BAND_FIELDS)
                      - set(INT_FIELDS)
-                     - {"selective_recompute", "fsdp_kept_gathered"})
+                     - {"selective_recompute", "fsdp_kept_gathered", "moe_dispatch"})
     if unknown:
         raise SpecError(f"{field}.fitted_on.{unknown[0]}", "not a coefficient of the runtime")
     values["fitted_on"] = {str(k): v for k, v in sorted(fitted.items())}

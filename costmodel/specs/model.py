@@ -174,6 +174,30 @@ class ModelSpec:
         c = self.moe_capacity_factor
         return self.num_experts_per_tok * (1.0 if c is None else min(1.0, c))
 
+    def routed_nodes_per_token(self, nodes: int) -> float:
+        """Nodes a token's routed experts lie on, on average, with the experts spread
+        evenly over `nodes` nodes: for k of E experts, each equally likely (the balanced
+        router) and none twice, nodes x (1 - P), P = prod_{i<k} (E - E/nodes - i)/(E - i)
+        the chance that a node holds none of them. Group-limited routing (n_group groups,
+        each token within its best topk_group) draws the k from topk_group groups; where
+        each node holds whole groups, a token reaches no more nodes than the groups it
+        reaches, counted the same way (DeepSeek-AI 2024 §2.1.2 node-limited routing: 8
+        groups, 4 a token, 3.6 on average). Groups that straddle nodes are priced as
+        ungrouped routing, which spreads tokens over more nodes."""
+        if nodes <= 1 or not self.is_moe:
+            return 1.0
+        k, experts = self.num_experts_per_tok, self.num_local_experts
+
+        def spread(bins: int, per_bin: float, drawn_from: float) -> float:
+            none = math.prod(max(0.0, drawn_from - per_bin - i) / (drawn_from - i) for i in range(k))
+            return bins * (1.0 - none)
+
+        reached = spread(nodes, experts / nodes, experts)
+        if 1 < self.n_group and self.topk_group < self.n_group and self.n_group % nodes == 0:
+            per_group = experts / self.n_group
+            reached = min(reached, spread(self.topk_group, per_group, self.topk_group * per_group))
+        return reached
+
     def busiest_rank_rows_per_token(self, ep: int) -> float:
         """Expert rows per local token that the busiest rank of an ep group computes and
         receives: k x min(imbalance, c, ep), where `moe_load_imbalance` is the busiest

@@ -106,6 +106,21 @@ class RuntimeSpec:
     # and DeepSpeed's pipelines run 1F1B and interleaved 1F1B only). They also need eager
     # blocks: torch splits their backward outside torch.compile.
     zero_bubble_schedules: bool = True
+    # How a mixture-of-experts layer moves tokens to their experts and back
+    # (costmodel.terms.comm expert_exchange_bytes): "all-to-all", one copy of a token's
+    # hidden vector per routed expert over NCCL's all-to-all (the executor, torchtitan,
+    # Megatron-LM's alltoall dispatcher); "deepep", one copy per destination node over the
+    # network, fanned out to the node's GPUs over NVLink, FP8 dispatch under FP8 training
+    # (DeepEP; Megatron-LM's flex dispatcher; DeepSeek-AI 2024 §3.2.2, §3.3.4).
+    moe_dispatch: str = "all-to-all"
+    # Fraction of the expert all-to-all that a schedule pairing one micro-batch's forward
+    # chunk with another's backward (dualpipev's overlapped F&B actions) hides behind the
+    # pair's computation (DeepSeek-AI 2024 §3.2.1, Figure 4). torch's pipelining runs an
+    # OVERLAP_F_B action's forward and backward one after the other unless a custom
+    # function is registered (torch/distributed/pipelining/schedules.py, _PipelineScheduleRuntime):
+    # 0 there, as the executor runs it; torchtitan 0.2.2 registers one that runs the pair on
+    # two threads meeting at dispatch and combine (distributed/dual_pipe_v.py): 1.
+    ep_overlap: float = 0.0
     # coefficient -> the measurements it was fitted on (or the source it was read from).
     fitted_on: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
 
@@ -143,7 +158,9 @@ class RuntimeSpec:
 SELECTIVE_POLICIES = ("attention-core", "op-level")
 # What an engine's FSDP2 wrapping keeps gathered after forward (RuntimeSpec.fsdp_kept_gathered).
 FSDP_KEPT_GATHERED = ("none", "head", "root")
-FRACTION_FIELDS = ("dp_overlap", "zero3_overlap", "tp_overlap", "async_tp_overlap", "pp_overlap")
+# How an engine moves tokens to their experts (RuntimeSpec.moe_dispatch).
+MOE_DISPATCHES = ("all-to-all", "deepep")
+FRACTION_FIELDS = ("dp_overlap", "zero3_overlap", "tp_overlap", "async_tp_overlap", "pp_overlap", "ep_overlap")
 # The band's ratios: the low one at most 1, the high ones at least 1.
 BAND_FIELDS = ("step_time_low_ratio", "step_time_high_ratio", "memory_high_ratio")
 NUMBER_FIELDS = ("collective_half_bytes", "gemm_efficiency_scale", "elementwise_traffic_factor",
@@ -154,5 +171,5 @@ INT_FIELDS = ("fsdp_prefetch",)
 # What an engine is told to do, as opposed to the coefficients fitted to its measurements:
 # `plan --runtime-set` changes these (a runtime file changes anything).
 SETTING_FIELDS = ("torch_compile", "async_tp", "chunked_loss", "selective_recompute", "fsdp_kept_gathered",
-                  "fsdp_prefetch", "ddp_bucket_mb")
+                  "fsdp_prefetch", "ddp_bucket_mb", "moe_dispatch", "ep_overlap")
 FLAG_FIELDS = ("async_tp", "torch_compile", "chunked_loss", "expert_tensor_parallel", "zero_bubble_schedules")

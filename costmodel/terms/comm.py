@@ -80,12 +80,8 @@ def collective_time_s(kind: str, total_bytes: float, group: Placement, cluster: 
         link = (inter if group.nodes > 1 else intra).for_kind(kind)
         return link.latency_s + total_bytes / (link.achieved_bytes_per_s * size_eff)
     if kind == "all_to_all":
-        intra, inter = intra.for_kind(kind), inter.for_kind(kind)
         n, k = group.size, group.per_node
-        on_node = (k - 1) / n * total_bytes / (intra.achieved_bytes_per_s * size_eff)
-        off_node = (n - k) / n * total_bytes / (inter.achieved_bytes_per_s * size_eff)
-        latency = (k - 1) * intra.latency_s + (n - k) * inter.latency_s
-        return on_node + off_node + latency
+        return all_to_all_s((k - 1) / n * total_bytes, k - 1, (n - k) / n * total_bytes, n - k, cluster, runtime)
     if group.nodes == 1:
         return _ring_time_s(kind, total_bytes, group.size, intra, size_eff)
     # Hierarchical: the k members of a node split the buffer, each crosses the network
@@ -94,6 +90,63 @@ def collective_time_s(kind: str, total_bytes: float, group: Placement, cluster: 
     inter_part = _ring_time_s(kind, total_bytes / k, group.nodes, inter, size_eff)
     intra_part = _ring_time_s("all_reduce" if kind == "all_reduce" else kind, total_bytes, k, intra, size_eff)
     return inter_part + intra_part
+
+
+def all_to_all_s(on_node_bytes: float, on_node_peers: int, off_node_bytes: float, off_node_peers: int,
+                 cluster: ClusterSpec, runtime: RuntimeSpec | None = None) -> float:
+    """Seconds for an all-to-all in which a rank sends `on_node_bytes` to `on_node_peers`
+    ranks of its own node and `off_node_bytes` to `off_node_peers` ranks (or nodes)
+    beyond it, and receives as much. NCCL's all-to-all posts every peer's send and receive
+    at once (grouped ncclSend/ncclRecv: nccl-tests src/alltoall.cu), so the NVLink part
+    and the network part run at the same time on their own links and the longer one
+    paces the exchange; each part reaches the bandwidth of its per-peer message size."""
+    intra, inter = cluster.intra_node.for_kind("all_to_all"), cluster.inter_node.for_kind("all_to_all")
+    measured = bool(cluster.intra_node.collectives or cluster.inter_node.collectives)
+
+    def part_s(num_bytes: float, peers: int, link: LinkSpec) -> float:
+        if peers <= 0 or num_bytes <= 0:
+            return 0.0
+        size_eff = 1.0 if runtime is None or measured else runtime.message_efficiency(num_bytes / peers)
+        return num_bytes / (link.achieved_bytes_per_s * size_eff) + peers * link.latency_s
+
+    return max(part_s(on_node_bytes, on_node_peers, intra), part_s(off_node_bytes, off_node_peers, inter))
+
+
+def expert_exchange_s(model, tokens_bytes: float, ep: int, group: Placement, cluster: ClusterSpec,
+                      runtime: RuntimeSpec, value_bytes: float, fp8: bool = False) -> float:
+    """Seconds for one pass of a mixture-of-experts layer's token exchange: dispatch to
+    the experts and combine back (forward; backward moves the gradients the same two
+    ways: Lepikhin et al. 2020, GShard §2.2). `tokens_bytes`: one hidden vector of each of
+    the rank's tokens, in `value_bytes` a value. The busiest rank receives
+    `busiest_rank_rows_per_token` rows a token (load imbalance) and the exchange waits for it.
+
+    runtime.moe_dispatch "all-to-all": each routed row travels on its own, spread evenly
+    over the ep ranks. "deepep" (DeepSeek-AI 2024 §3.2.2; DeepEP's internode kernels): a
+    token crosses the network once to each other node its experts lie on
+    (ModelSpec.routed_nodes_per_token), to the GPU of the same local index, which
+    forwards it over NVLink to the node's GPUs holding its experts; under FP8 training
+    the dispatch carries FP8 values and a float32 scale per 128 (1x128 tiles, §3.3.2 and
+    §3.3.4), the combine stays 16-bit. Its kernels stream every token through a fixed set
+    of NVLink and RDMA channels rather than one NCCL message a peer, and DeepEP's published
+    normal-kernel figures (H800, 4096 tokens a rank, hidden 7168, top-8 of 4 groups) run
+    near the RDMA and NVLink line rates: priced at the links' achieved bandwidth, without
+    the runtime's message-size curve."""
+    if ep <= 1 or tokens_bytes <= 0:
+        return 0.0
+    rows = model.busiest_rank_rows_per_token(ep)
+    n, k, nodes = group.size, group.per_node, group.nodes
+    deepep = runtime.moe_dispatch == "deepep"
+    if deepep and nodes > 1:
+        crossings = model.routed_nodes_per_token(nodes) * (nodes - 1) / nodes * rows / model.num_experts_per_tok
+        on_node, on_peers = tokens_bytes * rows * (k - 1) / k, k - 1
+        off_node, off_peers = tokens_bytes * crossings, nodes - 1
+    else:
+        on_node, on_peers = tokens_bytes * rows * (k - 1) / n, k - 1
+        off_node, off_peers = tokens_bytes * rows * (n - k) / n, n - k
+    dispatch_ratio = (1 + 4 / 128) / value_bytes if fp8 and deepep else 1.0
+    curve = None if deepep else runtime
+    dispatch = all_to_all_s(on_node * dispatch_ratio, on_peers, off_node * dispatch_ratio, off_peers, cluster, curve)
+    return dispatch + all_to_all_s(on_node, on_peers, off_node, off_peers, cluster, curve)
 
 
 def sharded_collective_s(kind: str, total_bytes: float, group: Placement, cluster,

@@ -74,6 +74,20 @@ def pipeline_time_s(schedule: str, rank_times_s: list[float], num_microbatches: 
     return num_microbatches * slowest + beta * (total - slowest)
 
 
+def paired_share(schedule: str, pp: int, num_microbatches: int) -> float:
+    """Share of a rank's forward and backward chunks that the schedule runs as
+    overlapped pairs, one micro-batch's forward beside another's backward, whose
+    communication can hide behind each other's computation (DeepSeek-V3 report §3.2.1):
+    dualpipev's OVERLAP_F_B actions, 2m - 3pp + r + 1 on rank r of pp (one fewer on the
+    last) out of 2m forward chunks, the least on rank 0 (torch's
+    ScheduleDualPipeV._calculate_single_rank_operations, steps 4 and 5; counted in
+    tests/costmodel/terms/test_pipeline.py). Other schedules pair none."""
+    if schedule != "dualpipev" or num_microbatches <= 0:
+        return 0.0
+    pairs = 2 * num_microbatches - 3 * pp + 1 - (1 if pp == 1 else 0)
+    return min(1.0, max(0, pairs) / (2 * num_microbatches))
+
+
 def pipeline_coefficients(schedule: str, num_microbatches: int, vpp: int = 1,
                           weight_grad_share: float = 0.0, forward_share: float = FORWARD_SHARE) -> tuple[float, float]:
     """(a, c) with pipeline time = a * max_r t_r + c * sum_r t_r: the linear form the

@@ -56,9 +56,12 @@ def export_strategy(target: str, strategy: Strategy, model: ModelSpec, training:
     that no setting of the target runs (DeepSpeed with cp > 1 or FP8) raises SpecError."""
     if target not in _EXPORTERS:
         raise SpecError("--to", f"unknown target {target!r} (known: {', '.join(TARGETS)})")
-    exported = _EXPORTERS[target](strategy, model, training)
+    dispatch = runtime.moe_dispatch if runtime is not None and model.is_moe and strategy.ep > 1 else "all-to-all"
+    exported = (export_megatron(strategy, model, training, dispatch) if target == "megatron"
+                else _EXPORTERS[target](strategy, model, training))
     exported = Exported(exported.text, exported.warnings + _group_warnings(target, strategy)
-                        + _selective_warnings(target, strategy, runtime), exported.changes)
+                        + _selective_warnings(target, strategy, runtime) + _dispatch_warnings(target, dispatch),
+                        exported.changes)
     try:
         back = importers.read_text(target, exported.text, model, strategy.num_gpus)
     except SpecError as err:
@@ -87,6 +90,26 @@ def _selective_warnings(target: str, strategy: Strategy, runtime: RuntimeSpec | 
     return (f"{target}'s selective recompute is {engine}, the plan priced it as {runtime.selective_recompute} "
             f"(runtime {runtime.name}): its memory and time differ; plan with --runtime "
             f"{'pytorch-native' if engine == 'op-level' else 'megatron'} to price what {target} runs",)
+
+
+# Where each engine that is not told by the export chooses DeepEP (RuntimeSpec.moe_dispatch).
+DEEPEP_SETTING = {
+    "torchtitan-toml": 'parallelism.expert_parallel_comm_backend = "deepep" (torchtitan 0.2.2 job_config.py)',
+    "torchtitan": ("the model config's token dispatcher, DeepEPTokenDispatcher (torchtitan 0.3.0 "
+                   "models/common/token_dispatcher.py)"),
+}
+
+
+def _dispatch_warnings(target: str, dispatch: str) -> tuple[str, ...]:
+    """A plan priced with DeepEP's node-deduplicated dispatch, exported where the text does not say it."""
+    if dispatch != "deepep" or target == "megatron":
+        return ()
+    where = DEEPEP_SETTING.get(target)
+    if where is None:
+        return (f"{target} has no DeepEP dispatch: its all-to-all sends a copy of each token per routed expert, "
+                "more network traffic than the plan priced (runtime moe_dispatch deepep)",)
+    return (f"the plan prices DeepEP's dispatch (runtime moe_dispatch deepep), which the export does not write: "
+            f"set {where}",)
 
 
 def _memory_warnings(target: str, problem: Problem, strategy: Strategy, settings) -> tuple[str, ...]:

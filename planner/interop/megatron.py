@@ -115,6 +115,10 @@ MEGATRON_CHOICE_ARGS = {
     "--fp8-format": ("e4m3", "hybrid"),
     "--fp8-recipe": ("tensorwise", "delayed", "mxfp8", "blockwise", "custom"),
     "--moe-router-score-function": ("softmax", "sigmoid"),   # TransformerConfig.moe_router_score_function
+    # TransformerConfig.moe_token_dispatcher_type (default "allgather") and, for "flex",
+    # moe_flex_dispatcher_backend: how tokens reach their experts (RuntimeSpec.moe_dispatch).
+    "--moe-token-dispatcher-type": ("allgather", "alltoall", "flex"),
+    "--moe-flex-dispatcher-backend": ("deepep", "hybridep"),
 }
 
 
@@ -158,6 +162,7 @@ MEGATRON_FLAGS = (
     # over the k chosen logits.
     "--moe-router-pre-softmax",
     "--multi-latent-attention",               # TransformerConfig.multi_latent_attention
+    "--moe-enable-deepep",                    # TransformerConfig.moe_enable_deepep (deprecated: flex + deepep)
 )
 
 
@@ -291,6 +296,25 @@ def _read_fp8(args: argparse.Namespace, precision: str, model: ModelSpec, warnin
     if model.is_moe:
         warnings.append(_MOE_FP8_WARNING)
     return "tensorwise" if recipe in ("tensorwise", "delayed") else "rowwise"
+
+
+def _read_dispatcher(args: argparse.Namespace, model: ModelSpec, ep: int,
+                     warnings: list[str]) -> tuple[tuple[str, object], ...]:
+    """The runtime's moe_dispatch that --moe-token-dispatcher-type says (megatron-core
+    0.16.1 transformer_config.py: "flex" with the DeepEP backend, or --moe-enable-deepep,
+    deduplicates tokens by node; "alltoall" sends a copy per routed expert)."""
+    if not model.is_moe or ep == 1:
+        return ()
+    kind = args.moe_token_dispatcher_type
+    if kind == "flex" or args.moe_enable_deepep:
+        if args.moe_flex_dispatcher_backend == "hybridep":
+            warnings.append("--moe-flex-dispatcher-backend hybridep: priced as DeepEP's node-deduplicated dispatch")
+        return (("moe_dispatch", "deepep"),)
+    if kind != "alltoall":
+        said = "absent (Megatron's default allgather)" if kind is None else kind
+        warnings.append(f"--moe-token-dispatcher-type {said} gathers every ep rank's tokens to each; priced as "
+                        "alltoall, which the export writes")
+    return (("moe_dispatch", "all-to-all"),)
 
 
 _MOE_FP8_WARNING = ("Megatron runs the experts' GEMMs (routed and shared) in FP8 too (Transformer Engine's grouped "
@@ -485,9 +509,10 @@ def read_megatron(text: str, model: ModelSpec, num_gpus: int) -> Imported:
         # store_true); a pasted excerpt often leaves them out.
         warnings.append("neither --bf16 nor --fp16: Megatron-LM trains in fp32, priced as fp32")
     fp8 = _read_fp8(args, precision, model, warnings)
+    settings = _read_dispatcher(args, model, ep, warnings)
     strategy = engine_strategy(dp, tp, pp, mbs, microbatches, vpp, ep, schedule, zero, tp > 1 and args.sequence_parallel,
                          build_stages(sizes, pp, recompute), cp)
-    return Imported(strategy, global_batch, args.seq_length, precision, tuple(warnings), fp8=fp8)
+    return Imported(strategy, global_batch, args.seq_length, precision, tuple(warnings), settings, fp8=fp8)
 
 
 def _check_cp_comm_type(given: list[str] | None, layers: int, warnings: list[str]) -> None:
@@ -536,8 +561,10 @@ def _megatron_partition(strategy: Strategy, layers: int) -> list[str]:
 
 
 
-def export_megatron(strategy: Strategy, model: ModelSpec, training: TrainingSpec) -> Exported:
-    """Megatron-LM arguments for `pretrain_gpt.py` (names: the MEGATRON_* constants above)."""
+def export_megatron(strategy: Strategy, model: ModelSpec, training: TrainingSpec,
+                    moe_dispatch: str = "all-to-all") -> Exported:
+    """Megatron-LM arguments for `pretrain_gpt.py` (names: the MEGATRON_* constants above);
+    `moe_dispatch`: the plan's runtime's (RuntimeSpec.moe_dispatch)."""
     s, warnings = strategy, []
     args = ["--tensor-model-parallel-size", str(s.tp), "--pipeline-model-parallel-size", str(s.pp)]
     if s.schedule == "gpipe" and s.pp > 1:
@@ -598,6 +625,9 @@ def export_megatron(strategy: Strategy, model: ModelSpec, training: TrainingSpec
         args.append("--qk-layernorm")
     if model.is_moe:
         args += ["--num-experts", str(model.num_local_experts), "--moe-router-topk", str(model.num_experts_per_tok)]
+        if s.ep > 1:
+            args += (["--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "deepep"]
+                     if moe_dispatch == "deepep" else ["--moe-token-dispatcher-type", "alltoall"])
         if model.moe_capacity_factor is not None:
             args += ["--moe-expert-capacity-factor", f"{model.moe_capacity_factor:g}",
                      "--moe-token-drop-policy", "position"]

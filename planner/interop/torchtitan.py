@@ -228,7 +228,7 @@ def read_torchtitan(text: str, model: ModelSpec, num_gpus: int, toml: bool = Fal
         ac = Recompute(TORCHTITAN_AC_SUBCOMMANDS[subcommand] or "none")
         if TORCHTITAN_AC_SUBCOMMANDS[subcommand] is None:
             raise SpecError("activation_checkpoint", "memory-budget AC is the compiler's choice; Shardwise cannot price it")
-    return _torchtitan_strategy(sections, ac, warnings, model, num_gpus, None if toml else global_batch)
+    return _torchtitan_strategy(sections, ac, warnings, model, num_gpus, None if toml else global_batch, toml)
 
 
 def _torchtitan_toml(text: str) -> tuple[dict, Recompute, list[str]]:
@@ -354,7 +354,7 @@ _FP8_TP_WARNING = ("torchtitan 0.2 applies its float8 tensor parallelism only wh
 
 
 def _torchtitan_strategy(sections: dict, ac: Recompute, warnings: list[str], model: ModelSpec,
-                         num_gpus: int, global_hint: int | None) -> Imported:
+                         num_gpus: int, global_hint: int | None, toml: bool = False) -> Imported:
     p = "parallelism"
     replicate = _tt_int(sections, p, "data_parallel_replicate_degree")
     shard = _tt_int(sections, p, "data_parallel_shard_degree", allow=(-1,))
@@ -474,6 +474,25 @@ def _torchtitan_strategy(sections: dict, ac: Recompute, warnings: list[str], mod
     if "enable_async_tensor_parallel" in sections[p]:
         settings.append(("async_tp", _tt_bool(sections[p]["enable_async_tensor_parallel"],
                                               "parallelism.enable_async_tensor_parallel")))
+    backend = sections[p].get("expert_parallel_comm_backend", "standard")
+    if backend not in ("standard", "deepep"):
+        raise SpecError("parallelism.expert_parallel_comm_backend", f"expected standard or deepep, got {backend!r}")
+    if backend == "deepep" and ep > 1:
+        # torchtitan 0.2.2 job_config.py: DeepEP's kernels in place of the all-to-all.
+        settings.append(("moe_dispatch", "deepep"))
+    # torchtitan 0.2.2 distributed/dual_pipe_v.py: under DualPipeV with ep and pp, the
+    # forward and backward of each OVERLAP_F_B pair run on two threads that meet at the
+    # dispatch and combine, so each one's exchange runs behind the other's computation
+    # (pipeline_parallel_expert_parallel_overlap, on by default); it refuses checkpointing.
+    # torchtitan 0.3.0 dropped it: its DualPipeV runs torch's pairs one after the other.
+    if (schedule == "dualpipev" and ep > 1 and pp > 1
+            and _tt_bool(sections[p].get("pipeline_parallel_expert_parallel_overlap", toml),
+                         "parallelism.pipeline_parallel_expert_parallel_overlap")):
+        if ac.mode != "none":
+            raise SpecError("activation_checkpoint.mode", f"{ac.mode} with DualPipeV's expert-parallel overlap: "
+                            "torchtitan refuses the two together (dual_pipe_v.py); set mode none or "
+                            "parallelism.pipeline_parallel_expert_parallel_overlap false")
+        settings.append(("ep_overlap", 1.0))
     if ac.mode == "selective" and ac.every_nth is None:
         # torchtitan's per-op SAC (distributed/activation_checkpoint.py, _save_list policy):
         # costmodel.terms.recompute's op-level policy.

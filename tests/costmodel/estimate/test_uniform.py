@@ -536,6 +536,25 @@ def test_moe_all_to_all_by_hand():
     assert unit_costs(prob, strategy(prob, dp=8, ep=1)).layer_work["none"].ep_comm_s == 0.0
 
 
+def test_paired_chunks_hide_the_expert_exchange():
+    # dualpipev pairs one micro-batch's forward with another's backward: where the runtime
+    # overlaps them, the pair's computation hides the exchange in the paired share of chunks.
+    prob = problem("mixtral-8x7b", global_batch=64, seq_len=4096, gpus=16)
+    s = strategy(prob, dp=8, pp=2, vpp=2, ep=8, schedule="dualpipev", recompute="full")
+    exposed = unit_costs(prob, s).layer_work
+    hidden = unit_costs(dataclasses.replace(prob, runtime=dataclasses.replace(prob.runtime, ep_overlap=1.0)),
+                        s).layer_work
+    share = (2 * 8 - 3 * 2 + 1) / (2 * 8)   # rank 0's OVERLAP_F_B actions of its 16 forward chunks
+    two, compute_s = exposed["none"].ep_comm_s, exposed["none"].compute_s
+    assert hidden["none"].ep_comm_s == pytest.approx(two - share * min(two, compute_s), rel=1e-12)
+    three, forward_s = 1.5 * two, exposed["full"].recompute_s
+    assert hidden["full"].ep_comm_s == pytest.approx(three - share * min(three, compute_s + forward_s), rel=1e-12)
+    assert hidden["none"].compute_s == compute_s
+    one_f_one_b = strategy(prob, dp=8, pp=2, ep=8)
+    assert unit_costs(dataclasses.replace(prob, runtime=dataclasses.replace(prob.runtime, ep_overlap=1.0)),
+                      one_f_one_b).layer_work["none"].ep_comm_s == pytest.approx(two, rel=1e-12)
+
+
 # ------------------------------------------------------------------ calibration
 TABLE4 = {  # Korthikanti et al. 2022 Table 4: one 22B layer, mbs 4, tp 8, total ms
     ("none", False): 19.6, ("none", True): 19.0, ("full", False): 27.2,

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+import random
 from dataclasses import replace
 
 import pytest
@@ -18,8 +20,14 @@ from costmodel_test_helpers import (
 )
 
 from costmodel.specs import LinkSpec
-from costmodel.specs.loading import SpecError, load_cluster
-from costmodel.terms.comm import Placement, collective_time_s, groups, placement
+from costmodel.specs.loading import SpecError, load_cluster, load_model, load_runtime
+from costmodel.terms.comm import (
+    Placement,
+    collective_time_s,
+    expert_exchange_s,
+    groups,
+    placement,
+)
 
 MB = 1e6
 
@@ -171,9 +179,66 @@ def test_all_to_all_on_one_node(dgx):
 
 
 def test_all_to_all_across_nodes(dgx):
+    # The NVLink and network parts run at once (grouped send/recv): the longer one paces it.
     B, n, k = 32 * MB, 16, 8
-    on_node = (k - 1) / n * B / NVLINK_BW
-    off_node = (n - k) / n * B / IB_BW
-    latency = (k - 1) * NVLINK_LAT + (n - k) * IB_LAT
-    assert collective_time_s("all_to_all", B, Placement(16, 8, 2), dgx) == pytest.approx(
-        on_node + off_node + latency, rel=1e-12)
+    on_node = (k - 1) / n * B / NVLINK_BW + (k - 1) * NVLINK_LAT
+    off_node = (n - k) / n * B / IB_BW + (n - k) * IB_LAT
+    assert off_node > on_node
+    assert collective_time_s("all_to_all", B, Placement(16, 8, 2), dgx) == pytest.approx(off_node, rel=1e-12)
+
+
+# ------------------------------------------------------------------ expert exchange
+def test_routed_nodes_per_token_by_hand():
+    mixtral = load_model("mixtral-8x7b")   # 8 experts, top 2
+    assert mixtral.routed_nodes_per_token(1) == 1.0
+    # No node holds either of the two experts with chance C(6,2)/C(8,2) (2 experts a node of 4).
+    assert mixtral.routed_nodes_per_token(4) == pytest.approx(4 * (1 - math.comb(6, 2) / math.comb(8, 2)), rel=1e-12)
+    assert mixtral.routed_nodes_per_token(8) == pytest.approx(2.0, rel=1e-12)   # one expert a node
+    deepseek = load_model("deepseek-v3")   # 256 experts, top 8 within the best 4 of 8 groups
+    ungrouped = 8 * (1 - math.comb(224, 8) / math.comb(256, 8))
+    grouped = 4 * (1 - math.comb(96, 8) / math.comb(128, 8))
+    assert grouped < 4 < ungrouped
+    assert deepseek.routed_nodes_per_token(8) == pytest.approx(grouped, rel=1e-12)
+    # 16 nodes: each group straddles two, priced as ungrouped routing.
+    assert deepseek.routed_nodes_per_token(16) == pytest.approx(16 * (1 - math.comb(240, 8) / math.comb(256, 8)),
+                                                                rel=1e-12)
+
+
+def test_routed_nodes_per_token_against_sampled_group_limited_routing():
+    # A group a node: pick 4 of the 8 groups, then 8 distinct experts among their 128.
+    rng = random.Random(0)
+    draws = 20000
+    reached = sum(len({e // 32 for e in rng.sample([g * 32 + i for g in rng.sample(range(8), 4) for i in range(32)], 8)})
+                  for _ in range(draws)) / draws
+    assert load_model("deepseek-v3").routed_nodes_per_token(8) == pytest.approx(reached, rel=0.01)
+
+
+def test_expert_exchange_by_hand(dgx):
+    model = load_model("deepseek-v3")
+    ep, tokens_bytes = 64, 4096 * 7168 * 2.0   # bf16 hidden vectors of one 4096-token micro-batch
+    group = Placement(64, 8, 8)
+    plain = load_runtime("pytorch-native")
+    # All-to-all: k = 8 copies a token spread over the 64 ranks, each per-peer message at
+    # the runtime's message-size efficiency; the network part paces it.
+    peer = tokens_bytes * 8 / 64
+    eff = peer / (peer + plain.collective_half_bytes)
+    on = 7 * peer / (NVLINK_BW * eff) + 7 * NVLINK_LAT
+    off = 56 * peer / (IB_BW * eff) + 56 * IB_LAT
+    assert off > on
+    assert expert_exchange_s(model, tokens_bytes, ep, group, dgx, plain, 2) == pytest.approx(2 * off, rel=1e-12)
+    # DeepEP: once over the network to each other node reached, then 7/8 of the 8 rows over NVLink; no curve.
+    deepep = replace(plain, moe_dispatch="deepep")
+    crossings = model.routed_nodes_per_token(8) * 7 / 8
+    on = tokens_bytes * 8 * 7 / 8 / NVLINK_BW + 7 * NVLINK_LAT
+    off = tokens_bytes * crossings / IB_BW + 7 * IB_LAT
+    assert off > on
+    assert expert_exchange_s(model, tokens_bytes, ep, group, dgx, deepep, 2) == pytest.approx(2 * off, rel=1e-12)
+    # FP8 training dispatches FP8 values with a float32 scale per 128; the combine stays 16-bit.
+    fp8_off = tokens_bytes * crossings * (1 + 4 / 128) / 2 / IB_BW + 7 * IB_LAT
+    assert expert_exchange_s(model, tokens_bytes, ep, group, dgx, deepep, 2, fp8=True) == pytest.approx(
+        fp8_off + off, rel=1e-12)
+    # Within one node DeepEP moves what the all-to-all moves.
+    node = Placement(8, 8, 1)
+    assert expert_exchange_s(model, tokens_bytes, 8, node, dgx, deepep, 2) == pytest.approx(
+        expert_exchange_s(model, tokens_bytes, 8, node, dgx, replace(plain, collective_half_bytes=0.0), 2), rel=1e-12)
+    assert expert_exchange_s(model, tokens_bytes, 1, Placement(1, 1, 1), dgx, deepep, 2) == 0.0

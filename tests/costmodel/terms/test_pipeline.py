@@ -13,6 +13,7 @@ from costmodel.terms.pipeline import (
     BUBBLE_STEPS,
     bubble_factor,
     coefficient_scale,
+    paired_share,
     pipeline_coefficients,
     pipeline_time_s,
 )
@@ -192,3 +193,14 @@ def test_the_bubble_is_never_below_torchs_schedule(schedule, vpp, above):
                                          vpp, f, w)
             beta = bubble_factor(schedule, vpp, w, f)
             assert simulated - 1e-9 <= beta <= simulated + above, (pp, f, w, simulated, beta)
+
+
+@pytest.mark.parametrize("pp, m", [(2, 4), (4, 8), (4, 13), (8, 40), (16, 120)])
+def test_paired_share_counts_torchs_overlapped_pairs(pp, m):
+    # dualpipev's OVERLAP_F_B actions over the 2m forward chunks, on the rank with the fewest.
+    from torch.distributed.pipelining.schedules import _ComputationType as C
+
+    orders = torch_order("dualpipev", pp, m, 2)
+    pairs = min(sum(a.computation_type == C.OVERLAP_F_B for a in actions) for actions in orders.values())
+    assert paired_share("dualpipev", pp, m) == pairs / (2 * m)
+    assert paired_share("zbv", pp, m) == paired_share("1f1b", pp, m) == 0.0

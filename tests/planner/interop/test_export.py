@@ -28,7 +28,7 @@ from planner.interop.evaluate import evaluate_config
 from planner.interop.export import TARGETS, export_plan, export_strategy
 from planner.interop.importers import read_text
 from planner.interop.torchtitan import torchtitan_split
-from planner.plan_file import model_of, strategy_of, write_plan
+from planner.plan_file import model_of, strategy_of, training_of, write_plan
 from planner.rules import load_rules, parse_fix
 from planner.search import search
 
@@ -291,6 +291,9 @@ def megatron_mirror() -> argparse.ArgumentParser:
     parser.add_argument("--fp8-recipe", choices=["tensorwise", "delayed", "mxfp8", "blockwise", "custom"])
     # megatron-core 0.16.1 TransformerConfig.moe_router_score_function
     parser.add_argument("--moe-router-score-function", choices=["softmax", "sigmoid"])
+    # megatron-core 0.16.1 TransformerConfig.moe_token_dispatcher_type and moe_flex_dispatcher_backend
+    parser.add_argument("--moe-token-dispatcher-type", choices=["allgather", "alltoall", "flex"])
+    parser.add_argument("--moe-flex-dispatcher-backend", choices=["deepep", "hybridep"])
     for flag in ("--sequence-parallel", "--use-distributed-optimizer", "--use-megatron-fsdp", "--group-query-attention",
                  "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split", "--bf16", "--fp16",
                  "--swiglu", "--disable-bias-linear", "--untie-embeddings-and-output-weights",
@@ -1066,3 +1069,49 @@ def test_megatron_deepseek_v3_layout_is_the_model_s(drop, field, message):
     with pytest.raises(SpecError, match="^--multi-latent-attention: given, but tiny-moe has none"):
         read_text("megatron", "--expert-model-parallel-size 2 --global-batch-size 32 --multi-latent-attention",
                   load_model("tiny-moe"), 8)
+
+
+def test_the_expert_dispatch_priced_is_the_one_exported_and_read_back():
+    """The plan's all-to-all goes out as Megatron's alltoall dispatcher (its default,
+    allgather, moves tokens otherwise); DeepEP's node-deduplicated dispatch
+    (runtime moe_dispatch deepep) as flex with the deepep backend, and both read back as
+    the runtime setting; torchtitan's job TOML reads expert_parallel_comm_backend."""
+    doc = _doc("deepseek-ep-pp")
+    model, strategy, training = model_of(doc), strategy_of(doc), training_of(doc)
+    plain = export_strategy("megatron", strategy, model, training, load_runtime())
+    assert "--moe-token-dispatcher-type alltoall" in plain.text and not plain.warnings
+    back = read_text("megatron", plain.text, model, 8)
+    assert dict(back.runtime_settings)["moe_dispatch"] == "all-to-all"
+    deepep = replace(load_runtime(), moe_dispatch="deepep")
+    exported = export_strategy("megatron", strategy, model, training, deepep)
+    args = megatron_mirror().parse_args(shlex.split(exported.text.replace("\\\n", " ")))
+    assert (args.moe_token_dispatcher_type, args.moe_flex_dispatcher_backend) == ("flex", "deepep")
+    assert dict(read_text("megatron", exported.text, model, 8).runtime_settings)["moe_dispatch"] == "deepep"
+    absent = read_text("megatron", plain.text.replace("--moe-token-dispatcher-type alltoall", ""), model, 8)
+    assert any("absent (Megatron's default allgather)" in w for w in absent.warnings)
+    toml = export_strategy("torchtitan-toml", strategy, model, training, deepep)
+    assert any('expert_parallel_comm_backend = "deepep"' in w for w in toml.warnings)
+    told = toml.text.replace("[parallelism]\n", '[parallelism]\nexpert_parallel_comm_backend = "deepep"\n')
+    assert dict(read_text("torchtitan-toml", told, model, 8).runtime_settings)["moe_dispatch"] == "deepep"
+    with pytest.raises(SpecError, match="^parallelism.expert_parallel_comm_backend: expected standard or deepep"):
+        read_text("torchtitan-toml", told.replace('"deepep"', '"nvshmem"'), model, 8)
+
+
+def test_torchtitan_0_2_overlaps_dualpipev_expert_exchange_and_refuses_checkpointing():
+    """torchtitan 0.2.2 runs DualPipeV's overlapped pairs on two threads meeting at dispatch
+    and combine (pipeline_parallel_expert_parallel_overlap, on by default): read as the
+    runtime's ep_overlap 1; with activation checkpointing it refuses to start."""
+    doc = plan("tiny-deepseek", "dgx-a100-80gb", 32, gpus=8, seq_len=64, top=1,
+               fix="dp=4,tp=1,pp=2,vpp=2,ep=4,mbs=1,zero=1,recompute=none,schedule=dualpipev")
+    model, strategy = model_of(doc), strategy_of(doc)
+    text = export_plan(doc, "torchtitan-toml").text
+    assert dict(read_text("torchtitan-toml", text, model, 8).runtime_settings)["ep_overlap"] == 1.0
+    off = text.replace("[parallelism]\n", "[parallelism]\npipeline_parallel_expert_parallel_overlap = false\n")
+    assert "ep_overlap" not in dict(read_text("torchtitan-toml", off, model, 8).runtime_settings)
+    # torchtitan 0.3 dropped the overlap: its overrides read as pairs run one after the other.
+    assert "ep_overlap" not in dict(read_text("torchtitan", export_plan(doc, "torchtitan").text, model, 8)
+                                    .runtime_settings)
+    full = export_strategy("torchtitan-toml", strategy.with_stages(even_stages(6, 2, 2, "full", "dualpipev")), model,
+                           training_of(doc))
+    with pytest.raises(SpecError, match="^activation_checkpoint.mode: full with DualPipeV's expert-parallel overlap"):
+        read_text("torchtitan-toml", full.text, model, 8)
