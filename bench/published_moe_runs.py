@@ -18,9 +18,12 @@ the executor's: NCCL all-to-all with a copy a routed expert, no overlap), megatr
 kernels, 16-bit weights beside fp32 masters, no message-size curve), then that with
 DeepEP's node-limited dispatch (runtime moe_dispatch deepep), then with the exchange
 hidden behind DualPipe's paired chunks too (ep_overlap 1): each step a mechanism the
-report describes, none fitted to its step time. The experts' GEMMs stay bf16 under
-fp8-rowwise (our FP8 converts attention and dense MLPs), priced with eager torchao's
-casts. The table prints the estimate's time by kind beside the published step time.
+report describes, none fitted to its step time. Under pytorch-native, fp8-rowwise keeps
+the experts in bf16 and casts as eager torchao does (the executor); the megatron rows run
+the experts in FP8 with fused casts (its profile's fp8_experts and fused_fp8_casts, as
+Transformer Engine does). DeepSeek recomputes its norms and MLA up-projections, which
+lies between the "none" and "full" rows. The table prints the estimate's time by kind
+beside the published step time.
 Writes bench/results/published_moe_runs.json.
 """
 

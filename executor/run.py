@@ -423,11 +423,14 @@ def train(job: RunJob, args: argparse.Namespace, source, device: torch.device, r
     if rank == 0 and config.overlap.async_tp and job.strategy.tp > 1 and not trainer.model.overlap.async_tp:
         print("note: the plan's runtime has async TP, which needs CUDA and compiled blocks (--compile): this "
               "run's TP collectives are synchronous", flush=True)
-    if rank == 0 and job.model.is_moe and job.strategy.ep > 1 and (runtime.moe_dispatch != "all-to-all"
-                                                                     or runtime.ep_overlap > 0):
-        print(f"note: the plan's runtime prices moe_dispatch {runtime.moe_dispatch} and ep_overlap "
-              f"{runtime.ep_overlap:g}; this run exchanges tokens by all-to-all, a copy per routed expert, and "
-              "runs each overlapped forward/backward pair in turn", flush=True)
+    if rank == 0 and job.model.is_moe:
+        unlike = [what for what, on in (
+            ("moe_dispatch deepep: this run exchanges tokens by all-to-all, a copy per routed expert",
+             runtime.moe_dispatch != "all-to-all" and job.strategy.ep > 1),
+            ("ep_overlap: this run runs each overlapped forward/backward pair in turn", runtime.ep_overlap > 0))
+            if on]
+        if unlike:
+            print("note: the plan's runtime prices " + "; ".join(unlike), flush=True)
     # Each rank says where it runs, as it resolved it from the plan: the summary shows
     # that rank r ran in the group the plan declares.
     ranks = [None] * dist.get_world_size()

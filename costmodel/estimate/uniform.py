@@ -196,7 +196,7 @@ def _unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
     # with tensorwise scaling (FSDP2's float8 all-gather).
     fp8_gathered = strategy.zero_stage == 3 and training.fp8 == "tensorwise"
     weight_cast_fwd, weight_cast_bwd = compute.fp8_weight_cast_s(model, cluster, training, tp,
-                                                                 strategy.dp_cp if fp8_gathered else 1, runtime)
+                                                                 strategy.dp_cp if fp8_gathered else 1, runtime, ep)
     fwd_compute = layer.forward_s + launch / 3 + weight_cast_fwd
     bwd_compute = layer_backward + 2 * launch / 3 + weight_cast_bwd
     # A schedule that runs one micro-batch's forward beside another's backward hides the
@@ -490,6 +490,12 @@ def rank_memory(problem: Problem, units: UnitCosts, strategy: Strategy, pp_rank:
                                               strategy.num_microbatches, strategy.vpp)
     layers = rank_layers(units, strategy, pp_rank)
     all_activations = in_flight * sum(count * kind.layer_activation_bytes[mode] for kind, mode, count in layers)
+    losses_held = memory.loss_microbatches_held(strategy.schedule, strategy.pp, strategy.num_microbatches)
+    if holds_head and units.mtp_layers:
+        # The multi-token prediction modules run beside the head on the last stage, from
+        # its forward to its backward: held as the loss is, not as the rank's layers
+        # (under a V the rank's first stage holds many more micro-batches than its last).
+        all_activations -= (in_flight - losses_held) * units.mtp_layers * units.layer_activation_bytes["none"]
     activations = all_activations
     gradients = g1 + g2
     head_in_backward = holds_head
@@ -522,7 +528,7 @@ def rank_memory(problem: Problem, units: UnitCosts, strategy: Strategy, pp_rank:
             activations -= in_flight * last_kind.layer_activation_bytes[last_mode]
             head_in_backward = False
     if head_in_backward:
-        activations += in_flight * units.logits_bytes
+        activations += losses_held * units.logits_bytes
     rebuilds_selective = problem.runtime.selective_rebuilds_layer
     rebuilt = [kind.layer_working_bytes for kind, mode, _ in layers
                if mode == "full" or (mode == "selective" and rebuilds_selective)]
@@ -563,7 +569,7 @@ def rank_memory(problem: Problem, units: UnitCosts, strategy: Strategy, pp_rank:
     # executor_runs.json ran out of memory there; FSDPMemTracker peaks there in bf16
     # for large vocabularies (bench/memory_tracker.py).
     loss_gradients = 0.0 if strategy.num_microbatches == 1 else g1 + g2
-    loss_activations = all_activations + (in_flight - 1) * units.logits_bytes + units.loss_peak_bytes
+    loss_activations = all_activations + (losses_held - 1) * units.logits_bytes + units.loss_peak_bytes
     loss_peak = MemoryBreakdown(w1 + w2, loss_gradients, o1 + o2, loss_activations, loss_buffers, reserve,
                                 0.0 if zero == 3 and dp > 1 else temporaries)
     return loss_peak if loss_peak.total_bytes > backward_peak.total_bytes else backward_peak

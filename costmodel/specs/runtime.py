@@ -121,6 +121,17 @@ class RuntimeSpec:
     # 0 there, as the executor runs it; torchtitan 0.2.2 registers one that runs the pair on
     # two threads meeting at dispatch and combine (distributed/dual_pipe_v.py): 1.
     ep_overlap: float = 0.0
+    # Whether FP8 training converts the MoE experts' GEMMs, routed and shared, as well as
+    # the attention and dense MLP linears (costmodel.terms.compute fp8_expert_linears):
+    # Megatron-LM runs Transformer Engine's grouped linear layers in FP8 under
+    # --fp8-format; torchtitan with its quantize.grouped_mm.float8 converter; the
+    # executor converts attention and dense MLPs only.
+    fp8_experts: bool = False
+    # Whether the engine's FP8 casts are fused kernels that compute the amax as they
+    # cast (Transformer Engine's cast and cast-transpose), one pass where eager torchao
+    # makes five (costmodel.terms.compute FP8_EAGER_CAST_FACTOR); compiled blocks fuse
+    # them too (torch_compile).
+    fused_fp8_casts: bool = False
     # coefficient -> the measurements it was fitted on (or the source it was read from).
     fitted_on: dict[str, str] = field(default_factory=dict, compare=False, hash=False)
 
@@ -171,5 +182,6 @@ INT_FIELDS = ("fsdp_prefetch",)
 # What an engine is told to do, as opposed to the coefficients fitted to its measurements:
 # `plan --runtime-set` changes these (a runtime file changes anything).
 SETTING_FIELDS = ("torch_compile", "async_tp", "chunked_loss", "selective_recompute", "fsdp_kept_gathered",
-                  "fsdp_prefetch", "ddp_bucket_mb", "moe_dispatch", "ep_overlap")
-FLAG_FIELDS = ("async_tp", "torch_compile", "chunked_loss", "expert_tensor_parallel", "zero_bubble_schedules")
+                  "fsdp_prefetch", "ddp_bucket_mb", "moe_dispatch", "ep_overlap", "fp8_experts")
+FLAG_FIELDS = ("async_tp", "torch_compile", "chunked_loss", "expert_tensor_parallel", "zero_bubble_schedules",
+               "fp8_experts", "fused_fp8_casts")

@@ -142,9 +142,15 @@ def layer_compute(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
     hd = model.head_dim
     qkv_width = (model.num_attention_heads * hd + 2 * model.kv_size) / tp
 
-    # FP8 training runs the layers' linear GEMMs at the FP8 peak (the experts and the
-    # router stay in bf16: executor.parallelize converts attention and dense MLPs only).
+    # FP8 training runs the layers' linear GEMMs at the FP8 peak; the experts' too where
+    # the runtime converts them (RuntimeSpec.fp8_experts), else they and the router stay
+    # in bf16 (executor.parallelize converts attention and dense MLPs only).
     linear_peak = cluster.gpu.peak_for("fp8") * gemm_scale if training.fp8 else peak
+    experts_fp8 = bool(training.fp8) and runtime is not None and runtime.fp8_experts
+    expert_peak = linear_peak if experts_fp8 else peak
+
+    def expert_s(m: float, n: float, k: float) -> float:
+        return gemm_time_s(m, n, k, expert_peak, 1.0, cluster.gpu)
 
     def linear_s(m: float, n: float, k: float) -> float:
         return gemm_time_s(m, n, k, linear_peak, 1.0, cluster.gpu)
@@ -161,14 +167,14 @@ def layer_compute(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
         # (ModelSpec.busiest_rank_rows_per_token).
         local_experts = model.num_local_experts / ep
         tokens_per_expert = tokens * model.busiest_rank_rows_per_token(ep) * ep / model.num_local_experts
-        per_expert = gemm_s(tokens_per_expert, 2 * f / tp, h) + gemm_s(tokens_per_expert, h, f / tp)
+        per_expert = expert_s(tokens_per_expert, 2 * f / tp, h) + expert_s(tokens_per_expert, h, f / tp)
         gemm += local_experts * per_expert + gemm_s(tokens, model.num_local_experts, h)
         if model.has_shared_expert:
             # The shared expert: a dense MLP over every local token, split by tp as a dense
             # MLP is (Megatron-LM's SharedExpertMLP), and its gate's one output per token.
             f_shared = model.shared_expert_intermediate_size
             up = 2 if model.gated_mlp else 1
-            gemm += gemm_s(tokens, up * f_shared / tp, h) + gemm_s(tokens, h, f_shared / tp)
+            gemm += expert_s(tokens, up * f_shared / tp, h) + expert_s(tokens, h, f_shared / tp)
             if model.shared_expert_gate:
                 gemm += gemm_s(tokens, 1, h)
     elif not model.gated_mlp:
@@ -229,8 +235,8 @@ def layer_compute(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
     if not training.fp8:
         return LayerCompute(gemm, core, elementwise)
     # The activations' casts (the weights' are the step's: fp8_weight_cast_s).
-    compiled = runtime is not None and runtime.torch_compile
-    inputs, outputs = fp8_cast_values(model, tp, sequence_parallel, training.fp8, compiled)
+    inputs, outputs = fp8_cast_values(model, tp, sequence_parallel, training.fp8, fused_fp8_casts(runtime),
+                                      ep, experts_fp8)
     factor = fp8_cast_factor(runtime)
     return LayerCompute(gemm, core, elementwise,
                         memory_bound_time_s(factor * fp8_cast_bytes(2.0, inputs * tokens), cluster),
@@ -240,7 +246,8 @@ def layer_compute(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
 def fp8_linears(model: ModelSpec, tp: int) -> list[tuple[float, float]]:
     """(in, out) widths of a rank's linear layers FP8 training converts, one module each
     as the executor and torchtitan write them (wq, wk, wv, wo; w1, w3, w2), each casting
-    its own input; an MoE layer's experts and router stay in bf16."""
+    its own input; an MoE layer's router stays in bf16, its experts unless the runtime
+    converts them (fp8_expert_linears)."""
     h, q, kv, f = model.hidden_size, model.q_size / tp, model.kv_size / tp, model.intermediate_size / tp
     if model.is_mla:
         linears = [(m.in_width, m.out_width) for m in attention_matmuls(model, tp)]
@@ -251,8 +258,29 @@ def fp8_linears(model: ModelSpec, tp: int) -> list[tuple[float, float]]:
     return linears
 
 
+def fp8_expert_linears(model: ModelSpec, tp: int, ep: int) -> tuple[float, list[tuple[float, float, float, int]]]:
+    """A rank's FP8 expert GEMMs where the runtime converts them (RuntimeSpec.fp8_experts:
+    Megatron-LM's Transformer Engine grouped linear layers under --fp8-format; torchao's
+    scaled grouped GEMM, torchtitan's quantize.grouped_mm.float8): (weights held, [(rows a
+    local token, in, out, GEMMs on that one input)]): the routed experts' up (gated: gate
+    and up, one input) and down GEMMs on the busiest rank's rows
+    (ModelSpec.busiest_rank_rows_per_token), the shared expert's on every token, split by
+    tp as their weights are."""
+    if not model.is_moe:
+        return 0.0, []
+    h, f, up = model.hidden_size, model.intermediate_size / tp, 2 if model.gated_mlp else 1
+    rows = model.busiest_rank_rows_per_token(ep)
+    weights = model.num_local_experts / ep * (up + 1) * h * f
+    gemms = [(rows, h, f, up), (rows, f, h, 1)]
+    if model.has_shared_expert:
+        shared = model.shared_expert_intermediate_size / tp
+        weights += (up + 1) * h * shared
+        gemms += [(1.0, h, shared, up), (1.0, shared, h, 1)]
+    return weights, gemms
+
+
 def fp8_cast_values(model: ModelSpec, tp: int, sequence_parallel: bool, recipe: str,
-                    compiled: bool) -> tuple[float, float]:
+                    compiled: bool, ep: int = 1, experts: bool = False) -> tuple[float, float]:
     """(input values cast in forward, output-gradient values cast in backward) per token of
     one layer's FP8 linears; backward casts the inputs again as well (torchao saves them in
     high precision). Eager, every Float8Linear casts its own input, and its output
@@ -261,10 +289,15 @@ def fp8_cast_values(model: ModelSpec, tp: int, sequence_parallel: bool, recipe: 
     a tensorwise output gradient's two casts are one. Tensorwise with tensor parallelism
     (torchao's Float8ColwiseParallel and PrepareFloat8ModuleInput, as torchtitan applies
     them) casts each block's input once before its all-gather, on the rank's sequence
-    shard under sequence parallelism."""
+    shard under sequence parallelism. `compiled`: fused casts (inductor, or Transformer
+    Engine's). `experts`: the experts' GEMMs are FP8 too (fp8_expert_linears), each
+    routed row cast on its rank; fused, the up GEMMs share their input's cast."""
     linears = fp8_linears(model, tp)
+    _, gemms = fp8_expert_linears(model, tp, ep) if experts else (0.0, [])
+    expert_outputs = sum(rows * n * count for rows, _, n, count in gemms)
     if not compiled:
-        return sum(k for k, _ in linears), 2 * sum(n for _, n in linears)
+        return (sum(k for k, _ in linears) + sum(rows * k * count for rows, k, _, count in gemms),
+                2 * (sum(n for _, n in linears) + expert_outputs))
     h = model.hidden_size
     shared = h / (tp if recipe == "tensorwise" and tp > 1 and sequence_parallel else 1)
     # One shared input per block (attention, and a dense MLP), then wo's and w2's own.
@@ -273,8 +306,11 @@ def fp8_cast_values(model: ModelSpec, tp: int, sequence_parallel: bool, recipe: 
     if model.is_mla:
         # The up projections' inputs: the query and kv latents (each rank's whole).
         own += [model.q_lora_rank, model.kv_lora_rank] if model.q_lora_rank else [model.kv_lora_rank]
+    # The experts' gate and up GEMMs share one cast of their rows, the down GEMM casts its own.
+    expert_inputs = sum(rows * k for rows, k, _, _ in gemms)
     casts_per_gradient = 1 if recipe == "tensorwise" else 2
-    return blocks * shared + sum(own), casts_per_gradient * sum(n for _, n in linears)
+    return (blocks * shared + sum(own) + expert_inputs,
+            casts_per_gradient * (sum(n for _, n in linears) + expert_outputs))
 
 
 def fp8_cast_bytes(value_bytes: float, values: float) -> float:
@@ -284,23 +320,33 @@ def fp8_cast_bytes(value_bytes: float, values: float) -> float:
     return (2 * value_bytes + FP8_CAST_WRITE_BYTES) * values
 
 
+def fused_fp8_casts(runtime: RuntimeSpec | None) -> bool:
+    """Whether the runtime's FP8 casts are fused kernels: compiled (inductor), or an
+    engine's own (RuntimeSpec.fused_fp8_casts: Transformer Engine's cast and
+    cast-transpose kernels compute the amax as they cast)."""
+    return runtime is not None and (runtime.torch_compile or runtime.fused_fp8_casts)
+
+
 def fp8_cast_factor(runtime: RuntimeSpec | None) -> float:
-    """Passes over a cast's bytes: 1 in a compiled graph, FP8_EAGER_CAST_FACTOR eager."""
-    return 1.0 if runtime is not None and runtime.torch_compile else FP8_EAGER_CAST_FACTOR
+    """Passes over a cast's bytes: 1 fused (fused_fp8_casts), FP8_EAGER_CAST_FACTOR eager."""
+    return 1.0 if fused_fp8_casts(runtime) else FP8_EAGER_CAST_FACTOR
 
 
 def fp8_weight_cast_s(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, tp: int, shard: int,
-                      runtime: RuntimeSpec | None = None) -> tuple[float, float]:
+                      runtime: RuntimeSpec | None = None, ep: int = 1) -> tuple[float, float]:
     """(forward, backward) seconds of one layer's weight casts to fp8 per micro-batch: each
     converted weight cast once in forward and once in backward, from its held dtype (fp32
     under autocast, bf16 under param_dtype), over `shard` of it: 1, or dp x cp under
     ZeRO-3 with tensorwise scaling, where FSDP2 casts the shard before its float8
     all-gather and the GEMMs take the gathered fp8 weight as it is (torchao
-    fsdp_utils, torchtitan's enable_fsdp_float8_all_gather)."""
+    fsdp_utils, torchtitan's enable_fsdp_float8_all_gather). The rank's experts too where
+    the runtime converts them (fp8_expert_linears), each cast whole."""
     if not training.fp8:
         return 0.0, 0.0
     held = 4.0 if training.mixed_precision == "autocast" else 2.0
     weights = sum(k * n for k, n in fp8_linears(model, tp)) / shard
+    if runtime is not None and runtime.fp8_experts:
+        weights += fp8_expert_linears(model, tp, ep)[0]
     seconds = memory_bound_time_s(fp8_cast_factor(runtime) * fp8_cast_bytes(held, weights), cluster)
     return seconds, seconds
 

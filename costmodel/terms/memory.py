@@ -483,6 +483,24 @@ def in_flight_microbatches(schedule: str, pp: int, pp_rank: int, num_microbatche
     return float(min(m, pp - pp_rank))
 
 
+def loss_microbatches_held(schedule: str, pp: int, num_microbatches: int) -> float:
+    """Micro-batches whose loss (logits_bytes: the logits, or their gradient, which the
+    LM head's weight gradient reads) the head's rank holds at its peak: from the last
+    stage's forward to its weight gradient. gpipe: all m. zb-interleaved: min(m, pp), the
+    last stage's weight gradients deferred as every stage's are. 1f1b, interleaved, zbv
+    and dualpipev: 1, the last stage's backward following its forward (zbv and dualpipev
+    put it on rank 0 and run it whole). Counted off torch's action lists
+    (tests/costmodel/terms/test_pipeline.py)."""
+    m = num_microbatches
+    if pp == 1:
+        return 1.0
+    if schedule == "gpipe":
+        return float(m)
+    if schedule == "zb-interleaved":
+        return float(min(m, pp))
+    return 1.0
+
+
 # fp32 bytes of one chunk of the executor's chunked cross-entropy's rows (a few such
 # tensors live at once; executor.models.ChunkedCrossEntropy): small beside the logits,
 # large enough that each chunk is a long kernel.

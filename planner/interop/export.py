@@ -60,8 +60,8 @@ def export_strategy(target: str, strategy: Strategy, model: ModelSpec, training:
     exported = (export_megatron(strategy, model, training, dispatch) if target == "megatron"
                 else _EXPORTERS[target](strategy, model, training))
     exported = Exported(exported.text, exported.warnings + _group_warnings(target, strategy)
-                        + _selective_warnings(target, strategy, runtime) + _dispatch_warnings(target, dispatch),
-                        exported.changes)
+                        + _selective_warnings(target, strategy, runtime) + _dispatch_warnings(target, dispatch)
+                        + _fp8_expert_warnings(target, model, training, runtime), exported.changes)
     try:
         back = importers.read_text(target, exported.text, model, strategy.num_gpus)
     except SpecError as err:
@@ -110,6 +110,24 @@ def _dispatch_warnings(target: str, dispatch: str) -> tuple[str, ...]:
                 "more network traffic than the plan priced (runtime moe_dispatch deepep)",)
     return (f"the plan prices DeepEP's dispatch (runtime moe_dispatch deepep), which the export does not write: "
             f"set {where}",)
+
+
+def _fp8_expert_warnings(target: str, model: ModelSpec, training: TrainingSpec,
+                         runtime: RuntimeSpec | None) -> tuple[str, ...]:
+    """An FP8 MoE plan whose experts' precision differs from what the engine runs:
+    Megatron-LM converts them under --fp8-format (Transformer Engine's grouped linear
+    layers); torchtitan's exports name its linear FP8 converter only."""
+    if not (model.is_moe and training.fp8):
+        return ()
+    priced = runtime is not None and runtime.fp8_experts
+    if target == "megatron" and not priced:
+        return ("Megatron runs the experts' GEMMs (routed and shared) in FP8 too (Transformer Engine's grouped linear "
+                "layers); the plan priced them in bf16: plan with --runtime megatron (or --runtime-set "
+                "fp8_experts=true) to price what it runs",)
+    if target.startswith("torchtitan") and priced:
+        return ("the plan prices the experts' GEMMs in FP8, which the export does not convert: add torchtitan's "
+                "grouped-GEMM converter (quantize.grouped_mm.float8, fqns experts)",)
+    return ()
 
 
 def _memory_warnings(target: str, problem: Problem, strategy: Strategy, settings) -> tuple[str, ...]:

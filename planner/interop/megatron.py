@@ -293,8 +293,6 @@ def _read_fp8(args: argparse.Namespace, precision: str, model: ModelSpec, warnin
     elif recipe in ("blockwise", "mxfp8"):
         blocks = "1x128 tiles and 128x128 weight blocks" if recipe == "blockwise" else "blocks of 32 (Blackwell)"
         warnings.append(f"--fp8-recipe {recipe} scales {blocks}; priced as rowwise (one scale a row)")
-    if model.is_moe:
-        warnings.append(_MOE_FP8_WARNING)
     return "tensorwise" if recipe in ("tensorwise", "delayed") else "rowwise"
 
 
@@ -317,8 +315,6 @@ def _read_dispatcher(args: argparse.Namespace, model: ModelSpec, ep: int,
     return (("moe_dispatch", "all-to-all"),)
 
 
-_MOE_FP8_WARNING = ("Megatron runs the experts' GEMMs (routed and shared) in FP8 too (Transformer Engine's grouped "
-                    "linear layers); priced with the experts in bf16")
 
 
 def _check_moe_layout(args: argparse.Namespace, model: ModelSpec, whole: bool) -> None:
@@ -510,6 +506,10 @@ def read_megatron(text: str, model: ModelSpec, num_gpus: int) -> Imported:
         warnings.append("neither --bf16 nor --fp16: Megatron-LM trains in fp32, priced as fp32")
     fp8 = _read_fp8(args, precision, model, warnings)
     settings = _read_dispatcher(args, model, ep, warnings)
+    if fp8 is not None and model.is_moe:
+        # Megatron-LM runs the experts' GEMMs (routed and shared) in FP8 too, through
+        # Transformer Engine's grouped linear layers (megatron-core TEGroupedMLP).
+        settings += (("fp8_experts", True),)
     strategy = engine_strategy(dp, tp, pp, mbs, microbatches, vpp, ep, schedule, zero, tp > 1 and args.sequence_parallel,
                          build_stages(sizes, pp, recompute), cp)
     return Imported(strategy, global_batch, args.seq_length, precision, tuple(warnings), settings, fp8=fp8)
@@ -684,8 +684,6 @@ def export_megatron(strategy: Strategy, model: ModelSpec, training: TrainingSpec
             warnings.append(f"Megatron-LM has no {training.fp8} FP8 scaling (--fp8-recipe: tensorwise, delayed, mxfp8, "
                             f"blockwise, custom; megatron-core enums.py Fp8Recipe): exported as its nearest, {recipe} "
                             "(1x128 tiles, 128x128 weight blocks), which the plan prices as rowwise")
-        if model.is_moe:
-            warnings.append(_MOE_FP8_WARNING)
         if training.fp8 == "tensorwise" and s.zero_stage == 3:
             warnings.append("the plan prices ZeRO-3's weight all-gathers of the FP8 layers in fp8 (1 byte a weight, "
                             "as FSDP2's float8 all-gather); Megatron FSDP gathers them so only with fp8 parameters "

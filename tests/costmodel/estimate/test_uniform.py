@@ -555,6 +555,23 @@ def test_paired_chunks_hide_the_expert_exchange():
                       one_f_one_b).layer_work["none"].ep_comm_s == pytest.approx(two, rel=1e-12)
 
 
+def test_the_loss_and_mtp_modules_are_held_as_the_last_stage_runs_them():
+    # dualpipev puts the last stage on rank 0 beside the first and runs its backward right
+    # after its forward (memory.loss_microbatches_held: 1), while rank 0's first stage
+    # holds min(m, 2 pp) = 4 micro-batches: an MTP module adds one plain layer's
+    # activations and one more head's logits, once.
+    def rank0(mtp: str):
+        prob = problem("tiny-deepseek", cluster="dgx-h100", global_batch=32, seq_len=64, gpus=8,
+                       overrides={"num_nextn_predict_layers": mtp})
+        s = strategy(prob, dp=4, pp=2, vpp=2, ep=4, schedule="dualpipev")
+        u = unit_costs(prob, s)
+        return rank_memory(prob, u, s, 0).activations_bytes, u
+
+    (without, u0), (with_mtp, u1) = rank0("0"), rank0("1")
+    assert u1.logits_bytes == 2 * u0.logits_bytes
+    assert with_mtp - without == pytest.approx(u1.layer_activation_bytes["none"] + u0.logits_bytes, rel=1e-12)
+
+
 # ------------------------------------------------------------------ calibration
 TABLE4 = {  # Korthikanti et al. 2022 Table 4: one 22B layer, mbs 4, tp 8, total ms
     ("none", False): 19.6, ("none", True): 19.0, ("full", False): 27.2,

@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 from costmodel_test_helpers import A100_HBM, A100_PEAK_BF16, gemm_seconds, hbm_seconds
 
+from costmodel.specs import RuntimeSpec
 from costmodel.specs.loading import load_cluster, load_model, make_training
 from costmodel.terms import compute
 from costmodel.terms.compute import (
@@ -344,3 +345,42 @@ def test_compiled_fp8_casts_a_shared_input_once():
     assert compute.fp8_cast_values(m, 1, False, "rowwise", True)[1] == 2 * (q + 2 * kv + h + 2 * f + h)
     # Tensorwise TP casts each block's input once on the sequence shard, before the all-gather.
     assert compute.fp8_cast_values(m, 8, True, "tensorwise", True)[0] == 2 * h / 8 + q / 8 + f / 8
+
+
+def test_fp8_experts_run_at_the_fp8_peak_where_the_runtime_converts_them():
+    # Qwen1.5-MoE: 60 experts of width 1408, top 4, and a gated shared expert of 5632. A
+    # runtime converting the experts (Megatron-LM's Transformer Engine grouped linears) runs
+    # every local expert's GEMMs and the shared expert's at the FP8 peak; the router stays bf16.
+    h100 = load_cluster("dgx-h100", gpus=8)
+    m = load_model("qwen1.5-moe-a2.7b")
+    training = make_training(m, h100, 1, 4096, precision="fp8-rowwise")
+    neutral = RuntimeSpec(name="neutral", version=1)
+    converted = dataclasses.replace(neutral, fp8_experts=True)
+    ep, tokens, h, f, fs = 4, 4096, 2048, 1408, 5632
+    rows = tokens * 4 * ep / 60   # each local expert's rows under balanced routing
+
+    def experts_s(peak: float) -> float:
+        def g(m_, n, k):
+            return gemm_time_s(m_, n, k, peak, device=h100.gpu)
+        return 60 / ep * (g(rows, 2 * f, h) + g(rows, h, f)) + g(tokens, 2 * fs, h) + g(tokens, h, fs)
+
+    plain = layer_compute(m, h100, training, 1, 1, False, ep, neutral)
+    fp8 = layer_compute(m, h100, training, 1, 1, False, ep, converted)
+    saved = experts_s(h100.gpu.peak_for("bf16")) - experts_s(h100.gpu.peak_for("fp8"))
+    assert saved > 0 and plain.gemm_s - fp8.gemm_s == pytest.approx(saved, rel=1e-9)
+    # Each routed row is cast on its rank (gate and up: one input, fused), the shared
+    # expert's every token; the output gradients of each GEMM.
+    attention = compute.fp8_cast_values(m, 1, False, "rowwise", False)
+    inputs, outputs = 4 * (2 * h + f) + (2 * h + fs), 2 * (4 * (2 * f + h) + (2 * fs + h))
+    assert compute.fp8_cast_values(m, 1, False, "rowwise", False, ep, True) == (
+        attention[0] + inputs, attention[1] + outputs)
+    fused = compute.fp8_cast_values(m, 1, False, "rowwise", True)
+    assert compute.fp8_cast_values(m, 1, False, "rowwise", True, ep, True) == (
+        fused[0] + 4 * (h + f) + (h + fs), fused[1] + outputs)
+    assert compute.fp8_expert_linears(m, 1, ep)[0] == 60 / ep * 3 * h * f + 3 * h * fs
+    # Transformer Engine's casts are fused (one pass), eager torchao's five.
+    assert compute.fp8_cast_factor(converted) == compute.FP8_EAGER_CAST_FACTOR == 5.0
+    assert compute.fp8_cast_factor(dataclasses.replace(neutral, fused_fp8_casts=True)) == 1.0
+    fused_casts = layer_compute(m, h100, training, 1, 1, False, ep,
+                                dataclasses.replace(converted, fused_fp8_casts=True))
+    assert fused_casts.cast_forward_s < fp8.cast_forward_s and fused_casts.gemm_s == fp8.gemm_s

@@ -9,6 +9,7 @@ import types
 
 import pytest
 
+from costmodel.terms.memory import loss_microbatches_held
 from costmodel.terms.pipeline import (
     BUBBLE_STEPS,
     bubble_factor,
@@ -132,7 +133,7 @@ def torch_order(schedule: str, pp: int, m: int, vpp: int) -> dict[int, list]:
     from torch.distributed.pipelining import schedules
 
     cls = {"zb-interleaved": schedules.ScheduleInterleavedZeroBubble, "zbv": schedules.ScheduleZBVZeroBubble,
-           "dualpipev": schedules.ScheduleDualPipeV}[schedule]
+           "dualpipev": schedules.ScheduleDualPipeV, "interleaved": schedules.ScheduleInterleaved1F1B}[schedule]
     rounds = max(1, m // pp)
     attrs = types.SimpleNamespace(pp_group_size=pp, _n_microbatches=m, n_local_stages=vpp, num_stages=vpp * pp,
                                   _num_stages=vpp * pp, number_of_rounds=rounds, microbatches_per_round=m // rounds)
@@ -204,3 +205,26 @@ def test_paired_share_counts_torchs_overlapped_pairs(pp, m):
     pairs = min(sum(a.computation_type == C.OVERLAP_F_B for a in actions) for actions in orders.values())
     assert paired_share("dualpipev", pp, m) == pairs / (2 * m)
     assert paired_share("zbv", pp, m) == paired_share("1f1b", pp, m) == 0.0
+
+
+@pytest.mark.parametrize("schedule, vpp", [("interleaved", 2), ("zb-interleaved", 1), ("zb-interleaved", 2),
+                                           ("zbv", 2), ("dualpipev", 2)])
+@pytest.mark.parametrize("pp, m", [(2, 8), (4, 8), (4, 16), (8, 32), (16, 120)])
+def test_loss_microbatches_held_counts_torchs_last_stage(schedule, vpp, pp, m):
+    # Micro-batches between the last stage's forward and its weight gradient (or whole
+    # backward), the most at once, on the rank that holds it.
+    from torch.distributed.pipelining.schedules import _ComputationType as C
+
+    last, held = pp * vpp - 1, 0
+    for actions in torch_order(schedule, pp, m, vpp).values():
+        live = set()
+        for action in actions:
+            for part in action.sub_actions if action.computation_type == C.OVERLAP_F_B else (action,):
+                if part.stage_index != last:
+                    continue
+                if part.computation_type == C.FORWARD:
+                    live.add(part.microbatch_index)
+                elif part.computation_type in (C.FULL_BACKWARD, C.BACKWARD_WEIGHT):
+                    live.discard(part.microbatch_index)
+                held = max(held, len(live))
+    assert loss_microbatches_held(schedule, pp, m) == held

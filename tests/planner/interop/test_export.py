@@ -1115,3 +1115,20 @@ def test_torchtitan_0_2_overlaps_dualpipev_expert_exchange_and_refuses_checkpoin
                            training_of(doc))
     with pytest.raises(SpecError, match="^activation_checkpoint.mode: full with DualPipeV's expert-parallel overlap"):
         read_text("torchtitan-toml", full.text, model, 8)
+
+
+def test_fp8_experts_are_what_megatron_runs_and_the_plan_says_when_it_priced_otherwise():
+    """Megatron-LM runs the experts' GEMMs in FP8 under --fp8-format: its configuration
+    reads back as the runtime's fp8_experts, and a plan priced with bf16 experts (the
+    executor's runtime) says so when exported there; under --runtime megatron it does not."""
+    fix = "dp=8,tp=1,pp=1,ep=4,mbs=1,zero=1,recompute=none"
+    native = plan("tiny-moe", "dgx-h100", 32, gpus=8, seq_len=64, precision="fp8-rowwise", fix=fix, top=1)
+    exported = export_plan(native, "megatron")
+    assert any("experts' GEMMs (routed and shared) in FP8" in w for w in exported.warnings)
+    back = read_text("megatron", exported.text, model_of(native), 8)
+    assert dict(back.runtime_settings)["fp8_experts"] is True
+    megatron = plan("tiny-moe", "dgx-h100", 32, gpus=8, seq_len=64, precision="fp8-rowwise", fix=fix, top=1,
+                    runtime="megatron")
+    assert not any("experts" in w for w in export_plan(megatron, "megatron").warnings)
+    toml = export_plan(megatron, "torchtitan-toml")
+    assert any("quantize.grouped_mm.float8" in w for w in toml.warnings)
