@@ -63,12 +63,11 @@ def unbuilt_features(spec: ModelSpec) -> list[str]:
                                   ("attention_sinks", spec.attention_sinks), ("router_bias", spec.router_bias),
                                   ("swiglu_limit", spec.swiglu_limit is not None),
                                   ("mlp_bias", spec.is_moe and spec.mlp_bias),
-                                  ("router_scoring", spec.router_scoring != "softmax"),
+                                  # The built model routes by sigmoid as DeepSeek-V3 does (its groups,
+                                  # scaling or MLA say so); Llama 4's scales the experts' inputs.
+                                  ("router_scoring", spec.router_scoring == "sigmoid" and spec.n_group == 1
+                                   and spec.routed_scaling_factor == 1.0 and not spec.is_mla),
                                   ("norms_per_layer", spec.norms_per_layer == 4),
-                                  ("kv_lora_rank", spec.is_mla),
-                                  ("mlp_only_layers", bool(spec.dense_upto)),
-                                  ("n_group", spec.n_group > 1),
-                                  ("routed_scaling_factor", spec.routed_scaling_factor != 1.0),
                                   ("num_nextn_predict_layers", spec.num_nextn_predict_layers)) if on]
 
 
@@ -80,6 +79,10 @@ def check_supported(spec: ModelSpec, strategy: Strategy, seq_len: int, precision
         check_fp8(spec, strategy, seq_len, precision, fp8)
     if why := context_parallel_error(strategy.cp, seq_len):
         raise UnsupportedPlan(f"strategy.cp: {why}")
+    if strategy.cp > 1 and spec.is_mla:
+        raise UnsupportedPlan(f"strategy.cp: context parallelism (cp {strategy.cp}) with multi-head latent attention "
+                              "is not built (the plan gathers the latent, the executor's attention would gather "
+                              "every head's K and V); plan with --fix cp=1")
     if strategy.cp > 1 and strategy.ep > 1:
         raise UnsupportedPlan(f"strategy.cp: context parallelism (cp {strategy.cp}) with expert parallelism "
                               f"(ep {strategy.ep}) is not supported; plan with --fix cp=1 or ep=1")

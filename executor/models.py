@@ -252,6 +252,50 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(b, t, -1))
 
 
+class LatentAttention(nn.Module):
+    """Multi-head latent attention (DeepSeek-V2 §2.1.2, as transformers'
+    DeepseekV3Attention lays it out): the query from a latent of q_lora_rank (normed)
+    or straight from x; keys and values from one shared latent of kv_lora_rank (normed),
+    each head's key qk_nope_head_dim wide from it beside a qk_rope_head_dim rotary part
+    shared by every head, its value v_head_dim wide. RoPE as the executor rotates
+    (even, odd) pairs: transformers' rope_interleave layout; the scores scaled by the
+    query width (no YaRN mscale)."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        h, heads, bias = spec.hidden_size, spec.num_attention_heads, spec.attention_bias
+        self.nope, self.rope_dim, self.value_dim = spec.qk_nope_head_dim, spec.qk_rope_head_dim, spec.v_head_dim
+        self.kv_lora_rank = spec.kv_lora_rank
+        query = heads * (self.nope + self.rope_dim)
+        if spec.q_lora_rank:
+            self.wq = None
+            self.wq_a = nn.Linear(h, spec.q_lora_rank, bias=bias)
+            self.q_norm = RMSNorm(spec.q_lora_rank)
+            self.wq_b = nn.Linear(spec.q_lora_rank, query, bias=False)
+        else:
+            self.wq = nn.Linear(h, query, bias=False)
+        self.wkv_a = nn.Linear(h, spec.kv_lora_rank + self.rope_dim, bias=bias)
+        self.kv_norm = RMSNorm(spec.kv_lora_rank)
+        self.wkv_b = nn.Linear(spec.kv_lora_rank, heads * (self.nope + self.value_dim), bias=False)
+        self.wo = nn.Linear(heads * self.value_dim, h, bias=spec.attention_out_bias)
+        self.flash = True
+        self.context_shard: ContextShard | None = None   # check_supported refuses cp > 1 here
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.wq(x) if self.wq is not None else self.wq_b(self.q_norm(self.wq_a(x)))
+        q_pass, q_rot = q.view(b, t, -1, self.nope + self.rope_dim).transpose(1, 2).split(
+            [self.nope, self.rope_dim], dim=-1)
+        latent, k_rot = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv = self.wkv_b(self.kv_norm(latent)).view(b, t, -1, self.nope + self.value_dim).transpose(1, 2)
+        k_pass, v = kv.split([self.nope, self.value_dim], dim=-1)
+        q_rot = apply_rope(q_rot, cos, sin)
+        k_rot = apply_rope(k_rot.view(b, 1, t, self.rope_dim), cos, sin).expand(-1, k_pass.shape[1], -1, -1)
+        q, k = torch.cat((q_pass, q_rot), dim=-1), torch.cat((k_pass, k_rot), dim=-1)
+        out = attention_core(q, k, v, self.flash)
+        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+
+
 class MLP(nn.Module):
     """GELU: w2(gelu(w1 x)); SwiGLU: w2(silu(w1 x) * w3 x); GeGLU: w2(gelu(w1 x) * w3 x)
     (Shazeer 2020); every matrix with a bias when the spec's mlp_bias."""
@@ -313,6 +357,9 @@ class MoE(nn.Module):
         self.num_experts, self.top_k = e, spec.num_experts_per_tok
         self.capacity_factor = spec.moe_capacity_factor
         self.norm_topk_prob = spec.norm_topk_prob
+        self.sigmoid = spec.router_scoring == "sigmoid"
+        self.n_group, self.topk_group = spec.n_group, spec.topk_group
+        self.routed_scaling_factor = spec.routed_scaling_factor
         self.router = nn.Linear(h, e, bias=False)
         self.w1 = nn.Parameter(torch.empty(e, f, h))
         self.w3 = nn.Parameter(torch.empty(e, f, h))
@@ -354,11 +401,33 @@ class MoE(nn.Module):
         slot = torch.arange(order.numel(), device=order.device) - first_row[flat[order]]
         return order[slot < capacity], counts.clamp(max=capacity)
 
+    def _sigmoid_route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """DeepSeek-V3's routing (DeepSeek-AI 2024 §2.1.2; transformers' DeepseekV3TopkRouter):
+        fp32 sigmoid scores; with n_group groups, a token's experts come from its
+        topk_group groups of the highest top-2 score sums; the chosen scores normalised
+        where norm_topk_prob, times routed_scaling_factor. The load-balancing bias that
+        DeepSeek adds to the scores for the choice is not kept (it is zero at the start
+        of training and updated outside the gradient)."""
+        scores = torch.sigmoid(logits.float())
+        choice = scores
+        if self.n_group > 1:
+            grouped = scores.view(-1, self.n_group, self.num_experts // self.n_group)
+            best = grouped.topk(min(2, grouped.shape[-1]), dim=-1)[0].sum(-1).topk(self.topk_group, dim=-1)[1]
+            keep = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter(1, best, True)
+            choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(1)
+        chosen = choice.topk(self.top_k, dim=-1)[1]
+        weights = scores.gather(1, chosen)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return (weights * self.routed_scaling_factor).to(logits.dtype), chosen
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         tokens = x.reshape(-1, shape[-1])
         logits = self.router(tokens)
-        if self.norm_topk_prob:
+        if self.sigmoid:
+            weights, chosen = self._sigmoid_route(logits)
+        elif self.norm_topk_prob:
             weights, chosen = logits.topk(self.top_k, dim=-1)
             weights = weights.softmax(-1)
         else:
@@ -392,14 +461,18 @@ class Block(nn.Module):
     """Pre-norm transformer layer, sequential (x + attn, then + mlp) or parallel (GPT-J
     / GPT-NeoX / Phi: x + attn(norm x) + mlp(norm' x), norm' = norm with one norm per
     layer). `recompute` is "none", "selective" (op-level: `op_level_context`) or "full" (the whole
-    layer; Chen et al. 2016 checkpointing)."""
+    layer; Chen et al. 2016 checkpointing). `dense`: one of a mixture-of-experts model's
+    dense-MLP layers (the spec's mlp_only_layers), its MLP dense_intermediate_size wide."""
 
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, dense: bool = False):
         super().__init__()
         self.attention_norm = make_norm(spec)
-        self.attention = Attention(spec)
+        self.attention = LatentAttention(spec) if spec.is_mla else Attention(spec)
         self.ffn_norm = make_norm(spec) if spec.norms_per_layer == 2 else None
-        self.feed_forward = MoE(spec) if spec.is_moe else MLP(spec)
+        if spec.is_moe and not dense:
+            self.feed_forward = MoE(spec)
+        else:
+            self.feed_forward = MLP(spec, spec.dense_intermediate_size if spec.is_moe else None)
         self.parallel = spec.parallel_block
         self.recompute = "none"
 
@@ -438,10 +511,11 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(spec.vocab_size, h)
         learned = spec.position_embedding == "learned"
         self.pos_embeddings = nn.Embedding(spec.max_position_embeddings, h) if learned else None
-        self.layers = nn.ModuleDict({str(i): Block(spec) for i in range(spec.num_hidden_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(spec, dense=i in spec.mlp_only_layers)
+                                     for i in range(spec.num_hidden_layers)})
         self.norm = make_norm(spec)
         self.output = nn.Linear(h, spec.vocab_size, bias=spec.lm_head_bias)
-        cos, sin = rope_tables(self.seq_len, spec.head_dim)
+        cos, sin = rope_tables(self.seq_len, spec.qk_rope_head_dim if spec.is_mla else spec.head_dim)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.tied = False

@@ -337,6 +337,8 @@ def apply_expert_parallel(model: Transformer, ep_mesh: DeviceMesh) -> None:
     dispatch = ExpertDispatch(ep_mesh.get_group(), ep_mesh.size())
     for layer in model.layers.values():
         moe = layer.feed_forward
+        if not isinstance(moe, MoE):
+            continue   # a dense-MLP layer (the spec's mlp_only_layers): replicated over ep
         for name in ("w1", "w2", "w3"):
             full = getattr(moe, name)
             setattr(moe, name, nn.Parameter(distribute_tensor(full, ep_mesh, [Shard(0)], src_data_rank=None)))
@@ -425,6 +427,8 @@ def apply_expert_fsdp(model: Transformer, edp_mesh: DeviceMesh, dp_mesh: DeviceM
     reshard = zero_stage == 3
     for layer in model.layers.values():
         moe = layer.feed_forward
+        if not isinstance(moe, MoE):
+            continue   # a dense-MLP layer: sharded over dp with the rest of its layer
         dense = [m for m in (moe.router, moe.shared_expert, moe.shared_gate) if m is not None]
         fully_shard(dense, mesh=dp_mesh, reshard_after_forward=reshard)
         fully_shard(moe, mesh=edp_mesh, reshard_after_forward=reshard)

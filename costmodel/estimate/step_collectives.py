@@ -52,6 +52,9 @@ def step_collectives(problem: Problem, strategy: Strategy, pp_rank: int) -> tupl
     stages = s.rank_stages(pp_rank)
     layers = sum(st.num_layers for st in stages)
     full = sum(st.full_recompute_layers for st in stages)
+    by_mode = [entry for st in stages for entry in st.layers_by_mode(model.dense_upto)]
+    dense_layers = sum(dense for _, dense, _ in by_mode)
+    dense_full = sum(dense for mode, dense, _ in by_mode if mode == "full")
     first = any(st.index == 0 for st in stages)
     last = any(st.index == s.num_virtual_stages - 1 for st in stages)
     out: list[Collective] = []
@@ -69,18 +72,25 @@ def step_collectives(problem: Problem, strategy: Strategy, pp_rank: int) -> tupl
     kv_bytes = value * b * training.seq_len * compute.cp_gathered_values_per_token(model, s.tp)
     add("all_gather", "cp", kv_bytes, m * (layers + full), "context-parallel K and V")
     add("reduce_scatter", "cp", kv_bytes, m * layers, "context-parallel K and V gradients")
-    if model.is_moe:
-        add("all_to_all", "ep", message * model.busiest_rank_rows_per_token(s.ep) / s.tp, m * (2 * (layers + full) + 2 * layers),
-            "MoE dispatch and combine")
-    if s.zero_stage == 3:
-        dense, experts = units.layer_dense_parameters, units.layer_expert_parameters
-        # Tensorwise FP8 gathers the converted linears' weights at 1 byte (unit_costs).
-        fp8_weights = sum(k * n for k, n in compute.fp8_linears(model, s.tp)) if training.fp8 == "tensorwise" else 0.0
-        add("all_gather", "dp", (dense - fp8_weights) * states.weights + fp8_weights, m * 2 * layers,
-            "ZeRO-3 layer weights")
-        add("reduce_scatter", "dp", dense * states.gradients, m * layers, "ZeRO-3 layer gradients")
-        add("all_gather", "expert_dp", experts * states.weights, m * 2 * layers, "ZeRO-3 expert weights")
-        add("reduce_scatter", "expert_dp", experts * states.gradients, m * layers, "ZeRO-3 expert gradients")
+    # Each kind of layer (a model's dense-MLP layers among its expert ones: units.dense)
+    # with its own weights: (its model, unit costs, layers, fully recomputed layers).
+    kinds = [(model, units, layers - dense_layers, full - dense_full)]
+    if dense_layers:
+        kinds.append((model.dense_layer(), units.dense, dense_layers, dense_full))
+    for kind_model, kind, count, count_full in kinds:
+        if kind_model.is_moe:
+            add("all_to_all", "ep", message * kind_model.busiest_rank_rows_per_token(s.ep) / s.tp,
+                m * (2 * (count + count_full) + 2 * count), "MoE dispatch and combine")
+        if s.zero_stage == 3:
+            dense, experts = kind.layer_dense_parameters, kind.layer_expert_parameters
+            # Tensorwise FP8 gathers the converted linears' weights at 1 byte (unit_costs).
+            fp8_weights = (sum(k * n for k, n in compute.fp8_linears(kind_model, s.tp))
+                           if training.fp8 == "tensorwise" else 0.0)
+            add("all_gather", "dp", (dense - fp8_weights) * states.weights + fp8_weights, m * 2 * count,
+                "ZeRO-3 layer weights")
+            add("reduce_scatter", "dp", dense * states.gradients, m * count, "ZeRO-3 layer gradients")
+            add("all_gather", "expert_dp", experts * states.weights, m * 2 * count, "ZeRO-3 expert weights")
+            add("reduce_scatter", "expert_dp", experts * states.gradients, m * count, "ZeRO-3 expert gradients")
     for end, present, local in (("embedding", first, units.first_parameters), ("head", last, units.last_parameters)):
         if not present:
             continue

@@ -796,7 +796,11 @@ def profile(device, nproc, precision, model_name, overrides, seq, micro_batch_si
             seq_len = as_int(seq, "--seq") if seq is not None else spec.max_position_embeddings
             mbs = _int_list(micro_batch_sizes, "--micro-batch-sizes")
             widths = _int_list(tp_widths, "--tp")
-            if built := unbuilt_features(spec):
+            # The profile measures one transformer layer kind (a model with dense-MLP layers
+            # among its expert layers has two), of the usual attention.
+            if built := unbuilt_features(spec) + [name for name, on in (("kv_lora_rank", spec.is_mla),
+                                                                         ("mlp_only_layers", spec.mlp_only_layers))
+                                                  if on]:
                 raise SpecError("--model", f"{spec.name}: the executor's built-in model does not build its "
                                            f"{', '.join(built)}, so its layers cannot be measured")
             for tp in widths or []:

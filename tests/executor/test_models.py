@@ -21,12 +21,15 @@ from executor.data import context_positions
 from executor.launch import run_local
 from executor.models import (
     ContextShard,
+    LatentAttention,
+    MoE,
     attention_core,
     causal_attention,
     build_model,
     initial_value,
     materialize,
     num_parameters,
+    rope_tables,
 )
 
 # The tiny built-ins and every built-in family shrunk to a few small layers (the
@@ -36,7 +39,7 @@ from executor.models import (
 # two norms, LM-head bias, tied and untied heads.
 HF_SPECS = [str(HF_DIR / n) for n in ("qwen2.5-1.5b.json", "qwen3-1.7b.json", "gemma-2b.json", "phi-2.json",
                                        "pythia-1.4b.json", "llama-3.2-1b.json")]
-SPECS = ["tiny-gpt", "tiny-llama", "tiny-moe", "tiny-moe-shared", "tiny-dense", "gpt3-1.3b", "llama2-7b", "llama3-8b",
+SPECS = ["tiny-gpt", "tiny-llama", "tiny-moe", "tiny-moe-shared", "tiny-qwen3-moe", "tiny-deepseek", "tiny-dense", "gpt3-1.3b", "llama2-7b", "llama3-8b",
          "mixtral-8x7b", "qwen1.5-moe-a2.7b", *HF_SPECS]
 
 
@@ -71,7 +74,10 @@ def test_flops_equal_cost_model(name):
     tokens = torch.randint(0, spec.vocab_size, (batch, seq), device="cpu")
     with FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS) as forward:
         logits = model(tokens)
-    expected = batch * (spec.num_hidden_layers * layer_forward_flops(spec, seq) + head_forward_flops(spec, seq))
+    # A model with dense-MLP layers among its expert ones: each kind at its own count.
+    dense, sparse = len(spec.mlp_only_layers), spec.num_hidden_layers - len(spec.mlp_only_layers)
+    layers = sparse * layer_forward_flops(spec, seq) + (dense and dense * layer_forward_flops(spec.dense_layer(), seq))
+    expected = batch * (layers + head_forward_flops(spec, seq))
     assert forward.get_total_flops() == expected
     with FlopCounterMode(display=False, custom_mapping=EXTRA_FLOP_FORMULAS) as backward:
         logits.sum().backward()
@@ -321,3 +327,47 @@ def test_a_context_parallel_layer_saves_what_the_cost_model_counts():
     for rank, measured in enumerate(run_local(context_saved_bytes_rank, cp, seq_len)):
         cpu_masks = sum(2 * chunk * (g + 1) * chunk for g in (rank, 2 * cp - 1 - rank) if g > 0)
         assert measured == counted + cpu_output_copy + cpu_masks
+
+
+def test_latent_attention_and_sigmoid_group_routing_equal_transformers():
+    """The built DeepSeek-V3 pieces against transformers' own (5.x modeling_deepseek_v3):
+    multi-head latent attention with the same weights gives the same output (RoPE on
+    interleaved pairs, transformers' rope_interleave layout), and the router picks the
+    same experts with the same weights (sigmoid scores, the best 2 of 4 groups, normalised,
+    times 2.5). transformers' RMSNorm and router run in float32: agreement to 1e-6."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
+
+    torch.manual_seed(0)
+    spec = load_model("tiny-deepseek")
+    config = DeepseekV3Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32,
+                              kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                              rope_interleave=True, n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2,
+                              routed_scaling_factor=2.5, norm_topk_prob=True)
+    config._attn_implementation = "sdpa"
+    theirs, ours = hf.DeepseekV3Attention(config, 0).double(), LatentAttention(spec).double()
+    ours.q_norm.eps = ours.kv_norm.eps = theirs.q_a_layernorm.variance_epsilon
+    names = {"q_a_proj": "wq_a", "q_a_layernorm": "q_norm", "q_b_proj": "wq_b", "kv_a_proj_with_mqa": "wkv_a",
+             "kv_a_layernorm": "kv_norm", "kv_b_proj": "wkv_b", "o_proj": "wo"}
+    with torch.no_grad():
+        for their_name, our_name in names.items():
+            for leaf, weight in getattr(theirs, their_name).named_parameters():
+                norm = "norm" in their_name
+                weight.copy_(torch.randn_like(weight) * (0.1 if norm else 0.3) + (1.0 if norm else 0.0))
+                getattr(getattr(ours, our_name), leaf).copy_(weight)
+    x = torch.randn(2, 12, 64, dtype=torch.float64)
+    cos, sin = rope_tables(12, spec.qk_rope_head_dim, dtype=torch.float64)
+    expected = theirs(x, (torch.cat((cos, cos), -1)[None], torch.cat((sin, sin), -1)[None]), None)[0]
+    assert torch.allclose(ours(x, cos, sin), expected, rtol=0, atol=1e-5 * float(expected.abs().max()))
+
+    router, moe = hf.DeepseekV3TopkRouter(config).double(), MoE(spec).double()
+    with torch.no_grad():
+        router.weight.copy_(torch.randn_like(router.weight))
+        moe.router.weight.copy_(router.weight)
+    tokens = torch.randn(64, 64, dtype=torch.float64)
+    _, their_weights, their_experts = router(tokens)
+    our_weights, our_experts = moe._sigmoid_route(moe.router(tokens))
+    theirs_sorted, ours_sorted = their_experts.sort(-1), our_experts.sort(-1)
+    assert torch.equal(theirs_sorted.values, ours_sorted.values)
+    assert torch.allclose(our_weights.gather(1, ours_sorted.indices),
+                          their_weights.gather(1, theirs_sorted.indices).to(our_weights.dtype), rtol=1e-6, atol=0)

@@ -16,7 +16,7 @@ from planner.api import plan
 from planner.plan_file import strategy_of, write_plan
 from planner.search import Infeasible
 
-TINY = ["tiny-gpt", "tiny-llama", "tiny-moe", "tiny-moe-shared", "tiny-dense"]
+TINY = ["tiny-gpt", "tiny-llama", "tiny-moe", "tiny-moe-shared", "tiny-qwen3-moe", "tiny-dense"]
 CLUSTERS = ["cpu", "dgx-a100-80gb", "dgx-h100", "mixed-h100-a100", "mixed-a100-v100"]
 PRECISION = {"cpu": "fp32", "mixed-a100-v100": "fp16"}   # V100 has no bf16
 

@@ -172,6 +172,39 @@ def test_moe_with_a_shared_expert_parity(plan):
     check_parity("tiny-moe-shared", MOE_PLANS[plan])
 
 
+# Dense-MLP layers among the expert ones (configs/models/tiny-qwen3-moe.yaml: layers 0 and
+# 2 dense, 1 and 3 sparse): the dense layers' MLPs replicated over ep and sharded over dp,
+# pipeline stages holding one kind or both.
+DENSE_AND_SPARSE_PLANS = ["ep2", "ep2-zero3", "ep2-edp2-zero2", "ep2-pp2", "ep2-pp2-dualpipev"]
+
+
+@pytest.mark.parametrize("plan", DENSE_AND_SPARSE_PLANS)
+def test_moe_with_dense_layers_parity(plan):
+    check_parity("tiny-qwen3-moe", MOE_PLANS[plan])
+
+
+# DeepSeek-V3's shape without its MTP module (configs/models/tiny-deepseek.yaml, in the 4
+# layers these plans split, the first dense): latent attention, a dense first layer,
+# grouped sigmoid routing scaled by 2.5 beside a shared expert, under ep, ZeRO over
+# experts and pipelines.
+DEEPSEEK_PLANS = ["ep2", "ep2-zero3", "ep2-edp2-zero2", "ep2-pp2", "ep2-pp2-dualpipev"]
+
+
+@pytest.fixture(scope="module")
+def deepseek_without_mtp(tmp_path_factory) -> str:
+    spec = (Path(__file__).parents[2] / "configs" / "models" / "tiny-deepseek.yaml").read_text()
+    path = tmp_path_factory.mktemp("models") / "tiny-deepseek-no-mtp.yaml"
+    path.write_text(spec.replace("num_nextn_predict_layers: 1", "num_nextn_predict_layers: 0")
+                    .replace("num_hidden_layers: 6", "num_hidden_layers: 4").replace("mlp_only_layers: [0, 1]",
+                                                                                    "mlp_only_layers: [0]"))
+    return str(path)
+
+
+@pytest.mark.parametrize("plan", DEEPSEEK_PLANS)
+def test_deepseek_v3_without_mtp_parity(plan, deepseek_without_mtp):
+    check_parity(deepseek_without_mtp, MOE_PLANS[plan])
+
+
 def test_expert_capacity_under_ep_drops_as_without_it(tmp_path):
     """Capacity is counted per rank's micro-batch, before the all-to-all: dp2 with ep2
     trains as dp2 with every expert on each rank, capacity factor 1 dropping rows in both,
@@ -218,11 +251,15 @@ def test_gpt_oss_llama4_gemma3_and_deepseek_v3_are_refused_by_name_before_any_we
         check_supported(load_model("llama4-scout", {"num_hidden_layers": "4"}), strategy(dp=2, ep=2), 16)
     with pytest.raises(UnsupportedPlan, match="^model.attention_window: .* attention_window, norms_per_layer "):
         check_supported(load_model("gemma3-1b", {"num_hidden_layers": "6"}), strategy(dp=2), 16)
-    # DeepSeek-V3's latent attention, dense first layers, grouped routing and MTP module.
-    with pytest.raises(UnsupportedPlan, match="^model.router_scoring: .* router_scoring, kv_lora_rank, "
-                                              "mlp_only_layers, n_group, routed_scaling_factor, "
-                                              "num_nextn_predict_layers "):
+    # DeepSeek-V3's multi-token prediction module (its latent attention, dense first
+    # layers and grouped sigmoid routing are built: test_deepseek_v3_without_mtp_parity).
+    with pytest.raises(UnsupportedPlan, match="^model.num_nextn_predict_layers: .* num_nextn_predict_layers "
+                                              "\\(gpt-oss"):
         check_supported(load_model("tiny-deepseek"), strategy(dp=2, ep=2), 16)
+    without_mtp = load_model("tiny-deepseek", {"num_nextn_predict_layers": "0"})
+    check_supported(without_mtp, strategy(dp=2, ep=2), 16)
+    with pytest.raises(UnsupportedPlan, match="^strategy.cp: context parallelism \\(cp 2\\) with multi-head latent"):
+        check_supported(without_mtp, strategy(cp=2), 16)
 
 
 def test_context_parallel_plans_the_executor_cannot_run_are_refused():

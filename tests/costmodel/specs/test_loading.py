@@ -73,7 +73,7 @@ def test_every_builtin_model_loads(name):
 
 
 def test_builtin_lists_are_the_config_files():
-    assert len(builtin_names("models")) == 30
+    assert len(builtin_names("models")) == 31
     assert builtin_names("clusters") == ["cpu", "dgx-a100-40gb", "dgx-a100-80gb", "dgx-b200", "dgx-h100", "dgx-h200",
                                           "dgx-h800", "dgx-v100", "gb200-nvl72", "grand-teton-h100", "mi300x", "mixed-a100-v100",
                                           "mixed-h100-a100", "mixed-h200-a100-40gb"]

@@ -286,7 +286,8 @@ def test_plan_top_k_shows_the_compare_table_of_the_k_best():
 
 
 @pytest.mark.parametrize("model, field", [("gpt-oss-20b", "attention_window"), ("gemma3-1b", "attention_window"),
-                                          ("tiny-deepseek", "router_scoring")])
+                                          ("tiny-deepseek", "num_nextn_predict_layers, kv_lora_rank, mlp_only_layers"),
+                                          ("tiny-qwen3-moe", "mlp_only_layers")])
 def test_profile_refuses_a_model_the_executor_does_not_build(tmp_path, model, field):
     """Its layers would be timed as the built-in block, which they are not."""
     out = CliRunner().invoke(main, ["profile", "--model", model, "-o", str(tmp_path / "p.json")])
