@@ -124,6 +124,10 @@ def check_supported(spec: ModelSpec, strategy: Strategy, seq_len: int, precision
 FP8_GEMM_MULTIPLE = 16
 
 
+# The FP8 recipes the executor builds (torchao.float8's Float8LinearConfig recipes).
+EXECUTOR_FP8_RECIPES = ("tensorwise", "rowwise")
+
+
 def check_fp8(spec: ModelSpec, strategy: Strategy, seq_len: int, precision: str, fp8: str) -> None:
     """FP8 training (torchao.float8 on the layers' linear layers) runs on bf16 mixed
     precision, with torchao installed, on dense models, with micro-batches of a multiple
@@ -132,6 +136,10 @@ def check_fp8(spec: ModelSpec, strategy: Strategy, seq_len: int, precision: str,
 
     if fp8 not in FP8_RECIPES:
         raise UnsupportedPlan(f"training.fp8: expected one of {', '.join(FP8_RECIPES)}, got {fp8!r}")
+    if fp8 not in EXECUTOR_FP8_RECIPES:
+        raise UnsupportedPlan(f"training.fp8: {fp8} scaling is priced and exported (Megatron-LM runs it), not built: "
+                              f"the executor's torchao.float8 runs {' and '.join(EXECUTOR_FP8_RECIPES)}; plan with "
+                              "--precision fp8 or fp8-rowwise to run here")
     if precision != "bf16":
         raise UnsupportedPlan(f"training.fp8: FP8 linear layers run inside bf16 mixed precision, the plan has "
                               f"precision {precision}; plan with --precision fp8 or fp8-rowwise")

@@ -940,9 +940,15 @@ def make_training(model: ModelSpec, cluster: ClusterSpec | MixedClusterSpec, glo
         peaks = group.gpu.peak_flops_per_s
         if precision not in peaks or (fp8 and "fp8" not in peaks):
             have = ", ".join(c for c in PRECISION_CHOICES if split_precision(c)[0] in peaks
-                             and (split_precision(c)[1] is None or "fp8" in peaks)) or "none a plan can use"
+                             and (split_precision(c)[1] is None or "fp8" in peaks)
+                             and (split_precision(c)[1] != "mxfp8" or "fp4" in peaks)) or "none a plan can use"
             needed = f"fp8 peak for {name}" if fp8 else f"{precision} peak"
             raise SpecError("--precision", f"{group.gpu.name} has no {needed} (has: {have}; pass one of those)")
+        if fp8 == "mxfp8" and "fp4" not in peaks:
+            # MX formats run on the tensor cores of the GPUs whose data sheet gives an FP4
+            # (MXFP4 / NVFP4) peak: Blackwell's block-scaled GEMMs.
+            raise SpecError("--precision", f"{group.gpu.name} has no MX (block-scaled) FP8 GEMMs, which Blackwell "
+                                           "(B200, GB200) has; pass fp8-blockwise or fp8-rowwise")
     if optimizer not in OPTIMIZERS:
         raise SpecError("--optimizer", f"unknown {optimizer!r} (known: {', '.join(OPTIMIZERS)})")
     if mixed_precision not in MIXED_PRECISION:

@@ -13,11 +13,18 @@ DATA_SHEET_PRECISIONS = PRECISIONS + ("fp8", "fp4")
 # their GEMMs in FP8 with dynamic scaling (torchao.float8's Float8Linear; Micikevicius et
 # al. 2022, "FP8 Formats for Deep Learning": e4m3 weights and activations, e5m2 gradients).
 # "tensorwise": one scale per tensor; "rowwise": one per row (torchao's recipes of those
-# names). Embedding, LM head, router, attention core and norms stay in bf16.
-FP8_RECIPES = ("tensorwise", "rowwise")
-# What --precision takes: the training precisions, and "fp8" (tensorwise) and
-# "fp8-rowwise", bf16 with FP8 linear layers.
-PRECISION_CHOICES = PRECISIONS + ("fp8", "fp8-rowwise")
+# names); "blockwise": one per 1x128 tile of activations and gradients and per 128x128
+# block of weights (DeepSeek-AI 2024 §3.3.1-3.3.2; Transformer Engine's Float8BlockScaling,
+# Megatron-LM's --fp8-recipe blockwise); "mxfp8": OCP Microscaling (MX v1.0) FP8, one
+# power-of-two (E8M0) scale per 32 values, which Blackwell's tensor cores take natively.
+# Embedding, LM head, router, attention core and norms stay in bf16.
+FP8_RECIPES = ("tensorwise", "rowwise", "blockwise", "mxfp8")
+# What --precision takes: the training precisions, and "fp8" (tensorwise), "fp8-rowwise",
+# "fp8-blockwise" and "mxfp8", bf16 with FP8 linear layers.
+PRECISION_CHOICES = PRECISIONS + ("fp8", "fp8-rowwise", "fp8-blockwise", "mxfp8")
+# Scale bytes a cast writes per value beside its 1-byte values: a float32 per 1x128 tile
+# (blockwise), an E8M0 byte per 32 values (mxfp8); one per row or tensor is negligible.
+FP8_SCALE_BYTES_PER_VALUE = {"blockwise": 4 / 128, "mxfp8": 1 / 32}
 # How a 16-bit run holds its weights (PyTorch): "autocast" keeps fp32 weights and casts
 # each matmul's operands (torch.autocast: the executor, DDP); "param_dtype" gathers the
 # weights in the compute dtype (FSDP2 MixedPrecisionPolicy(param_dtype=bf16,
@@ -51,9 +58,12 @@ class TrainingSpec:
 
 def split_precision(name: str) -> tuple[str, str | None]:
     """(precision, FP8 recipe) of a --precision name: "fp8" is bf16 with tensorwise FP8
-    linear layers, "fp8-rowwise" with rowwise ones; the others have no FP8 recipe."""
+    linear layers, "fp8-rowwise" with rowwise ones (and so on), "mxfp8" with MX ones; the
+    others have no FP8 recipe."""
     if name == "fp8":
         return "bf16", "tensorwise"
+    if name == "mxfp8":
+        return "bf16", "mxfp8"
     if name.startswith("fp8-"):
         return "bf16", name.removeprefix("fp8-")
     return name, None
@@ -63,4 +73,6 @@ def precision_name(precision: str, fp8: str | None = None) -> str:
     """The --precision name of a precision and FP8 recipe (split_precision's inverse)."""
     if fp8 is None:
         return precision
+    if fp8 == "mxfp8":
+        return "mxfp8"
     return "fp8" if fp8 == "tensorwise" else f"fp8-{fp8}"

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from costmodel.specs import ClusterSpec, GPUSpec, ModelSpec, RuntimeSpec, TrainingSpec
+from costmodel.specs.training import FP8_SCALE_BYTES_PER_VALUE
 from costmodel.terms.recompute import attention_matmuls, op_level_split
 
 # Best fraction of peak a large bf16/fp16 GEMM reaches (cuBLAS on A100 sustains ~80-85%
@@ -239,8 +240,9 @@ def layer_compute(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
                                       ep, experts_fp8)
     factor = fp8_cast_factor(runtime)
     return LayerCompute(gemm, core, elementwise,
-                        memory_bound_time_s(factor * fp8_cast_bytes(2.0, inputs * tokens), cluster),
-                        memory_bound_time_s(factor * fp8_cast_bytes(2.0, (inputs + outputs) * tokens), cluster))
+                        memory_bound_time_s(factor * fp8_cast_bytes(2.0, inputs * tokens, training.fp8), cluster),
+                        memory_bound_time_s(factor * fp8_cast_bytes(2.0, (inputs + outputs) * tokens, training.fp8),
+                                            cluster))
 
 
 def fp8_linears(model: ModelSpec, tp: int) -> list[tuple[float, float]]:
@@ -313,11 +315,13 @@ def fp8_cast_values(model: ModelSpec, tp: int, sequence_parallel: bool, recipe: 
             casts_per_gradient * (sum(n for _, n in linears) + expert_outputs))
 
 
-def fp8_cast_bytes(value_bytes: float, values: float) -> float:
+def fp8_cast_bytes(value_bytes: float, values: float, recipe: str | None = None) -> float:
     """HBM bytes of casting `values` held in `value_bytes` each to fp8: an amax read, a
     scaling read and a 1-byte write (FP8_CAST_WRITE_BYTES). Rowwise scaling reads and
-    writes the same, one scale a row."""
-    return (2 * value_bytes + FP8_CAST_WRITE_BYTES) * values
+    writes the same, one scale a row; blockwise and MX scales add their bytes
+    (FP8_SCALE_BYTES_PER_VALUE)."""
+    scales = FP8_SCALE_BYTES_PER_VALUE.get(recipe, 0.0)
+    return (2 * value_bytes + FP8_CAST_WRITE_BYTES + scales) * values
 
 
 def fused_fp8_casts(runtime: RuntimeSpec | None) -> bool:
@@ -347,7 +351,7 @@ def fp8_weight_cast_s(model: ModelSpec, cluster: ClusterSpec, training: Training
     weights = sum(k * n for k, n in fp8_linears(model, tp)) / shard
     if runtime is not None and runtime.fp8_experts:
         weights += fp8_expert_linears(model, tp, ep)[0]
-    seconds = memory_bound_time_s(fp8_cast_factor(runtime) * fp8_cast_bytes(held, weights), cluster)
+    seconds = memory_bound_time_s(fp8_cast_factor(runtime) * fp8_cast_bytes(held, weights, training.fp8), cluster)
     return seconds, seconds
 
 

@@ -38,8 +38,9 @@ def training_options(command):
         click.option("--seq", metavar="INT>=1", type=str, default=None,
                      help="Sequence length [default: the model's max_position_embeddings]."),
         click.option("--precision", default="bf16", show_default=True,
-                     help="bf16 | fp16 (mixed, fp32 master weights) | fp32 | fp8 | fp8-rowwise (bf16 with the "
-                          "layers' linear GEMMs in FP8, torchao's tensorwise or rowwise dynamic scaling)."),
+                     help="bf16 | fp16 (mixed, fp32 master weights) | fp32 | fp8 | fp8-rowwise | fp8-blockwise | "
+                          "mxfp8 (bf16 with the layers' linear GEMMs in FP8: one scale a tensor, a row, a 1x128 "
+                          "tile, or MX's 32 values on Blackwell)."),
         click.option("--optimizer", default="adamw", show_default=True, help="adam | adamw | sgd."),
         click.option("--attention", type=click.Choice(["flash", "eager"]), default="flash", show_default=True,
                      help="Attention kernel: flash keeps no score matrix."),
@@ -536,7 +537,8 @@ def export(plan_file, target, output, allow_changes) -> None:
 @click.option("--global-batch", metavar="INT>=1", default=None, help="Global batch in sequences, where the configuration does not say it.")
 @click.option("--seq", metavar="INT>=1", default=None, help="Sequence length, where the configuration does not say it "
                                           "[default: the model's max_position_embeddings].")
-@click.option("--precision", default=None, help="bf16 | fp16 | fp32 | fp8 | fp8-rowwise, where the configuration does "
+@click.option("--precision", default=None, help="bf16 | fp16 | fp32 | fp8 | fp8-rowwise | fp8-blockwise | mxfp8, where "
+                                                "the configuration does "
                                                 "not say it (torchtitan 0.3 overrides cannot say FP8) [default: bf16].")
 @click.option("--optimizer", default="adamw", show_default=True, help="adam | adamw | sgd.")
 @click.option("--attention", type=click.Choice(["flash", "eager"]), default="flash", show_default=True,

@@ -266,8 +266,9 @@ def _check_capacity(args: argparse.Namespace, model: ModelSpec, warnings: list[s
 # "tensorwise" is Transformer Engine's Float8CurrentScaling, one scale per tensor from its
 # current amax (megatron/core/fp8_utils.py), torchao's tensorwise. Megatron has no per-row
 # scaling: "blockwise" (Float8BlockScaling: 1x128 tiles of activations and gradients,
-# 128x128 blocks of weights) is the nearest to torchao's rowwise.
-MEGATRON_FP8_RECIPES = {"tensorwise": "tensorwise", "rowwise": "blockwise"}
+# 128x128 blocks of weights) is the nearest to torchao's rowwise. "blockwise" and "mxfp8"
+# (MXFP8BlockScaling) are Shardwise's recipes of those names.
+MEGATRON_FP8_RECIPES = {"tensorwise": "tensorwise", "rowwise": "blockwise", "blockwise": "blockwise", "mxfp8": "mxfp8"}
 # Without --fp8-recipe: TransformerConfig.fp8_recipe's default.
 MEGATRON_FP8_RECIPE_DEFAULT = "delayed"
 
@@ -290,10 +291,7 @@ def _read_fp8(args: argparse.Namespace, precision: str, model: ModelSpec, warnin
     if recipe == "delayed":
         warnings.append(f"--fp8-recipe {said} scales each tensor by its amax history; priced as tensorwise, "
                         "whose current scaling reads each tensor once more (its amax) before the cast")
-    elif recipe in ("blockwise", "mxfp8"):
-        blocks = "1x128 tiles and 128x128 weight blocks" if recipe == "blockwise" else "blocks of 32 (Blackwell)"
-        warnings.append(f"--fp8-recipe {recipe} scales {blocks}; priced as rowwise (one scale a row)")
-    return "tensorwise" if recipe in ("tensorwise", "delayed") else "rowwise"
+    return "tensorwise" if recipe in ("tensorwise", "delayed") else recipe
 
 
 def _read_dispatcher(args: argparse.Namespace, model: ModelSpec, ep: int,

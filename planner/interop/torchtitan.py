@@ -664,6 +664,11 @@ def _float8_fields(strategy: Strategy, model: ModelSpec, training: TrainingSpec,
     without FP8), warnings, and what torchtitan would run other than the plan."""
     if training.fp8 is None:
         return None, [], ()
+    if training.fp8 not in TORCHTITAN_FLOAT8_RECIPES:
+        raise SpecError("plan.training.fp8", f"{training.fp8}: torchtitan's Float8Linear recipes are "
+                        f"{', '.join(TORCHTITAN_FLOAT8_RECIPES)} (0.2.2 config/job_config.py; its MX converter, "
+                        "quantize.linear.mx, is not exported here); plan with --precision fp8-rowwise, or export "
+                        "--to megatron")
     filters = (["output" if toml else "lm_head"] + (["router.gate"] if model.is_moe else [])
                + (["shared_experts"] if model.has_shared_expert else []))
     if not toml:

@@ -216,7 +216,7 @@ def test_data_sheet_fp8_peaks_plan_fp8_training_and_fp4_none():
     assert (rowwise.precision, rowwise.fp8) == ("bf16", "rowwise")
     with pytest.raises(SpecError, match="unknown 'fp4'"):
         make_training(model, load_cluster("dgx-b200"), 64, precision="fp4")
-    with pytest.raises(SpecError, match=r"B200 has no fp32 peak \(has: bf16, fp16, fp8, fp8-rowwise;"):
+    with pytest.raises(SpecError, match=r"B200 has no fp32 peak \(has: bf16, fp16, fp8, fp8-rowwise, fp8-blockwise, mxfp8;"):
         make_training(model, load_cluster("dgx-b200"), 64, precision="fp32")
     with pytest.raises(SpecError, match=r"A100-80GB has no fp8 peak for fp8-rowwise \(has: bf16, fp16, fp32;"):
         make_training(model, load_cluster("dgx-a100-80gb"), 64, precision="fp8-rowwise")
@@ -608,3 +608,13 @@ def test_existing_models_keep_their_fingerprint():
         "num_local_experts", "num_experts_per_tok")}
     assert spec.canonical_dict() == old
     assert load_model(str(HF_DIR / "gemma-2b.json")).canonical_dict()["mlp"] == "geglu"
+
+
+@pytest.mark.parametrize("name, recipe", [("fp8", "tensorwise"), ("fp8-rowwise", "rowwise"),
+                                          ("fp8-blockwise", "blockwise"), ("mxfp8", "mxfp8"), ("bf16", None)])
+def test_precision_names_and_fp8_recipes_round_trip(name, recipe):
+    from costmodel.specs.training import PRECISION_CHOICES, precision_name, split_precision
+
+    assert name in PRECISION_CHOICES
+    precision, fp8 = split_precision(name)
+    assert fp8 == recipe and precision == "bf16" and precision_name(precision, fp8) == name

@@ -384,3 +384,18 @@ def test_fp8_experts_run_at_the_fp8_peak_where_the_runtime_converts_them():
     fused_casts = layer_compute(m, h100, training, 1, 1, False, ep,
                                 dataclasses.replace(converted, fused_fp8_casts=True))
     assert fused_casts.cast_forward_s < fp8.cast_forward_s and fused_casts.gemm_s == fp8.gemm_s
+
+
+@pytest.mark.parametrize("recipe, scale_bytes", [("rowwise", 0.0), ("blockwise", 4 / 128), ("mxfp8", 1 / 32)])
+def test_block_scaled_fp8_casts_write_their_scales(recipe, scale_bytes):
+    # A float32 scale per 1x128 tile (blockwise), an E8M0 byte per 32 values (MX): the
+    # same GEMMs and cast passes as rowwise, and the scales' bytes beside each value.
+    b200 = load_cluster("dgx-b200", gpus=8)
+    m = load_model("llama3-8b")
+    rowwise = layer_compute(m, b200, make_training(m, b200, 1, 4096, precision="fp8-rowwise"), 1, 1, False)
+    precision = "mxfp8" if recipe == "mxfp8" else f"fp8-{recipe}"
+    other = layer_compute(m, b200, make_training(m, b200, 1, 4096, precision=precision), 1, 1, False)
+    assert compute.fp8_cast_bytes(2.0, 10.0, recipe) == (5.0 + scale_bytes) * 10.0
+    assert other.gemm_s == rowwise.gemm_s
+    assert other.cast_forward_s == pytest.approx(rowwise.cast_forward_s * (5.0 + scale_bytes) / 5.0, rel=1e-12)
+    assert other.cast_backward_s == pytest.approx(rowwise.cast_backward_s * (5.0 + scale_bytes) / 5.0, rel=1e-12)

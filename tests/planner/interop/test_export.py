@@ -800,6 +800,14 @@ def test_fp8_plans_round_trip_with_the_same_estimate(case, precision, target):
         assert exported.changes == (() if recipe == "rowwise" else (
             "torchtitan will run this configuration with fp8 tensorwise→rowwise (plan → exported)",))
         precision_back = precision
+    elif target == "megatron" and recipe == "rowwise":
+        # Megatron has no per-row scaling: its nearest, blockwise, writes its tiles' scales too.
+        assert (back.precision, back.fp8) == ("bf16", "blockwise")
+        assert exported.changes == ("megatron will run this configuration with fp8 rowwise→blockwise (plan → "
+                                    "exported)",)
+        back_step_s = estimate(_fp8_problem(case, "fp8-blockwise"), back.strategy).step_time_s
+        assert back_step_s == pytest.approx(doc["estimate"]["step_time_s"], rel=0.01)
+        return
     else:
         assert (back.precision, back.fp8) == ("bf16", recipe)
         assert exported.changes == ()
@@ -841,12 +849,39 @@ def test_fp8_exports_parse_as_the_engines_do(case, precision):
         assert section in ("parallelism", "training") and key.removeprefix("no-") in fields, flag
 
 
+@pytest.mark.parametrize("precision, cluster, recipe", [("fp8-blockwise", "dgx-h100", "blockwise"),
+                                                       ("mxfp8", "dgx-b200", "mxfp8")])
+def test_blockwise_and_mx_fp8_go_to_megatron_by_name_and_torchtitan_refuses_them(precision, cluster, recipe):
+    """DeepSeek-V3's 1x128 / 128x128 tiles and OCP MX's 32-value blocks: Megatron-LM's
+    --fp8-recipe of those names, read back as the same recipe; torchtitan's Float8Linear
+    has tensorwise and rowwise only (exit 2 naming plan.training.fp8); the executor
+    refuses them by name; MX needs Blackwell."""
+    doc = plan("llama3-8b", cluster, 16, gpus=8, seq_len=2048, precision=precision, top=1,
+               fix="dp=1,tp=4,pp=2,mbs=1,zero=0,recompute=full,sp=on,schedule=1f1b")
+    exported = export_plan(doc, "megatron")
+    assert exported.warnings == ()
+    args = megatron_mirror().parse_args(shlex.split(exported.text.replace("\\\n", " ")))
+    assert (args.fp8_format, args.fp8_recipe) == ("hybrid", recipe)
+    assert read_text("megatron", exported.text, model_of(doc), 8).fp8 == recipe
+    for target in ("torchtitan", "torchtitan-toml"):
+        with pytest.raises(SpecError, match=f"^plan.training.fp8: {recipe}: torchtitan's Float8Linear recipes"):
+            export_plan(doc, target)
+    from executor.launch import UnsupportedPlan, check_supported
+
+    with pytest.raises(UnsupportedPlan, match=f"^training.fp8: {recipe} scaling is priced and exported"):
+        check_supported(model_of(doc), strategy_of(doc), 2048, "bf16", recipe)
+    if recipe == "mxfp8":
+        with pytest.raises(SpecError, match="^--precision: H100-SXM has no MX"):
+            make_problem("llama3-8b", "dgx-h100", 16, gpus=8, precision="mxfp8")
+
+
 def test_megatron_has_no_rowwise_scaling_and_says_so():
     exported = export_plan(_fp8_doc("fp8-zero3-tp", "fp8-rowwise"), "megatron")
     said = ("Megatron-LM has no rowwise FP8 scaling (--fp8-recipe: tensorwise, delayed, mxfp8, blockwise, custom; "
             "megatron-core enums.py Fp8Recipe): exported as its nearest, blockwise (1x128 tiles, 128x128 weight "
             "blocks), which the plan prices as rowwise")
-    assert exported.warnings == (said,)
+    changed = "megatron will run this configuration with fp8 rowwise→blockwise (plan → exported)"
+    assert exported.warnings == (said, changed) and exported.changes == (changed,)
     assert export_plan(_fp8_doc("fp8-tp-pp", "fp8"), "megatron").warnings == ()
     # ZeRO-3 tensorwise is priced with FSDP2's float8 all-gather, which the export does not set in Megatron.
     assert any("Megatron FSDP gathers them so only with fp8 parameters" in w
@@ -947,8 +982,8 @@ def test_torchtitan_toml_fp8_variants_are_priced_and_said():
     ("--bf16 --fp8-format e4m3 --fp8-recipe tensorwise", "tensorwise", None),
     ("--bf16 --fp8-format hybrid", "tensorwise", "--fp8-recipe not given: Megatron's default delayed"),
     ("--bf16 --fp8-format hybrid --fp8-recipe delayed", "tensorwise", "--fp8-recipe delayed scales each tensor"),
-    ("--bf16 --fp8-format hybrid --fp8-recipe blockwise", "rowwise", "priced as rowwise"),
-    ("--bf16 --fp8-format hybrid --fp8-recipe mxfp8", "rowwise", "priced as rowwise"),
+    ("--bf16 --fp8-format hybrid --fp8-recipe blockwise", "blockwise", None),
+    ("--bf16 --fp8-format hybrid --fp8-recipe mxfp8", "mxfp8", None),
     ("--bf16 --fp8-recipe tensorwise", None, "--fp8-recipe tensorwise without --fp8-format"),
     ("--bf16", None, None),
 ])
@@ -984,8 +1019,13 @@ def test_evaluate_prices_an_exported_fp8_config_as_the_plan(tmp_path, precision)
     assert out.exit_code == 0, out.output
     data = json.loads(out.stdout)
     assert data["yours"]["strategy"] == doc["strategy"]
-    assert data["yours"]["estimate"]["step_time_s"] == doc["estimate"]["step_time_s"]
-    assert data["changes"] == [] and data["gain"] == pytest.approx(0.0, abs=1e-9)
+    if precision == "fp8-rowwise":
+        # Megatron runs blockwise scaling where the plan has rowwise: its tiles' scales, 0.1% more.
+        assert data["yours"]["estimate"]["step_time_s"] == pytest.approx(doc["estimate"]["step_time_s"], rel=0.01)
+        assert data["yours"]["estimate"]["step_time_s"] > doc["estimate"]["step_time_s"]
+    else:
+        assert data["yours"]["estimate"]["step_time_s"] == doc["estimate"]["step_time_s"]
+        assert data["changes"] == [] and data["gain"] == pytest.approx(0.0, abs=1e-9)
     toml = tmp_path / "job.toml"
     toml.write_text(export_plan(doc, "torchtitan-toml").text)
     ev = evaluate_config("torchtitan", str(toml), "llama3-8b", "dgx-h100", gpus=8, rules=load_rules(None).with_fix(
