@@ -203,10 +203,12 @@ def _unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
     # expert exchange of each behind the other's computation where the runtime overlaps
     # them (RuntimeSpec.ep_overlap; DeepSeek-AI 2024 §3.2.1): in the paired share of the
     # chunks, the exchange beyond what the pair computes stays exposed.
+    # While hidden, the exchange's kernels hold SMs the computation then runs without
+    # (compute.COMM_SM_FRACTION): the pair takes that share of the hidden time longer.
     paired = paired_share(strategy.schedule, strategy.pp, strategy.num_microbatches) * runtime.ep_overlap * hide
 
     def ep_exposed(exchange_s: float, compute_s: float) -> float:
-        return exchange_s - paired * min(exchange_s, compute_s)
+        return exchange_s - (1.0 - compute.COMM_SM_FRACTION) * paired * min(exchange_s, compute_s)
 
     ep_base = ep_exposed(2 * ep_one_way, fwd_compute + bwd_compute)
     base = Work(compute_s=fwd_compute + bwd_compute, tp_comm_s=tp_forward + tp_backward,

@@ -56,6 +56,10 @@ FP8_CAST_WRITE_BYTES = 1.0
 # (float8_utils.tensor_to_amax: abs, then max; to_fp8_saturated: upcast, scale, clamp,
 # downcast): 25 bytes a bf16 value against 5.
 FP8_EAGER_CAST_FACTOR = 5.0
+# Share of a GPU's SMs that communication kernels hold while they run beside computation:
+# DeepSeek-V3's dispatch and combine keep InfiniBand and NVLink busy with 20 of an H800's
+# 132 SMs (DeepSeek-AI 2024 §3.2.2), so the computation they hide behind runs on the rest.
+COMM_SM_FRACTION = 20 / 132
 
 
 def gemm_efficiency(m: float, n: float, k: float, device: GPUSpec | None = None) -> float:
