@@ -128,6 +128,11 @@ TORCHTITAN_FLOAT8_CONVERTER = "quantize.linear.float8"
 TORCHTITAN_FLOAT8_FIELDS = ("enable_fsdp_float8_all_gather", "precompute_float8_dynamic_scale_for_fsdp",
                             "recipe_name", "filter_fqns", "emulate")
 TORCHTITAN_FLOAT8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+# torchtitan 0.2.2's MoE FP8: "quantize.grouped_mm.float8" (Float8GroupedMMConverter,
+# components/quantization/float8.py: torchao's dynamic rowwise scaled grouped GEMMs for
+# the MoE modules its `[quantize.grouped_mm.float8] fqns` name, e.g. "experts"; it asserts
+# pipeline and context parallelism off): the runtime's fp8_experts.
+TORCHTITAN_GROUPED_FLOAT8_CONVERTER = "quantize.grouped_mm.float8"
 # torchtitan 0.3.0 sets FP8 in Python only: Trainer.Config.model_spec is
 # Annotated[..., tyro.conf.Suppress] (trainer.py), built by a config_registry function
 # with model_registry(flavor, converters=[Float8LinearConverter.Config(...)])
@@ -284,10 +289,15 @@ def _toml_float8(data: dict) -> dict | None:
             raise SpecError("model.converters", "'float8' is not a converter torchtitan 0.2.2 registers: its FP8 "
                             f"converter is {TORCHTITAN_FLOAT8_CONVERTER!r} (components/quantization/float8.py), "
                             "configured by [quantize.linear.float8]")
-        if name != TORCHTITAN_FLOAT8_CONVERTER:
-            raise SpecError("model.converters", f"{name!r}: Shardwise prices FP8 linear layers only "
-                            f"({TORCHTITAN_FLOAT8_CONVERTER!r}), not MX formats or grouped-GEMM quantization")
+        if name not in (TORCHTITAN_FLOAT8_CONVERTER, TORCHTITAN_GROUPED_FLOAT8_CONVERTER):
+            raise SpecError("model.converters", f"{name!r}: Shardwise prices FP8 linear layers and experts "
+                            f"({TORCHTITAN_FLOAT8_CONVERTER!r}, {TORCHTITAN_GROUPED_FLOAT8_CONVERTER!r}), "
+                            "not MX formats")
+    experts = _toml_grouped_float8(data) if TORCHTITAN_GROUPED_FLOAT8_CONVERTER in converters else False
     if TORCHTITAN_FLOAT8_CONVERTER not in converters:
+        if experts:
+            raise SpecError("model.converters", f"{TORCHTITAN_GROUPED_FLOAT8_CONVERTER!r} without "
+                            f"{TORCHTITAN_FLOAT8_CONVERTER!r}: Shardwise prices FP8 experts beside FP8 linear layers")
         return None
     table = data.get("quantize", {})
     for key in ("linear", "float8"):
@@ -313,7 +323,26 @@ def _toml_float8(data: dict) -> dict | None:
     if not isinstance(filters, list):
         raise SpecError("quantize.linear.float8.filter_fqns", f"expected a list of module names, got {filters!r}")
     return {"recipe": recipe or "tensorwise", "all_gather": gather, "filters": [str(f) for f in filters],
-            "emulate": _tt_bool(table.get("emulate", False), "quantize.linear.float8.emulate")}
+            "emulate": _tt_bool(table.get("emulate", False), "quantize.linear.float8.emulate"), "experts": experts}
+
+
+def _toml_grouped_float8(data: dict) -> bool:
+    """Whether a 0.2 job TOML's [quantize.grouped_mm.float8] converts the experts (its
+    `fqns` name them: torchtitan's MoE module holds them as `experts`)."""
+    table = data.get("quantize", {})
+    for key in ("grouped_mm", "float8"):
+        table = table.get(key, {}) if isinstance(table, dict) else None
+    if not isinstance(table, dict):
+        raise SpecError("quantize.grouped_mm.float8", "expected a table")
+    unknown = sorted(set(table) - {"fqns"})
+    if unknown:
+        raise SpecError(f"quantize.grouped_mm.float8.{unknown[0]}", "not a field of torchtitan's Float8GroupedMM config")
+    fqns = table.get("fqns", [])
+    if isinstance(fqns, str):
+        fqns = fqns.split(",")
+    if not isinstance(fqns, list):
+        raise SpecError("quantize.grouped_mm.float8.fqns", f"expected a list of module names, got {fqns!r}")
+    return any(str(f).strip() and str(f).strip() in "layers.0.moe.experts" for f in fqns)
 
 
 def _float8_read(fp8: dict, model: ModelSpec, fsdp: bool, warnings: list[str]) -> str:
@@ -493,6 +522,12 @@ def _torchtitan_strategy(sections: dict, ac: Recompute, warnings: list[str], mod
                             "torchtitan refuses the two together (dual_pipe_v.py); set mode none or "
                             "parallelism.pipeline_parallel_expert_parallel_overlap false")
         settings.append(("ep_overlap", 1.0))
+    if sections.get("fp8") is not None and sections["fp8"].get("experts") and model.is_moe:
+        if pp > 1 or cp > 1:
+            raise SpecError("model.converters", f"{TORCHTITAN_GROUPED_FLOAT8_CONVERTER!r} with "
+                            f"{'pipeline' if pp > 1 else 'context'} parallelism: torchtitan's Float8GroupedMMConverter "
+                            "asserts pipeline and context parallelism off (components/quantization/float8.py)")
+        settings.append(("fp8_experts", True))
     if ac.mode == "selective" and ac.every_nth is None:
         # torchtitan's per-op SAC (distributed/activation_checkpoint.py, _save_list policy):
         # costmodel.terms.recompute's op-level policy.

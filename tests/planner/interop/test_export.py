@@ -1172,3 +1172,29 @@ def test_fp8_experts_are_what_megatron_runs_and_the_plan_says_when_it_priced_oth
     assert not any("experts" in w for w in export_plan(megatron, "megatron").warnings)
     toml = export_plan(megatron, "torchtitan-toml")
     assert any("quantize.grouped_mm.float8" in w for w in toml.warnings)
+
+
+def test_torchtitan_toml_grouped_fp8_converter_reads_as_fp8_experts():
+    """torchtitan 0.2.2's quantize.grouped_mm.float8 (torchao's scaled grouped GEMMs on
+    the modules its fqns name) reads back as the runtime's fp8_experts; it needs the
+    linear converter beside it, and torchtitan asserts pipeline and context parallelism
+    off under it."""
+    doc = plan("tiny-moe", "dgx-h100", 32, gpus=8, seq_len=64, precision="fp8-rowwise", top=1,
+               fix="dp=8,tp=1,pp=1,ep=4,mbs=1,zero=3,recompute=none")
+    text = export_plan(doc, "torchtitan-toml").text
+    linear = 'converters = ["quantize.linear.float8"]'
+    assert linear in text
+    both = (text.replace(linear, 'converters = ["quantize.linear.float8", "quantize.grouped_mm.float8"]')
+            + '\n[quantize.grouped_mm.float8]\nfqns = ["experts"]\n')
+    back = read_text("torchtitan-toml", both, model_of(doc), 8)
+    assert dict(back.runtime_settings)["fp8_experts"] is True and back.fp8 == "rowwise"
+    assert "fp8_experts" not in dict(read_text("torchtitan-toml", text, model_of(doc), 8).runtime_settings)
+    with pytest.raises(SpecError, match="^model.converters: 'quantize.grouped_mm.float8' without"):
+        read_text("torchtitan-toml", both.replace('"quantize.linear.float8", ', ""), model_of(doc), 8)
+    piped = plan("tiny-moe", "dgx-h100", 32, gpus=8, seq_len=64, precision="fp8-rowwise", top=1,
+                 fix="dp=4,tp=1,pp=2,ep=4,mbs=1,zero=2,recompute=none,schedule=1f1b")
+    piped_text = export_plan(piped, "torchtitan-toml").text
+    with pytest.raises(SpecError, match="^model.converters: 'quantize.grouped_mm.float8' with pipeline parallelism"):
+        read_text("torchtitan-toml", piped_text.replace(linear, 'converters = ["quantize.linear.float8", '
+                                                                '"quantize.grouped_mm.float8"]')
+                  + '\n[quantize.grouped_mm.float8]\nfqns = ["experts"]\n', model_of(piped), 8)
