@@ -57,8 +57,13 @@ def export_strategy(target: str, strategy: Strategy, model: ModelSpec, training:
     if target not in _EXPORTERS:
         raise SpecError("--to", f"unknown target {target!r} (known: {', '.join(TARGETS)})")
     dispatch = runtime.moe_dispatch if runtime is not None and model.is_moe and strategy.ep > 1 else "all-to-all"
-    exported = (export_megatron(strategy, model, training, dispatch) if target == "megatron"
-                else _EXPORTERS[target](strategy, model, training))
+    overlap = runtime.ep_overlap if runtime is not None else 0.0
+    if target == "megatron":
+        exported = export_megatron(strategy, model, training, dispatch)
+    elif target == "torchtitan-toml":
+        exported = export_torchtitan_toml(strategy, model, training, dispatch, overlap)
+    else:
+        exported = _EXPORTERS[target](strategy, model, training)
     exported = Exported(exported.text, exported.warnings + _group_warnings(target, strategy)
                         + _selective_warnings(target, strategy, runtime) + _dispatch_warnings(target, dispatch)
                         + _fp8_expert_warnings(target, model, training, runtime), exported.changes)
@@ -92,9 +97,8 @@ def _selective_warnings(target: str, strategy: Strategy, runtime: RuntimeSpec | 
             f"{'pytorch-native' if engine == 'op-level' else 'megatron'} to price what {target} runs",)
 
 
-# Where each engine that is not told by the export chooses DeepEP (RuntimeSpec.moe_dispatch).
+# Where an engine the export does not tell chooses DeepEP (RuntimeSpec.moe_dispatch).
 DEEPEP_SETTING = {
-    "torchtitan-toml": 'parallelism.expert_parallel_comm_backend = "deepep" (torchtitan 0.2.2 job_config.py)',
     "torchtitan": ("the model config's token dispatcher, DeepEPTokenDispatcher (torchtitan 0.3.0 "
                    "models/common/token_dispatcher.py)"),
 }
@@ -102,7 +106,7 @@ DEEPEP_SETTING = {
 
 def _dispatch_warnings(target: str, dispatch: str) -> tuple[str, ...]:
     """A plan priced with DeepEP's node-deduplicated dispatch, exported where the text does not say it."""
-    if dispatch != "deepep" or target == "megatron":
+    if dispatch != "deepep" or target in ("megatron", "torchtitan-toml"):
         return ()
     where = DEEPEP_SETTING.get(target)
     if where is None:

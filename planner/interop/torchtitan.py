@@ -762,10 +762,23 @@ def _toml_value(value) -> str:
     return str(value)
 
 
-def export_torchtitan_toml(strategy: Strategy, model: ModelSpec, training: TrainingSpec) -> Exported:
+def export_torchtitan_toml(strategy: Strategy, model: ModelSpec, training: TrainingSpec,
+                           moe_dispatch: str = "all-to-all", ep_overlap: float = 0.0) -> Exported:
     """The [parallelism], [training] and [activation_checkpoint] sections of a torchtitan
-    0.2 job TOML (torchtitan 0.2.2 config/job_config.py)."""
+    0.2 job TOML (torchtitan 0.2.2 config/job_config.py). `moe_dispatch` and `ep_overlap`:
+    the plan's runtime's (RuntimeSpec), written as expert_parallel_comm_backend and
+    DualPipeV's pipeline_parallel_expert_parallel_overlap where the plan has ep > 1."""
     par, train, ac, warnings = _torchtitan_fields(strategy, model, training, toml=True)
+    s = strategy
+    if model.is_moe and s.ep > 1:
+        par["expert_parallel_comm_backend"] = "deepep" if moe_dispatch == "deepep" else "standard"
+        if s.schedule == "dualpipev" and s.pp > 1:
+            # On by default in torchtitan 0.2.2, which then refuses activation checkpointing.
+            overlap = ep_overlap > 0 and ac == "none"
+            par["pipeline_parallel_expert_parallel_overlap"] = overlap
+            if ep_overlap > 0 and not overlap:
+                warnings.append("torchtitan overlaps DualPipeV's expert exchange only without activation checkpointing "
+                                "(distributed/dual_pipe_v.py): exported with the overlap off, which the plan priced on")
     lines = ["[parallelism]"] + [f"{k} = {_toml_value(v)}" for k, v in par.items()]
     lines += ["", "[training]"] + [f"{k} = {_toml_value(v)}" for k, v in train.items()]
     lines += ["", "[activation_checkpoint]", f"mode = {_toml_value(ac)}"]

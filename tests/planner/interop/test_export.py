@@ -1130,31 +1130,45 @@ def test_the_expert_dispatch_priced_is_the_one_exported_and_read_back():
     absent = read_text("megatron", plain.text.replace("--moe-token-dispatcher-type alltoall", ""), model, 8)
     assert any("absent (Megatron's default allgather)" in w for w in absent.warnings)
     toml = export_strategy("torchtitan-toml", strategy, model, training, deepep)
-    assert any('expert_parallel_comm_backend = "deepep"' in w for w in toml.warnings)
-    told = toml.text.replace("[parallelism]\n", '[parallelism]\nexpert_parallel_comm_backend = "deepep"\n')
-    assert dict(read_text("torchtitan-toml", told, model, 8).runtime_settings)["moe_dispatch"] == "deepep"
+    assert 'expert_parallel_comm_backend = "deepep"' in toml.text
+    assert not any("DeepEP" in w for w in toml.warnings)
+    assert dict(read_text("torchtitan-toml", toml.text, model, 8).runtime_settings)["moe_dispatch"] == "deepep"
+    standard = export_strategy("torchtitan-toml", strategy, model, training, load_runtime()).text
+    assert 'expert_parallel_comm_backend = "standard"' in standard
+    assert dict(read_text("torchtitan-toml", standard, model, 8).runtime_settings).get("moe_dispatch") is None
     with pytest.raises(SpecError, match="^parallelism.expert_parallel_comm_backend: expected standard or deepep"):
-        read_text("torchtitan-toml", told.replace('"deepep"', '"nvshmem"'), model, 8)
+        read_text("torchtitan-toml", toml.text.replace('"deepep"', '"nvshmem"'), model, 8)
+    assert any("DeepEPTokenDispatcher" in w
+               for w in export_strategy("torchtitan", strategy, model, training, deepep).warnings)
 
 
 def test_torchtitan_0_2_overlaps_dualpipev_expert_exchange_and_refuses_checkpointing():
     """torchtitan 0.2.2 runs DualPipeV's overlapped pairs on two threads meeting at dispatch
     and combine (pipeline_parallel_expert_parallel_overlap, on by default): read as the
-    runtime's ep_overlap 1; with activation checkpointing it refuses to start."""
+    runtime's ep_overlap 1; with activation checkpointing it refuses to start. The export
+    writes the plan's: off under the executor's runtime, on where the plan priced it."""
     doc = plan("tiny-deepseek", "dgx-a100-80gb", 32, gpus=8, seq_len=64, top=1,
                fix="dp=4,tp=1,pp=2,vpp=2,ep=4,mbs=1,zero=1,recompute=none,schedule=dualpipev")
-    model, strategy = model_of(doc), strategy_of(doc)
+    model, strategy, training = model_of(doc), strategy_of(doc), training_of(doc)
     text = export_plan(doc, "torchtitan-toml").text
-    assert dict(read_text("torchtitan-toml", text, model, 8).runtime_settings)["ep_overlap"] == 1.0
-    off = text.replace("[parallelism]\n", "[parallelism]\npipeline_parallel_expert_parallel_overlap = false\n")
-    assert "ep_overlap" not in dict(read_text("torchtitan-toml", off, model, 8).runtime_settings)
+    assert "pipeline_parallel_expert_parallel_overlap = false" in text
+    assert "ep_overlap" not in dict(read_text("torchtitan-toml", text, model, 8).runtime_settings)
+    default = text.replace("pipeline_parallel_expert_parallel_overlap = false\n", "")
+    assert dict(read_text("torchtitan-toml", default, model, 8).runtime_settings)["ep_overlap"] == 1.0
+    overlapped = replace(load_runtime(), ep_overlap=1.0)
+    on = export_strategy("torchtitan-toml", strategy, model, training, overlapped)
+    assert "pipeline_parallel_expert_parallel_overlap = true" in on.text
+    assert not any("overlap" in w for w in on.warnings)
     # torchtitan 0.3 dropped the overlap: its overrides read as pairs run one after the other.
     assert "ep_overlap" not in dict(read_text("torchtitan", export_plan(doc, "torchtitan").text, model, 8)
                                     .runtime_settings)
-    full = export_strategy("torchtitan-toml", strategy.with_stages(even_stages(6, 2, 2, "full", "dualpipev")), model,
-                           training_of(doc))
+    recomputed = strategy.with_stages(even_stages(6, 2, 2, "full", "dualpipev"))
+    full = export_strategy("torchtitan-toml", recomputed, model, training, overlapped)
+    assert "pipeline_parallel_expert_parallel_overlap = false" in full.text
+    assert any("exported with the overlap off, which the plan priced on" in w for w in full.warnings)
     with pytest.raises(SpecError, match="^activation_checkpoint.mode: full with DualPipeV's expert-parallel overlap"):
-        read_text("torchtitan-toml", full.text, model, 8)
+        read_text("torchtitan-toml", full.text.replace("pipeline_parallel_expert_parallel_overlap = false\n", ""),
+                  model, 8)
 
 
 def test_fp8_experts_are_what_megatron_runs_and_the_plan_says_when_it_priced_otherwise():
