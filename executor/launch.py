@@ -97,6 +97,10 @@ def check_supported(spec: ModelSpec, strategy: Strategy, seq_len: int, precision
     if layout := layout_error(strategy):
         field, why = layout
         raise UnsupportedPlan(f"strategy.{field.split('[')[0]}: {why}")
+    held = sum(stage.num_layers for stage in strategy.stages)
+    if strategy.stages and held != spec.num_hidden_layers:
+        # Stages that leave layers out would train a shorter model without a word.
+        raise UnsupportedPlan(f"strategy.stages: they hold {held} layers, {spec.name} has {spec.num_hidden_layers}")
     if why := schedule_zero_error(strategy.schedule, strategy.pp, strategy.dp_cp, strategy.zero_stage):
         raise UnsupportedPlan(f"strategy.zero_stage: {why}")
     built = unbuilt_features(spec)

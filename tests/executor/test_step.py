@@ -246,20 +246,22 @@ def test_gpt_oss_llama4_gemma3_and_deepseek_v3_are_refused_by_name_before_any_we
                                               "the model's attention_window, attention_sinks, router_bias, "
                                               "swiglu_limit, mlp_bias \\(gpt-oss, Llama 4, Gemma 3, DeepSeek-V3\\) "
                                               "yet"):
-        check_supported(load_model("gpt-oss-20b", {"num_hidden_layers": "2"}), strategy(dp=2, ep=2), 16)
+        check_supported(load_model("gpt-oss-20b", {"num_hidden_layers": "2"}),
+                        strategy(dp=2, ep=2, stages=even_stages(2, 1, 1)), 16)
     with pytest.raises(UnsupportedPlan, match="^model.attention_window: .* attention_window, router_scoring "):
         check_supported(load_model("llama4-scout", {"num_hidden_layers": "4"}), strategy(dp=2, ep=2), 16)
     with pytest.raises(UnsupportedPlan, match="^model.attention_window: .* attention_window, norms_per_layer "):
-        check_supported(load_model("gemma3-1b", {"num_hidden_layers": "6"}), strategy(dp=2), 16)
+        check_supported(load_model("gemma3-1b", {"num_hidden_layers": "6"}), strategy(dp=2, stages=even_stages(6, 1, 1)),
+                        16)
     # DeepSeek-V3's multi-token prediction module (its latent attention, dense first
     # layers and grouped sigmoid routing are built: test_deepseek_v3_without_mtp_parity).
     with pytest.raises(UnsupportedPlan, match="^model.num_nextn_predict_layers: .* num_nextn_predict_layers "
                                               "\\(gpt-oss"):
-        check_supported(load_model("tiny-deepseek"), strategy(dp=2, ep=2), 16)
+        check_supported(load_model("tiny-deepseek"), strategy(dp=2, ep=2, stages=even_stages(6, 1, 1)), 16)
     without_mtp = load_model("tiny-deepseek", {"num_nextn_predict_layers": "0"})
-    check_supported(without_mtp, strategy(dp=2, ep=2), 16)
+    check_supported(without_mtp, strategy(dp=2, ep=2, stages=even_stages(6, 1, 1)), 16)
     with pytest.raises(UnsupportedPlan, match="^strategy.cp: context parallelism \\(cp 2\\) with multi-head latent"):
-        check_supported(without_mtp, strategy(cp=2), 16)
+        check_supported(without_mtp, strategy(cp=2, stages=even_stages(6, 1, 1)), 16)
 
 
 def test_context_parallel_plans_the_executor_cannot_run_are_refused():
@@ -379,3 +381,11 @@ def test_a_builtin_model_trains_with_the_users_weights(layout):
     fix = AUTO_LAYOUTS[layout]
     reference = {k: v.detach().clone() for k, v in model.state_dict().items()}
     assert_trains_as_the_model(run_local(builtin_rank, fix["dp"] * fix["tp"] * fix["pp"], fix), losses, reference)
+
+
+def test_stages_that_leave_layers_out_are_refused():
+    """A plan whose stages hold fewer layers than the model would train a shorter model."""
+    six_layers = load_model("tiny-deepseek", {"num_nextn_predict_layers": "0"})
+    with pytest.raises(UnsupportedPlan, match="^strategy.stages: they hold 4 layers, tiny-deepseek has 6$"):
+        check_supported(six_layers, strategy(pp=2), 16)
+    check_supported(six_layers, strategy(pp=2, stages=even_stages(6, 2, 1)), 16)
