@@ -939,14 +939,10 @@ def make_training(model: ModelSpec, cluster: ClusterSpec | MixedClusterSpec, glo
     for group in getattr(cluster, "groups", (cluster,)):
         peaks = group.gpu.peak_flops_per_s
         if precision not in peaks or (fp8 and "fp8" not in peaks):
-            have = ", ".join(c for c in PRECISION_CHOICES if split_precision(c)[0] in peaks
-                             and (split_precision(c)[1] is None or "fp8" in peaks)
-                             and (split_precision(c)[1] != "mxfp8" or "fp4" in peaks)) or "none a plan can use"
+            have = ", ".join(c for c in PRECISION_CHOICES if _runs_on(c, peaks)) or "none a plan can use"
             needed = f"fp8 peak for {name}" if fp8 else f"{precision} peak"
             raise SpecError("--precision", f"{group.gpu.name} has no {needed} (has: {have}; pass one of those)")
-        if fp8 == "mxfp8" and "fp4" not in peaks:
-            # MX formats run on the tensor cores of the GPUs whose data sheet gives an FP4
-            # (MXFP4 / NVFP4) peak: Blackwell's block-scaled GEMMs.
+        if not _runs_on(name, peaks):   # an FP8 peak, but not MX's
             raise SpecError("--precision", f"{group.gpu.name} has no MX (block-scaled) FP8 GEMMs, which Blackwell "
                                            "(B200, GB200) has; pass fp8-blockwise or fp8-rowwise")
     if optimizer not in OPTIMIZERS:
@@ -954,6 +950,14 @@ def make_training(model: ModelSpec, cluster: ClusterSpec | MixedClusterSpec, glo
     if mixed_precision not in MIXED_PRECISION:
         raise SpecError("mixed_precision", f"unknown {mixed_precision!r} (known: {', '.join(MIXED_PRECISION)})")
     return TrainingSpec(batch, seq, precision, optimizer, flash_attention, mixed_precision, fp8)
+
+
+def _runs_on(name: str, peaks: dict) -> bool:
+    """Whether a --precision name runs on a GPU of these data-sheet peaks: its precision's
+    peak, an fp8 one for FP8 recipes, and for MX formats an FP4 one (MXFP4 / NVFP4: the
+    GPUs whose tensor cores take block-scaled formats, Blackwell's)."""
+    precision, fp8 = split_precision(name)
+    return precision in peaks and (fp8 is None or "fp8" in peaks) and (fp8 != "mxfp8" or "fp4" in peaks)
 
 
 def _check_keys(data: dict, allowed: set[str], field: str) -> None:

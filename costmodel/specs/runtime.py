@@ -107,7 +107,7 @@ class RuntimeSpec:
     # blocks: torch splits their backward outside torch.compile.
     zero_bubble_schedules: bool = True
     # How a mixture-of-experts layer moves tokens to their experts and back
-    # (costmodel.terms.comm expert_exchange_bytes): "all-to-all", one copy of a token's
+    # (costmodel.terms.comm expert_exchange_s): "all-to-all", one copy of a token's
     # hidden vector per routed expert over NCCL's all-to-all (the executor, torchtitan,
     # Megatron-LM's alltoall dispatcher); "deepep", one copy per destination node over the
     # network, fanned out to the node's GPUs over NVLink, FP8 dispatch under FP8 training

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from costmodel.problem import Problem
 from costmodel.specs import ClusterSpec, LinkSpec, RuntimeSpec
+from costmodel.specs.training import FP8_SCALE_BYTES_PER_VALUE
 from costmodel.strategy import Strategy
 from costmodel.terms import compute
 
@@ -143,7 +144,9 @@ def expert_exchange_s(model, tokens_bytes: float, ep: int, group: Placement, clu
     else:
         on_node, on_peers = tokens_bytes * rows * (k - 1) / n, k - 1
         off_node, off_peers = tokens_bytes * rows * (n - k) / n, n - k
-    dispatch_ratio = (1 + 4 / 128) / value_bytes if fp8 and deepep else 1.0
+    # FP8 values and their 1x128 tiles' scales (the blockwise recipe's bytes a value).
+    fp8_bytes = compute.FP8_CAST_WRITE_BYTES + FP8_SCALE_BYTES_PER_VALUE["blockwise"]
+    dispatch_ratio = fp8_bytes / value_bytes if fp8 and deepep else 1.0
     curve = None if deepep else runtime
     dispatch = all_to_all_s(on_node * dispatch_ratio, on_peers, off_node * dispatch_ratio, off_peers, cluster, curve)
     return dispatch + all_to_all_s(on_node, on_peers, off_node, off_peers, cluster, curve)

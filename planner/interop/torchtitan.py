@@ -299,11 +299,7 @@ def _toml_float8(data: dict) -> dict | None:
             raise SpecError("model.converters", f"{TORCHTITAN_GROUPED_FLOAT8_CONVERTER!r} without "
                             f"{TORCHTITAN_FLOAT8_CONVERTER!r}: Shardwise prices FP8 experts beside FP8 linear layers")
         return None
-    table = data.get("quantize", {})
-    for key in ("linear", "float8"):
-        table = table.get(key, {}) if isinstance(table, dict) else None
-    if not isinstance(table, dict):
-        raise SpecError("quantize.linear.float8", "expected a table")
+    table = _quantize_table(data, "linear")
     unknown = sorted(set(table) - set(TORCHTITAN_FLOAT8_FIELDS))
     if unknown:
         raise SpecError(f"quantize.linear.float8.{unknown[0]}", "not a field of torchtitan's Float8Linear config")
@@ -317,32 +313,38 @@ def _toml_float8(data: dict) -> dict | None:
         raise SpecError("quantize.linear.float8.enable_fsdp_float8_all_gather",
                         f"torchtitan refuses it beside recipe_name {recipe!r}; leave recipe_name unset "
                         "(tensorwise) to gather in fp8")
-    filters = table.get("filter_fqns", [])
-    if isinstance(filters, str):
-        filters = filters.split(",")
-    if not isinstance(filters, list):
-        raise SpecError("quantize.linear.float8.filter_fqns", f"expected a list of module names, got {filters!r}")
-    return {"recipe": recipe or "tensorwise", "all_gather": gather, "filters": [str(f) for f in filters],
+    filters = _module_names(table.get("filter_fqns", []), "quantize.linear.float8.filter_fqns")
+    return {"recipe": recipe or "tensorwise", "all_gather": gather, "filters": filters,
             "emulate": _tt_bool(table.get("emulate", False), "quantize.linear.float8.emulate"), "experts": experts}
 
 
 def _toml_grouped_float8(data: dict) -> bool:
     """Whether a 0.2 job TOML's [quantize.grouped_mm.float8] converts the experts (its
     `fqns` name them: torchtitan's MoE module holds them as `experts`)."""
-    table = data.get("quantize", {})
-    for key in ("grouped_mm", "float8"):
-        table = table.get(key, {}) if isinstance(table, dict) else None
-    if not isinstance(table, dict):
-        raise SpecError("quantize.grouped_mm.float8", "expected a table")
+    table = _quantize_table(data, "grouped_mm")
     unknown = sorted(set(table) - {"fqns"})
     if unknown:
         raise SpecError(f"quantize.grouped_mm.float8.{unknown[0]}", "not a field of torchtitan's Float8GroupedMM config")
-    fqns = table.get("fqns", [])
-    if isinstance(fqns, str):
-        fqns = fqns.split(",")
-    if not isinstance(fqns, list):
-        raise SpecError("quantize.grouped_mm.float8.fqns", f"expected a list of module names, got {fqns!r}")
-    return any(str(f).strip() and str(f).strip() in "layers.0.moe.experts" for f in fqns)
+    fqns = _module_names(table.get("fqns", []), "quantize.grouped_mm.float8.fqns")
+    return any(f.strip() and f.strip() in "layers.0.moe.experts" for f in fqns)
+
+
+def _quantize_table(data: dict, kind: str) -> dict:
+    """A 0.2 job TOML's [quantize.<kind>.float8] table (empty where absent)."""
+    table = data.get("quantize", {})
+    for key in (kind, "float8"):
+        table = table.get(key, {}) if isinstance(table, dict) else None
+    if not isinstance(table, dict):
+        raise SpecError(f"quantize.{kind}.float8", "expected a table")
+    return table
+
+
+def _module_names(value, field: str) -> list[str]:
+    """A list of module names, given as a TOML array or one comma-separated string."""
+    names = value.split(",") if isinstance(value, str) else value
+    if not isinstance(names, list):
+        raise SpecError(field, f"expected a list of module names, got {value!r}")
+    return [str(name) for name in names]
 
 
 def _float8_read(fp8: dict, model: ModelSpec, fsdp: bool, warnings: list[str]) -> str:
