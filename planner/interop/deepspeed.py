@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 
-from costmodel.specs import ModelSpec, TrainingSpec
+from costmodel.specs import ModelSpec, RuntimeSpec, TrainingSpec
 from costmodel.specs.loading import SpecError
 from costmodel.strategy import Strategy
 from planner.interop.common import (
@@ -119,7 +119,8 @@ def read_deepspeed(text: str, model: ModelSpec, num_gpus: int) -> Imported:
     return Imported(strategy, total, None, precision, tuple(warnings))
 
 
-def export_deepspeed(strategy: Strategy, model: ModelSpec, training: TrainingSpec) -> Exported:
+def export_deepspeed(strategy: Strategy, model: ModelSpec, training: TrainingSpec,
+                     runtime: RuntimeSpec | None = None) -> Exported:
     """A DeepSpeed config JSON (keys: DEEPSPEED_KEYS). The pipeline and
     expert degrees are not config keys in DeepSpeed: they are said in warnings. A plan
     with context parallelism or FP8 is refused (SpecError): no DeepSpeed setting runs it."""

@@ -56,14 +56,8 @@ def export_strategy(target: str, strategy: Strategy, model: ModelSpec, training:
     that no setting of the target runs (DeepSpeed with cp > 1 or FP8) raises SpecError."""
     if target not in _EXPORTERS:
         raise SpecError("--to", f"unknown target {target!r} (known: {', '.join(TARGETS)})")
+    exported = _EXPORTERS[target](strategy, model, training, runtime)
     dispatch = runtime.moe_dispatch if runtime is not None and model.is_moe and strategy.ep > 1 else "all-to-all"
-    overlap = runtime.ep_overlap if runtime is not None else 0.0
-    if target == "megatron":
-        exported = export_megatron(strategy, model, training, dispatch)
-    elif target == "torchtitan-toml":
-        exported = export_torchtitan_toml(strategy, model, training, dispatch, overlap)
-    else:
-        exported = _EXPORTERS[target](strategy, model, training)
     exported = Exported(exported.text, exported.warnings + _group_warnings(target, strategy)
                         + _selective_warnings(target, strategy, runtime) + _dispatch_warnings(target, dispatch)
                         + _fp8_expert_warnings(target, model, training, runtime), exported.changes)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import re
 
-from costmodel.specs import ModelSpec, TrainingSpec
+from costmodel.specs import ModelSpec, RuntimeSpec, TrainingSpec
 from costmodel.specs.loading import SpecError
 from costmodel.strategy import ZERO_BUBBLE_SCHEDULES, Strategy
 from planner.interop.common import (
@@ -560,9 +560,9 @@ def _megatron_partition(strategy: Strategy, layers: int) -> list[str]:
 
 
 def export_megatron(strategy: Strategy, model: ModelSpec, training: TrainingSpec,
-                    moe_dispatch: str = "all-to-all") -> Exported:
+                    runtime: RuntimeSpec | None = None) -> Exported:
     """Megatron-LM arguments for `pretrain_gpt.py` (names: the MEGATRON_* constants above);
-    `moe_dispatch`: the plan's runtime's (RuntimeSpec.moe_dispatch)."""
+    `runtime`: the plan's, whose moe_dispatch names the token dispatcher."""
     s, warnings = strategy, []
     args = ["--tensor-model-parallel-size", str(s.tp), "--pipeline-model-parallel-size", str(s.pp)]
     if s.schedule == "gpipe" and s.pp > 1:
@@ -625,7 +625,8 @@ def export_megatron(strategy: Strategy, model: ModelSpec, training: TrainingSpec
         args += ["--num-experts", str(model.num_local_experts), "--moe-router-topk", str(model.num_experts_per_tok)]
         if s.ep > 1:
             args += (["--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "deepep"]
-                     if moe_dispatch == "deepep" else ["--moe-token-dispatcher-type", "alltoall"])
+                     if runtime is not None and runtime.moe_dispatch == "deepep"
+                     else ["--moe-token-dispatcher-type", "alltoall"])
         if model.moe_capacity_factor is not None:
             args += ["--moe-expert-capacity-factor", f"{model.moe_capacity_factor:g}",
                      "--moe-token-drop-policy", "position"]

@@ -13,7 +13,7 @@ import re
 
 import tomllib
 
-from costmodel.specs import ModelSpec, TrainingSpec
+from costmodel.specs import ModelSpec, RuntimeSpec, TrainingSpec
 from costmodel.specs.loading import SpecError
 from costmodel.strategy import Stage, Strategy, schedule_vpp_error, stage_rank
 from planner.interop.common import (
@@ -745,7 +745,8 @@ def _flag(section: str, key: str, value) -> str:
     return f"--{section}.{key} {value}"
 
 
-def export_torchtitan(strategy: Strategy, model: ModelSpec, training: TrainingSpec) -> Exported:
+def export_torchtitan(strategy: Strategy, model: ModelSpec, training: TrainingSpec,
+                      runtime: RuntimeSpec | None = None) -> Exported:
     """Overrides for `torchtitan/train.py --module M --config C ...` (0.3: tyro flags
     `--parallelism.<field>`, `--training.<field>`, and the activation-checkpoint
     subcommand last, as torchtitan spells it in distributed/minimal_async_ep/api.py)."""
@@ -765,11 +766,13 @@ def _toml_value(value) -> str:
 
 
 def export_torchtitan_toml(strategy: Strategy, model: ModelSpec, training: TrainingSpec,
-                           moe_dispatch: str = "all-to-all", ep_overlap: float = 0.0) -> Exported:
+                           runtime: RuntimeSpec | None = None) -> Exported:
     """The [parallelism], [training] and [activation_checkpoint] sections of a torchtitan
-    0.2 job TOML (torchtitan 0.2.2 config/job_config.py). `moe_dispatch` and `ep_overlap`:
-    the plan's runtime's (RuntimeSpec), written as expert_parallel_comm_backend and
-    DualPipeV's pipeline_parallel_expert_parallel_overlap where the plan has ep > 1."""
+    0.2 job TOML (torchtitan 0.2.2 config/job_config.py). `runtime`: the plan's, whose
+    moe_dispatch and ep_overlap are written as expert_parallel_comm_backend and DualPipeV's
+    pipeline_parallel_expert_parallel_overlap where the plan has ep > 1."""
+    moe_dispatch = runtime.moe_dispatch if runtime is not None else "all-to-all"
+    ep_overlap = runtime.ep_overlap if runtime is not None else 0.0
     par, train, ac, warnings = _torchtitan_fields(strategy, model, training, toml=True)
     s = strategy
     if model.is_moe and s.ep > 1:
