@@ -142,6 +142,13 @@ class Strategy:
     # and V in each attention (Llama 3, Dubey et al. 2024 §3.3.2). They hold the same
     # weights, so gradients are reduced, and ZeRO shards, over dp x cp.
     cp: int = 1
+    # Expert tensor parallelism: None, each expert's matrices split over the tp ranks as
+    # the dense MLP's are (Megatron-LM's default, expert_tensor_parallel_size = tp); 1,
+    # experts kept whole while attention takes tp (MoE parallel folding, Liu et al. 2025,
+    # Megatron-Core; torchtitan's etp 1): each tp rank routes its sequence-parallel share
+    # of the tokens, and the ep group takes ranks from tp, cp and dp alike. Set only
+    # where tp > 1 (at tp 1 the two are the same).
+    etp: int | None = None
     schedule: str = "1f1b"
     zero_stage: int = 0
     recompute: str = "none"
@@ -176,6 +183,25 @@ class Strategy:
     def dp_cp(self) -> int:
         """Ranks holding the same weights: the gradient-reduction and ZeRO group."""
         return self.dp * self.cp
+
+    @property
+    def expert_tp(self) -> int:
+        """Ranks each expert's matrices are split over: tp, or 1 under MoE parallel folding."""
+        return self.tp if self.etp is None else self.etp
+
+    @property
+    def edp(self) -> int:
+        """Ranks holding the same experts (expert data parallelism): of the dp x cp x tp
+        ranks of a pipeline stage, those not splitting the experts over ep or etp. With
+        the experts split over tp it is dp x cp / ep, the old dp // ep at cp 1."""
+        return self.dp * self.cp * self.tp // (self.ep * self.expert_tp)
+
+    @property
+    def fold(self) -> int:
+        """How many ways MoE parallel folding splits a tp group's tokens before routing
+        them: tp when the experts are whole (etp 1), else 1 (the tp ranks route the
+        same tokens, each with its share of every expert's matrices)."""
+        return self.tp // self.expert_tp
 
     @property
     def num_virtual_stages(self) -> int:
@@ -220,6 +246,29 @@ def layout_error(strategy: Strategy) -> tuple[str, str] | None:
             if stage.pp_rank != rank:
                 return (f"stages[{position}].pp_rank",
                         f"virtual stage {stage.index} is not on the pipeline rank {s.schedule} runs it on ({rank})")
+    return None
+
+
+def expert_layout_error(strategy: Strategy, num_experts: int, folding: bool) -> tuple[str, str] | None:
+    """(field, why) when the strategy's experts cannot be laid out as its runtime lays
+    them (None when they can). `folding` (RuntimeSpec.moe_folding): the engine builds
+    the experts' groups apart from attention's over the dp x cp x tp ranks of a stage,
+    etp innermost, then ep, then edp (Megatron-Core's expert RankGenerator "tp-ep-dp-pp";
+    torchtitan's sparse mesh); else ep lies inside dp (DeepSpeed's expert groups, the
+    executor's mesh)."""
+    s = strategy
+    if s.etp is not None and (s.etp != 1 or s.tp == 1):
+        return "etp", f"expected 1 (whole experts under tp > 1) or none (experts split over tp), got {s.etp}"
+    if s.etp == 1 and not s.sequence_parallel:
+        return "etp", "whole experts under tp route each tp rank's sequence-parallel share of the tokens: set sp on"
+    if s.ep > 1 and num_experts % s.ep:
+        return "ep", f"{s.ep} does not divide the {num_experts} experts"
+    if folding and (s.dp * s.cp * s.tp) % (s.ep * s.expert_tp):
+        return "ep", f"ep {s.ep} x etp {s.expert_tp} does not divide dp x cp x tp = {s.dp * s.cp * s.tp}"
+    if not folding and s.etp == 1:
+        return "etp", "this runtime splits experts over tp (etp 1 needs MoE parallel folding: --runtime megatron)"
+    if not folding and s.dp % s.ep:
+        return "ep", f"{s.ep} does not divide dp {s.dp}: this runtime's expert groups lie inside dp"
     return None
 
 

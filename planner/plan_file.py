@@ -49,6 +49,7 @@ from costmodel.strategy import (
     Stage,
     Strategy,
     context_parallel_error,
+    expert_layout_error,
     layout_error,
 )
 from costmodel.terms.counts import active_parameters, total_parameters
@@ -84,10 +85,11 @@ _MIXED_STRATEGY_FIELDS = ("stage_groups", "replica_groups", "replica_microbatche
 
 
 def strategy_dict(strategy: Strategy) -> dict:
-    # cp is written only above 1, so plans without context parallelism keep their bytes.
+    # cp is written only above 1 and etp only when set, so plans without context
+    # parallelism or whole experts under tp keep their bytes.
     out = {f.name: getattr(strategy, f.name) for f in fields(strategy)
            if f.name != "stages" and not (f.name in _MIXED_STRATEGY_FIELDS and not getattr(strategy, f.name))
-           and not (f.name == "cp" and strategy.cp == 1)}
+           and not (f.name == "cp" and strategy.cp == 1) and not (f.name == "etp" and strategy.etp is None)}
     out["stages"] = [asdict(s) | {"ranks": list(strategy.ranks(s.pp_rank))} for s in strategy.stages]
     return out
 
@@ -247,6 +249,11 @@ def check_plan(doc: dict) -> dict:
                                          f"{strategy.num_gpus} ranks, but the plan's cluster has {gpus} GPUs")
     if why := context_parallel_error(strategy.cp, training.seq_len):
         raise SpecError("plan.strategy.cp", why)
+    if isinstance(model, ModelSpec) and (model.is_moe or strategy.etp is not None or strategy.ep > 1):
+        if not model.is_moe:
+            raise SpecError("plan.strategy.ep" if strategy.ep > 1 else "plan.strategy.etp", f"{model.name} has no experts")
+        if layout := expert_layout_error(strategy, model.num_local_experts, runtime_of(doc).moe_folding):
+            raise SpecError(f"plan.strategy.{layout[0]}", layout[1])
     _check_estimate(doc["estimate"], strategy)
     return doc
 
@@ -387,9 +394,13 @@ def strategy_of(doc: dict) -> Strategy:
     cp = data.get("cp", 1)
     if not isinstance(cp, int) or isinstance(cp, bool) or cp < 1:
         raise SpecError("plan.strategy.cp", f"expected a positive integer, got {cp!r}")
+    etp = data.get("etp")
+    if etp is not None and (etp != 1 or isinstance(etp, bool)):
+        raise SpecError("plan.strategy.etp", f"expected 1 (whole experts under tp) or absent (experts split over tp), "
+                                             f"got {etp!r}")
     try:
         stages = tuple(Stage(**{k: v for k, v in s.items() if k != "ranks"}) for s in data.get("stages", []))
-        strategy = Strategy(**{k: data[k] for k in _STRATEGY_INTS}, cp=cp,
+        strategy = Strategy(**{k: data[k] for k in _STRATEGY_INTS}, cp=cp, etp=etp,
                             schedule=str(data["schedule"]), recompute=str(data["recompute"]),
                             sequence_parallel=bool(data["sequence_parallel"]), stages=stages,
                             **{k: tuple(data[k]) for k in _MIXED_STRATEGY_FIELDS if k in data})

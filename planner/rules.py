@@ -4,7 +4,8 @@ error), and merged with `--fix`. The search space (`planner.search.space`) and t
 solver (`planner.search.partition`) enforce them; nothing here is advisory.
 
 The knobs a rule can name are the keys of `--fix`:
-dp, tp, pp, vpp, ep, cp, mbs, zero, recompute, sp, schedule.
+dp, tp, pp, vpp, ep, etp, cp, mbs, zero, recompute, sp, schedule. `etp` is the ranks each
+expert's matrices split over: tp, or 1 (whole experts under MoE parallel folding).
 """
 
 from __future__ import annotations
@@ -23,10 +24,10 @@ from costmodel.specs.loading import (
 )
 from costmodel.strategy import RECOMPUTE_MODES, SCHEDULES, schedule_vpp_error
 
-INT_KNOBS = ("dp", "tp", "pp", "vpp", "ep", "cp", "mbs", "zero")
+INT_KNOBS = ("dp", "tp", "pp", "vpp", "ep", "etp", "cp", "mbs", "zero")
 KNOBS = INT_KNOBS + ("recompute", "sp", "schedule")
 # Longer spellings accepted in rule files and --fix.
-ALIASES = {"micro_batch_size": "mbs", "zero_stage": "zero", "sequence_parallel": "sp", "context_parallel": "cp"}
+ALIASES = {"expert_tensor_parallel": "etp", "micro_batch_size": "mbs", "zero_stage": "zero", "sequence_parallel": "sp", "context_parallel": "cp"}
 OBJECTIVES = ("time", "memory", "cost", "energy")
 # Budgets a plan must meet (costmodel.estimate.energy): rule-file key -> CLI option.
 BUDGETS = {"max_cost_per_step_usd": "--max-cost-per-step", "power_cap_w": "--power-cap",

@@ -66,9 +66,11 @@ def plain(strategy: Strategy) -> Strategy:
 def group_units(problem: Problem, group: ClusterSpec, strategy: Strategy,
                 cache: dict | None = None) -> tuple[Problem, UnitCosts]:
     """`group`'s problem and the strategy's unit costs on it, kept in `cache` by what
-    `unit_costs` depends on (not the schedule, vpp or micro-batch count)."""
+    `unit_costs` depends on (not vpp, nor the schedule but whether dualpipev pairs chunks:
+    planner.search.uniform.unit_key)."""
     s = plain(strategy)
-    key = (group.name, s.dp, s.tp, s.pp, s.micro_batch_size, s.ep, s.zero_stage, s.sequence_parallel)
+    key = (group.name, s.dp, s.tp, s.pp, s.micro_batch_size, s.ep, s.expert_tp, s.zero_stage, s.sequence_parallel,
+           s.schedule == "dualpipev")
     if cache is None or key not in cache:
         p = group_problem(problem, group)
         pair = (p, unit_costs(p, s))

@@ -7,7 +7,7 @@ names them one by one so that a run can be checked against it (the executor's
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from costmodel.estimate.uniform import (
     cross_entropy_bytes,
@@ -18,6 +18,7 @@ from costmodel.estimate.uniform import (
 from costmodel.problem import Problem
 from costmodel.strategy import Strategy
 from costmodel.terms import compute, memory
+from costmodel.terms.comm import tp_pairs
 
 # The global gradient norm for clipping: one fp64 scalar summed over every rank.
 GRAD_NORM_BYTES = 8
@@ -35,7 +36,7 @@ class Collective:
 def group_sizes(strategy: Strategy) -> dict[str, int]:
     s = strategy
     # "dp" reduces gradients over every rank holding the same weights: dp x cp.
-    return {"tp": s.tp, "cp": s.cp, "dp": s.dp_cp, "ep": s.ep, "expert_dp": s.dp_cp // s.ep, "pp": s.pp,
+    return {"tp": s.tp, "cp": s.cp, "dp": s.dp_cp, "ep": s.ep, "expert_dp": s.edp, "pp": s.pp,
             "pp_ends": 2 if s.pp > 1 else 1, "world": s.num_gpus}
 
 
@@ -61,14 +62,12 @@ def step_collectives(problem: Problem, strategy: Strategy, pp_rank: int) -> tupl
 
     def add(kind, group, nbytes, calls, what):
         if calls and nbytes > 0 and group_sizes(s)[group] > 1:
-            out.append(Collective(kind, group, float(nbytes), int(calls), what))
+            entry = Collective(kind, group, float(nbytes), int(calls), what)
+            same = [i for i, c in enumerate(out) if (c.kind, c.group, c.bytes, c.what) == (kind, group, entry.bytes, what)]
+            if same:   # one line per collective, whichever kinds of layer issue it
+                entry = replace(entry, calls=entry.calls + out.pop(same[0]).calls)
+            out.append(entry)
 
-    # Per micro-batch, as unit_costs charges each layer (full recompute repeats the forward's).
-    if s.sequence_parallel:
-        add("all_gather", "tp", message, m * (2 * (layers + full) + 2 * layers + 2 * layers), "layer TP (SP)")
-        add("reduce_scatter", "tp", message, m * (2 * (layers + full) + 2 * layers), "layer TP (SP)")
-    else:
-        add("all_reduce", "tp", message, m * (2 * (layers + full) + 2 * layers), "layer TP")
     kv_bytes = value * b * training.seq_len * compute.cp_gathered_values_per_token(model, s.tp)
     add("all_gather", "cp", kv_bytes, m * (layers + full), "context-parallel K and V")
     add("reduce_scatter", "cp", kv_bytes, m * layers, "context-parallel K and V gradients")
@@ -78,6 +77,16 @@ def step_collectives(problem: Problem, strategy: Strategy, pp_rank: int) -> tupl
     if dense_layers:
         kinds.append((model.dense_layer(), units.dense, dense_layers, dense_full))
     for kind_model, kind, count, count_full in kinds:
+        # Per micro-batch, as unit_costs charges each layer (full recompute repeats the
+        # forward's; sequence parallelism gathers a block's input again in backward).
+        for scale, pairs in tp_pairs(kind_model, s):
+            calls = m * pairs * (2 * count + count_full)
+            if s.sequence_parallel:
+                again = m * pairs * count if scale == 1.0 else 0
+                add("all_gather", "tp", message * scale, calls + again, "layer TP (SP)")
+                add("reduce_scatter", "tp", message * scale, calls, "layer TP (SP)")
+            else:
+                add("all_reduce", "tp", message * scale, calls, "layer TP")
         if kind_model.is_moe:
             add("all_to_all", "ep", message * kind_model.busiest_rank_rows_per_token(s.ep) / s.tp,
                 m * (2 * (count + count_full) + 2 * count), "MoE dispatch and combine")

@@ -20,6 +20,7 @@ from costmodel.terms.comm import (
     fsdp_copies_s,
     groups,
     sharded_collective_s,
+    tp_pairs,
 )
 from costmodel.terms.counts import (
     embedding_parameters,
@@ -110,7 +111,8 @@ def _unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
     # One activation of the rank's tokens: s / cp of each sequence under context parallelism.
     message = value * b * training.seq_len / cp * model.hidden_size
 
-    layer = compute.layer_compute(model, cluster, training, b, tp, sp, ep, runtime, cp)
+    etp = strategy.expert_tp
+    layer = compute.layer_compute(model, cluster, training, b, tp, sp, ep, runtime, cp, etp)
     layer_backward = layer.backward_s
     # Measured times (costmodel.measured, `--profile`) replace the analytic layer where
     # the profile covers this micro-batch size and TP width (its layers ran whole
@@ -121,11 +123,16 @@ def _unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
         layer, layer_backward = measured
     # Tensor parallelism per layer (Shoeybi et al. 2019 §3; Korthikanti et al. 2022 §4.2.2):
     # two all-reduces forward and two backward, or with sequence parallelism an all-gather
-    # and a reduce-scatter in their place, each of the full b*s*h activation.
-    if sp:
-        tp_one_way = 2 * (coll("all_gather", message, where["tp"]) + coll("reduce_scatter", message, where["tp"]))
-    else:
-        tp_one_way = 2 * coll("all_reduce", message, where["tp"])
+    # and a reduce-scatter in their place, each of the full b*s*h activation: one pair
+    # around attention, one around the MLP (costmodel.estimate.step_collectives
+    # tp_pairs says which an MoE block has).
+    def tp_pair(num_bytes: float) -> float:
+        if sp:
+            return coll("all_gather", num_bytes, where["tp"]) + coll("reduce_scatter", num_bytes, where["tp"])
+        return coll("all_reduce", num_bytes, where["tp"])
+
+    pairs = tp_pairs(model, strategy)
+    tp_one_way = sum(count * tp_pair(message * scale) for scale, count in pairs)
     hide = cluster.comm_overlap   # the fraction of compute a collective can run behind
     # Async TP (micro-pipelined all-gather/reduce-scatter matmuls, PyTorch's
     # torch.distributed._symmetric_memory; Wang et al. 2023 "Overlap communication with
@@ -149,7 +156,8 @@ def _unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
         # Sequence parallelism stores the sharded input of each linear block and
         # gathers it again in backward before the weight-gradient GEMM can start
         # (Korthikanti et al. §4.2.2): two more all-gathers, exposed (but for async TP).
-        tp_backward += async_exposed(2 * coll("all_gather", message, where["tp"]))
+        tp_backward += async_exposed(sum(count for scale, count in pairs if scale == 1.0)
+                                     * coll("all_gather", message, where["tp"]))
     # Context parallelism (Llama 3, Dubey et al. 2024 §3.3.2, the executor's attention):
     # K and V all-gathered over the cp ranks before attention, their gradients
     # reduce-scattered in backward, one collective each way of the whole sequence's K and
@@ -166,7 +174,7 @@ def _unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
                                     training.fp8 is not None) if model.is_moe else 0.0)
 
     dense, experts = layer_parameters(model)
-    dense_local, expert_local = dense / tp, experts / (tp * ep)
+    dense_local, expert_local = dense / tp, experts / (etp * ep)
     # ZeRO-3 gathers each layer's weights forward and backward and reduce-scatters its
     # gradients, prefetched one layer ahead so only the excess over compute is exposed
     # (Zhao et al. 2023, PyTorch FSDP §3.3 prefetching), as far as the runtime's
@@ -196,7 +204,8 @@ def _unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
     # with tensorwise scaling (FSDP2's float8 all-gather).
     fp8_gathered = strategy.zero_stage == 3 and training.fp8 == "tensorwise"
     weight_cast_fwd, weight_cast_bwd = compute.fp8_weight_cast_s(model, cluster, training, tp,
-                                                                 strategy.dp_cp if fp8_gathered else 1, runtime, ep)
+                                                                 strategy.dp_cp if fp8_gathered else 1, runtime, ep,
+                                                                 etp)
     fwd_compute = layer.forward_s + launch / 3 + weight_cast_fwd
     bwd_compute = layer_backward + 2 * launch / 3 + weight_cast_bwd
     # A schedule that runs one micro-batch's forward beside another's backward hides the
@@ -238,7 +247,7 @@ def _unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
     # parallel ones take the plain loss (executor.models.cross_entropy).
     chunked_loss = runtime.chunked_loss and tp == 1
     activation = {mode: memory.layer_activation_bytes(model, training, b, tp, sp, mode, runtime.selective_recompute,
-                                                      ep, cp)
+                                                      ep, cp, strategy.fold)
                   for mode in RECOMPUTE_MODES}
 
     # Embedding and LM head, both split over the vocabulary (Shoeybi et al. 2019 §3).
@@ -468,7 +477,7 @@ def fsdp_stream_pool_bytes(problem: Problem, units: UnitCosts, strategy: Strateg
         return 0.0
     dense, experts = rank_parameters(units, strategy, pp_rank)
     gradients = (memory.sharded_state_bytes(dense, problem.training, 3, strategy.dp_cp)[1]
-                 + memory.sharded_state_bytes(experts, problem.training, 3, strategy.dp_cp // strategy.ep)[1])
+                 + memory.sharded_state_bytes(experts, problem.training, 3, strategy.edp)[1])
     fsdp = fsdp_units(problem, units, strategy)
     gathered = max(problem.runtime.fsdp_gathered_units * fsdp.largest_cycled, fsdp.held + fsdp.largest_cycled)
     return gradients + gathered * memory.compute_copy_bytes(problem.training)
@@ -487,7 +496,7 @@ def rank_memory(problem: Problem, units: UnitCosts, strategy: Strategy, pp_rank:
         # (executor.models.Transformer.untie; measured: gpt3-6.7b tp8 parameters).
         dense += model.vocab_size * model.hidden_size / strategy.tp
     w1, g1, o1 = memory.sharded_state_bytes(dense, training, zero, dp)
-    w2, g2, o2 = memory.sharded_state_bytes(experts, training, zero, dp // strategy.ep)
+    w2, g2, o2 = memory.sharded_state_bytes(experts, training, zero, strategy.edp)
     in_flight = memory.in_flight_microbatches(strategy.schedule, strategy.pp, pp_rank,
                                               strategy.num_microbatches, strategy.vpp)
     layers = rank_layers(units, strategy, pp_rank)
@@ -510,7 +519,7 @@ def rank_memory(problem: Problem, units: UnitCosts, strategy: Strategy, pp_rank:
         # first backward to the optimizer step beside the next micro-batch's activations.
         def layer_gradients(kind: UnitCosts) -> float:
             return (memory.sharded_state_bytes(kind.layer_dense_parameters, training, zero, dp)[1]
-                    + memory.sharded_state_bytes(kind.layer_expert_parameters, training, zero, dp // strategy.ep)[1])
+                    + memory.sharded_state_bytes(kind.layer_expert_parameters, training, zero, strategy.edp)[1])
 
         for kind, mode, count in layers:
             activation = kind.layer_activation_bytes[mode]
@@ -614,7 +623,7 @@ def optimizer_step_s(problem: Problem, units: UnitCosts, strategy: Strategy, pp_
     """The optimizer update is memory-bound: bytes moved per local parameter over HBM."""
     dense, experts = rank_parameters(units, strategy, pp_rank)
     if strategy.zero_stage >= 1:
-        dense, experts = dense / strategy.dp_cp, experts / (strategy.dp_cp // strategy.ep)
+        dense, experts = dense / strategy.dp_cp, experts / (strategy.edp)
     per_parameter = compute.OPTIMIZER_BYTES_PER_PARAMETER[problem.training.optimizer]
     return compute.memory_bound_time_s((dense + experts) * per_parameter, problem.cluster)
 

@@ -101,6 +101,14 @@ class RuntimeSpec:
     # tensor parallelism). The executor keeps experts whole (executor/parallelize.py
     # check_supported), so under its runtime the search offers MoE models tp 1 only.
     expert_tensor_parallel: bool = True
+    # Whether the engine lays out the experts' process groups apart from attention's over
+    # a pipeline stage's dp x cp x tp ranks, etp innermost, then ep, then expert data
+    # parallelism (MoE parallel folding: Liu et al. 2025; Megatron-Core's expert
+    # RankGenerator "tp-ep-dp-pp", torchtitan's sparse mesh), so that an ep group may
+    # span tp, cp and dp ranks and experts may stay whole under tp (Strategy.etp 1). Else
+    # ep lies inside dp (DeepSpeed's expert groups; the executor's mesh, which runs ep at
+    # tp 1 and cp 1 only).
+    moe_folding: bool = False
     # Whether the engine runs zero-bubble pipeline schedules (zb-interleaved, zbv, dualpipev:
     # torch.distributed.pipelining's, as the executor and torchtitan do; Megatron-LM's
     # and DeepSpeed's pipelines run 1F1B and interleaved 1F1B only). They also need eager
@@ -183,5 +191,6 @@ INT_FIELDS = ("fsdp_prefetch",)
 # `plan --runtime-set` changes these (a runtime file changes anything).
 SETTING_FIELDS = ("torch_compile", "async_tp", "chunked_loss", "selective_recompute", "fsdp_kept_gathered",
                   "fsdp_prefetch", "ddp_bucket_mb", "moe_dispatch", "ep_overlap", "fp8_experts")
-FLAG_FIELDS = ("async_tp", "torch_compile", "chunked_loss", "expert_tensor_parallel", "zero_bubble_schedules",
+FLAG_FIELDS = ("async_tp", "torch_compile", "chunked_loss", "expert_tensor_parallel", "moe_folding",
+               "zero_bubble_schedules",
                "fp8_experts", "fused_fp8_casts")

@@ -183,19 +183,49 @@ def fsdp_copies_s(kind: str, total_bytes: float, group_size: int, cluster) -> fl
 
 
 
+def tp_pairs(model, strategy: Strategy) -> tuple[tuple[float, int], ...]:
+    """One layer's tensor-parallel collective pairs (an all-gather and a reduce-scatter
+    under sequence parallelism, else an all-reduce), each way: (bytes as a multiple of
+    the rank's b x s x h activation, pairs of that size). Attention has one pair, a dense
+    MLP one (Shoeybi et al. 2019 §3). In an MoE block the shared expert is split over tp
+    as a dense MLP is; routed experts split over etp ranks gather the rows each rank's
+    experts receive from the etp group and reduce-scatter their outputs
+    (Megatron-Core's MoEAlltoAllTokenDispatcher: gather_from_sequence_parallel_region
+    over the expert tensor-parallel group after the ep all-to-all), the busiest rank's
+    rows a token x etp / tp; whole experts under tp (MoE parallel folding, etp 1)
+    route each rank's sequence shard as it is, with no pair."""
+    if not model.is_moe:
+        return ((1.0, 2),)
+    out = [(1.0, 2 if model.has_shared_expert else 1)]
+    etp = strategy.expert_tp
+    if etp > 1:
+        out.append((model.busiest_rank_rows_per_token(strategy.ep) * etp / strategy.tp, 1))
+    return tuple(out)
+
+
 def groups(problem: Problem, strategy: Strategy) -> dict[str, Placement]:
-    """Where each kind of process group sits (rank order tp, cp, dp, pp; ep inside dp).
-    "dp" is the group that reduces gradients and shards ZeRO states: every rank that
-    holds the same weights, dp x cp of them (Megatron-LM's data-parallel group with
-    context parallelism)."""
+    """Where each kind of process group sits (rank order tp, cp, dp, pp). "dp" is the
+    group that reduces gradients and shards ZeRO states: every rank that holds the same
+    weights, dp x cp of them (Megatron-LM's data-parallel group with context
+    parallelism). The experts' groups: under MoE parallel folding
+    (RuntimeSpec.moe_folding) laid over a stage's dp x cp x tp ranks etp innermost, then
+    ep, then expert data parallelism (Megatron-Core's expert RankGenerator); else ep
+    inside dp, its members tp x cp apart."""
     g = problem.cluster.fast_domain_gpus
     tp, cp, dp = strategy.tp, strategy.cp, strategy.dp
+    runtime = getattr(problem, "runtime", None)   # a traced module (TracedProblem) has no experts
+    if runtime is not None and runtime.moe_folding:
+        ep_group = placement(strategy.ep, strategy.expert_tp, g)
+        expert_dp = placement(strategy.edp, strategy.expert_tp * strategy.ep, g)
+    else:
+        ep_group = placement(strategy.ep, tp * cp, g)
+        expert_dp = placement(strategy.edp, tp * strategy.ep, g)
     return {
         "tp": placement(tp, 1, g),
         "cp": placement(cp, tp, g),
         "dp": placement(dp * cp, tp, g),
-        "ep": placement(strategy.ep, tp * cp, g),
-        "expert_dp": placement(dp // strategy.ep * cp, tp * strategy.ep, g),
+        "ep": ep_group,
+        "expert_dp": expert_dp,
         # The whole pipeline: once it spans nodes, some stage boundary crosses the
         # network, and in the 1F1B steady state the slowest boundary paces every send.
         "pp": placement(strategy.pp, tp * cp * dp, g),

@@ -131,9 +131,11 @@ def _kernel_factors(runtime: RuntimeSpec | None) -> tuple[float, float]:
 
 def layer_compute(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec,
                   micro_batch_size: int, tp: int, sequence_parallel: bool, ep: int = 1,
-                  runtime: RuntimeSpec | None = None, cp: int = 1) -> LayerCompute:
+                  runtime: RuntimeSpec | None = None, cp: int = 1, etp: int | None = None) -> LayerCompute:
     """One layer's forward on one rank. Under context parallelism the rank runs s / cp of
-    each sequence's tokens, and its queries attend the whole gathered sequence's keys."""
+    each sequence's tokens, and its queries attend the whole gathered sequence's keys.
+    `etp`: the ranks each routed expert's matrices are split over (Strategy.expert_tp;
+    None: tp)."""
     gemm_scale, traffic = _kernel_factors(runtime)
     peak = cluster.gpu.peak_for(training.precision) * gemm_scale
 
@@ -170,9 +172,12 @@ def layer_compute(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
         # capacity factor below 1 drops the rest, and the busiest rank, whose time the
         # others wait for, takes `moe_load_imbalance` times the mean
         # (ModelSpec.busiest_rank_rows_per_token).
+        # Whole experts under tp (MoE parallel folding, etp 1) take each tp rank's
+        # sequence shard: tp times fewer rows, tp times wider GEMMs.
+        etp = tp if etp is None else etp
         local_experts = model.num_local_experts / ep
-        tokens_per_expert = tokens * model.busiest_rank_rows_per_token(ep) * ep / model.num_local_experts
-        per_expert = expert_s(tokens_per_expert, 2 * f / tp, h) + expert_s(tokens_per_expert, h, f / tp)
+        tokens_per_expert = (tokens * etp / tp) * model.busiest_rank_rows_per_token(ep) * ep / model.num_local_experts
+        per_expert = expert_s(tokens_per_expert, 2 * f / etp, h) + expert_s(tokens_per_expert, h, f / etp)
         gemm += local_experts * per_expert + gemm_s(tokens, model.num_local_experts, h)
         if model.has_shared_expert:
             # The shared expert: a dense MLP over every local token, split by tp as a dense
@@ -241,7 +246,7 @@ def layer_compute(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec
         return LayerCompute(gemm, core, elementwise)
     # The activations' casts (the weights' are the step's: fp8_weight_cast_s).
     inputs, outputs = fp8_cast_values(model, tp, sequence_parallel, training.fp8, fused_fp8_casts(runtime),
-                                      ep, experts_fp8)
+                                      ep, experts_fp8, etp)
     factor = fp8_cast_factor(runtime)
     return LayerCompute(gemm, core, elementwise,
                         memory_bound_time_s(factor * fp8_cast_bytes(2.0, inputs * tokens, training.fp8), cluster),
@@ -264,18 +269,21 @@ def fp8_linears(model: ModelSpec, tp: int) -> list[tuple[float, float]]:
     return linears
 
 
-def fp8_expert_linears(model: ModelSpec, tp: int, ep: int) -> tuple[float, list[tuple[float, float, float, int]]]:
+def fp8_expert_linears(model: ModelSpec, tp: int, ep: int,
+                       etp: int | None = None) -> tuple[float, list[tuple[float, float, float, int]]]:
     """A rank's FP8 expert GEMMs where the runtime converts them (RuntimeSpec.fp8_experts:
     Megatron-LM's Transformer Engine grouped linear layers under --fp8-format; torchao's
     scaled grouped GEMM, torchtitan's quantize.grouped_mm.float8): (weights held, [(rows a
     local token, in, out, GEMMs on that one input)]): the routed experts' up (gated: gate
     and up, one input) and down GEMMs on the busiest rank's rows
     (ModelSpec.busiest_rank_rows_per_token), the shared expert's on every token, split by
-    tp as their weights are."""
+    tp as their weights are; whole routed experts (`etp` 1 under tp) take the rank's
+    sequence shard of the tokens."""
     if not model.is_moe:
         return 0.0, []
-    h, f, up = model.hidden_size, model.intermediate_size / tp, 2 if model.gated_mlp else 1
-    rows = model.busiest_rank_rows_per_token(ep)
+    etp = tp if etp is None else etp
+    h, f, up = model.hidden_size, model.intermediate_size / etp, 2 if model.gated_mlp else 1
+    rows = model.busiest_rank_rows_per_token(ep) * etp / tp
     weights = model.num_local_experts / ep * (up + 1) * h * f
     gemms = [(rows, h, f, up), (rows, f, h, 1)]
     if model.has_shared_expert:
@@ -286,7 +294,7 @@ def fp8_expert_linears(model: ModelSpec, tp: int, ep: int) -> tuple[float, list[
 
 
 def fp8_cast_values(model: ModelSpec, tp: int, sequence_parallel: bool, recipe: str,
-                    compiled: bool, ep: int = 1, experts: bool = False) -> tuple[float, float]:
+                    compiled: bool, ep: int = 1, experts: bool = False, etp: int | None = None) -> tuple[float, float]:
     """(input values cast in forward, output-gradient values cast in backward) per token of
     one layer's FP8 linears; backward casts the inputs again as well (torchao saves them in
     high precision). Eager, every Float8Linear casts its own input, and its output
@@ -299,7 +307,7 @@ def fp8_cast_values(model: ModelSpec, tp: int, sequence_parallel: bool, recipe: 
     Engine's). `experts`: the experts' GEMMs are FP8 too (fp8_expert_linears), each
     routed row cast on its rank; fused, the up GEMMs share their input's cast."""
     linears = fp8_linears(model, tp)
-    _, gemms = fp8_expert_linears(model, tp, ep) if experts else (0.0, [])
+    _, gemms = fp8_expert_linears(model, tp, ep, etp) if experts else (0.0, [])
     expert_outputs = sum(rows * n * count for rows, _, n, count in gemms)
     if not compiled:
         return (sum(k for k, _ in linears) + sum(rows * k * count for rows, k, _, count in gemms),
@@ -341,7 +349,7 @@ def fp8_cast_factor(runtime: RuntimeSpec | None) -> float:
 
 
 def fp8_weight_cast_s(model: ModelSpec, cluster: ClusterSpec, training: TrainingSpec, tp: int, shard: int,
-                      runtime: RuntimeSpec | None = None, ep: int = 1) -> tuple[float, float]:
+                      runtime: RuntimeSpec | None = None, ep: int = 1, etp: int | None = None) -> tuple[float, float]:
     """(forward, backward) seconds of one layer's weight casts to fp8 per micro-batch: each
     converted weight cast once in forward and once in backward, from its held dtype (fp32
     under autocast, bf16 under param_dtype), over `shard` of it: 1, or dp x cp under
@@ -354,7 +362,7 @@ def fp8_weight_cast_s(model: ModelSpec, cluster: ClusterSpec, training: Training
     held = 4.0 if training.mixed_precision == "autocast" else 2.0
     weights = sum(k * n for k, n in fp8_linears(model, tp)) / shard
     if runtime is not None and runtime.fp8_experts:
-        weights += fp8_expert_linears(model, tp, ep)[0]
+        weights += fp8_expert_linears(model, tp, ep, etp)[0]
     seconds = memory_bound_time_s(fp8_cast_factor(runtime) * fp8_cast_bytes(held, weights, training.fp8), cluster)
     return seconds, seconds
 

@@ -390,7 +390,8 @@ def op_level_activation_bytes(model: ModelSpec, training: TrainingSpec, micro_ba
 
 def layer_activation_bytes(model: ModelSpec, training: TrainingSpec, micro_batch_size: int,
                            tp: int, sequence_parallel: bool, recompute: str,
-                           selective_policy: str = "attention-core", ep: int = 1, cp: int = 1) -> float:
+                           selective_policy: str = "attention-core", ep: int = 1, cp: int = 1,
+                           fold: int = 1) -> float:
     """Activations one layer keeps for backward, one micro-batch, one rank.
 
     Korthikanti et al. 2022 §4.1 (Table 2) with 16-bit values: sbh(34 + 5as/h) without
@@ -406,7 +407,9 @@ def layer_activation_bytes(model: ModelSpec, training: TrainingSpec, micro_batch
     selective policy (`selective_policy`, the runtime's) see `op_level_activation_bytes`.
     Under context parallelism (`cp`) every term counts the rank's s / cp tokens but K
     and V, gathered over the sequence (`gathered_kv_factor`), and the scores, s / cp
-    queries by s keys.
+    queries by s keys. `fold` (Strategy.fold): whole experts under tp route each tp
+    rank's sequence shard, so the routing's rows are split tp ways (else every tp rank
+    holds the rows of all its tokens for its share of each expert).
     """
     if recompute == "selective" and selective_policy == "op-level":
         return op_level_activation_bytes(model, training, micro_batch_size, tp, sequence_parallel, ep, cp)
@@ -445,7 +448,7 @@ def layer_activation_bytes(model: ModelSpec, training: TrainingSpec, micro_batch
         CLAMPED_SWIGLU_EXTRA_TENSORS if model.swiglu_limit is not None else 0)
     mlp = v * mlp_tensors * (f * expert_rows_held_per_token(model, ep) + model.shared_expert_intermediate_size) * b * s
     router = (moe_rows_saved_bytes(model, ep, v) + shared_gate_saved_bytes(model, v)) * b * s
-    split = (attention + mlp) / tp + (replicated + per_token) / seq_split + router + latents
+    split = (attention + mlp) / tp + (replicated + per_token) / seq_split + router / fold + latents
     scores = 0.0
     if not training.flash_attention and recompute != "selective":
         # softmax output (v), dropout mask (1) and dropout output (v) per score element.

@@ -68,10 +68,14 @@ def build_stages(sizes: list[int], pp: int, recompute: Recompute, schedule: str 
 
 
 def engine_strategy(dp: int, tp: int, pp: int, mbs: int, microbatches: int, vpp: int, ep: int, schedule: str, zero: int,
-              sp: bool, stages: tuple[Stage, ...], cp: int = 1) -> Strategy:
+              sp: bool, stages: tuple[Stage, ...], cp: int = 1, etp: int | None = None) -> Strategy:
+    """`etp`: the engine's expert tensor-parallel degree (None: tp); Strategy.etp holds
+    1 only where it differs from tp."""
     if pp == 1:
         schedule = "1f1b"   # no pipeline: the planner names the schedule 1f1b (planner.search.space)
+    etp = 1 if etp == 1 and tp > 1 else None
     return Strategy(dp=dp, tp=tp, pp=pp, micro_batch_size=mbs, num_microbatches=microbatches, vpp=vpp, ep=ep, cp=cp,
+                    etp=etp,
                     schedule=schedule, zero_stage=zero, recompute=summarize_recompute(stages),
                     sequence_parallel=sp, stages=stages)
 
@@ -158,7 +162,8 @@ def all_or_nothing(strategy: Strategy, engine: str, where: str, warnings: list[s
 
 
 # Knobs compared between two strategies: label, attribute.
-KNOBS = (("dp", "dp"), ("tp", "tp"), ("pp", "pp"), ("vpp", "vpp"), ("ep", "ep"), ("cp", "cp"), ("mbs", "micro_batch_size"),
+KNOBS = (("dp", "dp"), ("tp", "tp"), ("pp", "pp"), ("vpp", "vpp"), ("ep", "ep"), ("etp", "expert_tp"), ("cp", "cp"),
+          ("mbs", "micro_batch_size"),
           ("micro-batches", "num_microbatches"), ("schedule", "schedule"), ("zero", "zero_stage"),
           ("recompute", "recompute"), ("sp", "sequence_parallel"))
 

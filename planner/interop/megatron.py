@@ -429,9 +429,11 @@ def read_megatron(text: str, model: ModelSpec, num_gpus: int) -> Imported:
     ep = args.expert_model_parallel_size or 1
     if cp > 1:
         _check_cp_comm_type(args.cp_comm_type, model.num_hidden_layers, warnings)
-    if args.expert_tensor_parallel_size not in (None, tp):
-        warnings.append(f"--expert-tensor-parallel-size {args.expert_tensor_parallel_size}: priced with the "
-                        f"experts split over tp {tp} as Megatron's default")
+    etp = args.expert_tensor_parallel_size
+    if etp not in (None, 1, tp):
+        warnings.append(f"--expert-tensor-parallel-size {etp}: priced with the experts split over tp {tp} as "
+                        f"Megatron's default (Shardwise prices experts split over tp or kept whole)")
+        etp = None
     # Megatron's data-parallel size is what tp x pp x cp leave (parallel_state.py); the
     # distributed optimizer and Megatron FSDP shard over dp x cp (the data-parallel group
     # with context parallelism), Shardwise's ZeRO group.
@@ -509,7 +511,7 @@ def read_megatron(text: str, model: ModelSpec, num_gpus: int) -> Imported:
         # Transformer Engine's grouped linear layers (megatron-core TEGroupedMLP).
         settings += (("fp8_experts", True),)
     strategy = engine_strategy(dp, tp, pp, mbs, microbatches, vpp, ep, schedule, zero, tp > 1 and args.sequence_parallel,
-                         build_stages(sizes, pp, recompute), cp)
+                         build_stages(sizes, pp, recompute), cp, etp if model.is_moe else None)
     return Imported(strategy, global_batch, args.seq_length, precision, tuple(warnings), settings, fp8=fp8)
 
 
@@ -606,6 +608,9 @@ def export_megatron(strategy: Strategy, model: ModelSpec, training: TrainingSpec
         # Megatron-LM's default is p2p (a ring); all_gather is the exchange the plan priced.
         args += ["--cp-comm-type", "all_gather"]
     args += ["--expert-model-parallel-size", str(s.ep)]
+    if model.is_moe and s.tp > 1:
+        # Megatron's default is tp; 1 keeps the experts whole (MoE parallel folding).
+        args += ["--expert-tensor-parallel-size", str(s.expert_tp)]
     ffn = (model.dense_intermediate_size or model.intermediate_size) if model.dense_upto else model.intermediate_size
     args += ["--num-layers", str(model.num_hidden_layers), "--hidden-size", str(model.hidden_size),
              "--ffn-hidden-size", str(ffn), "--num-attention-heads", str(model.num_attention_heads)]

@@ -107,6 +107,7 @@ TORCHTITAN_DEFAULTS = {
     "pipeline_parallel_first_stage_less_layers": 1, "pipeline_parallel_last_stage_less_layers": 1,
     "pipeline_parallel_layers_per_stage": None, "pipeline_parallel_schedule": "1F1B",
     "pipeline_parallel_microbatch_size": 1, "context_parallel_degree": 1, "expert_parallel_degree": 1,
+    "expert_tensor_parallel_degree": 1,
     "module_fqns_per_model_part": None, "context_parallel_load_balancer": "headtail",
     "context_parallel_rotate_method": "allgather",
     "local_batch_size": 8, "global_batch_size": -1, "seq_len": 2048, "dtype": "float32",
@@ -494,7 +495,13 @@ def _torchtitan_strategy(sections: dict, ac: Recompute, warnings: list[str], mod
                             "Shardwise prices FP8 training as bf16 mixed precision (bfloat16)")
         precision = "bf16"
     seq = _tt_int(sections, t, "seq_len") if "seq_len" in sections[t] else None
-    strategy = engine_strategy(dp, tp, pp, mbs, microbatches, vpp, ep, schedule, zero, sp, stages, cp)
+    # torchtitan 0.2.2 splits the routed experts over expert_tensor_parallel_degree ranks,
+    # 1 (its default) or tp; 0.3.0 keeps them whole (its sparse mesh has no etp).
+    etp = _tt_int(sections, p, "expert_tensor_parallel_degree") if toml else 1
+    if etp not in (1, tp):
+        raise SpecError("parallelism.expert_tensor_parallel_degree", f"{etp}: torchtitan runs 1 or tp ({tp})")
+    strategy = engine_strategy(dp, tp, pp, mbs, microbatches, vpp, ep, schedule, zero, sp, stages, cp,
+                               etp if model.is_moe and ep > 1 else None)
     # torchtitan's loss is F.cross_entropy over the upcast logits; under "default" it keeps
     # its [norm, output] unit gathered from forward to backward (0.3.0 distributed/fsdp.py:
     # resharded only under "always").
@@ -675,14 +682,20 @@ def _torchtitan_fields(strategy: Strategy, model: ModelSpec, training: TrainingS
         # priced); 0.3.0 has no such field and always all-gathers (_context_parallel_warnings).
         par["context_parallel_rotate_method"] = "allgather"
     par["expert_parallel_degree"] = s.ep
+    if model.is_moe and s.ep > 1 and s.tp > 1:
+        if toml:
+            par["expert_tensor_parallel_degree"] = s.expert_tp
+        elif s.etp is None:
+            warnings.append(f"torchtitan 0.3 keeps the routed experts whole under tp (its sparse mesh has no expert "
+                            f"tensor parallelism): the plan's experts split over tp {s.tp} are not what it runs; "
+                            f"plan with --fix etp=1 (--runtime megatron)")
     if model.moe_capacity_factor is not None:
         warnings.append(f"torchtitan's MoE routes dropless (torchtitan/models/moe): the model's capacity factor "
                         f"{model.moe_capacity_factor:g} is not exported, and torchtitan's experts take every row")
-    if s.ep > 1 and (s.zero_stage != 3 or s.tp > 1):
-        warnings.append("torchtitan's expert parallelism borrows its ranks from data_parallel_shard_degree x "
-                        "tensor_parallel_degree (ParallelismConfig.expert_parallel_degree), so its experts are "
-                        f"neither replicated over dp shards nor split over tp as the plan's ep {s.ep} with ZeRO-"
-                        f"{s.zero_stage}, tp {s.tp} prices them")
+    if s.ep > 1 and s.zero_stage != 3:
+        warnings.append("torchtitan shards the experts with FSDP over the ranks left from expert parallelism "
+                        "(its efsdp mesh), so they are not replicated over dp shards as the plan's ep "
+                        f"{s.ep} with ZeRO-{s.zero_stage} prices them")
     # Without pp a step accumulates global / (local x dp) gradients; with pp the local
     # batch is cut into micro-batches of pipeline_parallel_microbatch_size.
     local = s.micro_batch_size * (s.num_microbatches if s.pp > 1 else 1)

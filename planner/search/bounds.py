@@ -83,13 +83,13 @@ def _layer(problem: Problem, units: UnitCosts, strategy: Strategy, modes: tuple[
     training, dp, zero = problem.training, strategy.dp_cp, strategy.zero_stage   # ZeRO shards over dp x cp
     dense_layer, expert_layer = units.layer_dense_parameters, units.layer_expert_parameters
     layer_states = (sum(memory.sharded_state_bytes(dense_layer, training, zero, dp))
-                    + sum(memory.sharded_state_bytes(expert_layer, training, zero, dp // strategy.ep)))
+                    + sum(memory.sharded_state_bytes(expert_layer, training, zero, strategy.edp)))
     act = {mode: units.layer_activation_bytes[mode] for mode in modes}
     credit = 0.0
     if strategy.num_microbatches == 1:
         # rank_memory: a layer's activations and gradients do not coexist at the peak.
         layer_gradients = (memory.sharded_state_bytes(dense_layer, training, zero, dp)[1]
-                           + memory.sharded_state_bytes(expert_layer, training, zero, dp // strategy.ep)[1])
+                           + memory.sharded_state_bytes(expert_layer, training, zero, strategy.edp)[1])
         if zero == 3 and dp > 1:
             credit = max(act.values())
         act = {mode: max(a - layer_gradients, 0.0) for mode, a in act.items()}

@@ -85,7 +85,7 @@ class Infeasible(Exception):
 
 def order_key(strategy: Strategy) -> tuple:
     s = strategy
-    return (s.tp, s.pp, s.dp, s.ep, s.micro_batch_size, s.schedule, s.vpp, s.zero_stage, s.sequence_parallel, s.cp)
+    return (s.tp, s.pp, s.dp, s.ep, -s.expert_tp, s.micro_batch_size, s.schedule, s.vpp, s.zero_stage, s.sequence_parallel, s.cp)
 
 
 

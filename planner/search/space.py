@@ -108,9 +108,10 @@ def check_fix_spec(problem: Problem, fix: dict) -> None:
         raise SpecError("--fix", f"dp x cp x tp x pp = {product}, but the cluster has {n} GPUs")
     if why := context_parallel_error(fix.get("cp", 1), problem.training.seq_len):
         raise SpecError("--fix cp", why)
-    if fix.get("cp", 1) > 1 and fix.get("ep", 1) > 1:
-        raise SpecError("--fix cp", "context parallelism with expert parallelism is not run by the executor; "
-                                    "pin one of them to 1")
+    folding = problem.runtime.moe_folding
+    if fix.get("cp", 1) > 1 and fix.get("ep", 1) > 1 and not folding:
+        raise SpecError("--fix cp", f"the {problem.runtime.name} runtime runs context parallelism without expert "
+                                    f"parallelism; pin one of them to 1 (--runtime megatron folds ep over cp)")
     if "tp" in fix and model.hidden_size % fix["tp"]:
         raise SpecError("--fix tp", f"{fix['tp']} does not divide hidden_size {model.hidden_size}")
     if "pp" in fix and fix["pp"] > layers:
@@ -143,8 +144,19 @@ def check_fix_spec(problem: Problem, fix: dict) -> None:
             raise SpecError("--fix ep", f"{model.name} has no experts")
         if model.num_local_experts % fix["ep"]:
             raise SpecError("--fix ep", f"{fix['ep']} does not divide num_local_experts {model.num_local_experts}")
-        if "dp" in fix and fix["dp"] % fix["ep"]:
+        if "dp" in fix and fix["dp"] % fix["ep"] and not folding:
             raise SpecError("--fix ep", f"{fix['ep']} does not divide dp {fix['dp']}")
+        pool = fix.get("dp", 1) * fix.get("cp", 1) * fix.get("tp", 1) // (fix.get("etp", 1) if "tp" in fix else 1)
+        if all(k in fix for k in ("dp", "tp")) and folding and pool % fix["ep"]:
+            raise SpecError("--fix ep", f"{fix['ep']} does not divide the {pool} ranks of dp x cp x tp / etp")
+    if "etp" in fix:
+        if not model.is_moe:
+            raise SpecError("--fix etp", f"{model.name} has no experts")
+        if fix["etp"] != 1 and fix["etp"] != fix.get("tp", fix["etp"]):
+            raise SpecError("--fix etp", f"experts split over tp ({fix['tp']}) or kept whole (1), not {fix['etp']}")
+        if fix["etp"] == 1 and fix.get("tp", 1) > 1 and not folding:
+            raise SpecError("--fix etp", f"the {problem.runtime.name} runtime has no MoE parallel folding: "
+                                         f"it splits experts over tp (--runtime megatron keeps them whole)")
 
 
 def _tp_options(problem: Problem, rules: Rules, degrees: list[int], why: Exclusions) -> list[int]:
@@ -161,11 +173,39 @@ def _tp_options(problem: Problem, rules: Rules, degrees: list[int], why: Exclusi
         elif rules.tp_divides_heads and (model.num_attention_heads % tp or model.num_key_value_heads % tp):
             why.add("tp", f"tp_divides_heads: {tp} does not divide {model.num_attention_heads} attention "
                           f"and {model.num_key_value_heads} KV heads")
-        elif model.is_moe and tp > 1 and not problem.runtime.expert_tensor_parallel:
-            why.add("tp", f"the {problem.runtime.name} runtime does not split experts over tp "
-                          f"(--runtime megatron does)")
+        elif model.is_moe and tp > 1 and not (problem.runtime.expert_tensor_parallel or problem.runtime.moe_folding):
+            why.add("tp", f"the {problem.runtime.name} runtime neither splits experts over tp nor keeps them "
+                          f"whole under it (--runtime megatron does both)")
         else:
             out.append(tp)
+    return out
+
+
+def _expert_options(problem: Problem, rules: Rules, dp: int, cp: int, tp: int,
+                    why: Exclusions) -> list[tuple[int, int | None]]:
+    """(ep, etp) pairs for a stage of dp x cp x tp ranks: experts split over tp (etp
+    None) where the runtime does that, or whole (etp 1) where it folds (RuntimeSpec
+    .moe_folding); ep over the ranks left, every divisor that divides the experts: under
+    folding of dp x cp x tp / etp, else of dp (at cp 1)."""
+    model, runtime = problem.model, problem.runtime
+    if not model.is_moe:
+        return [(1, None)]
+    etps: list[int | None] = [None] if tp == 1 or runtime.expert_tensor_parallel else []
+    if tp > 1 and runtime.moe_folding:
+        etps.append(1)
+    out = []
+    for etp in etps:
+        if not admits(rules, why, "etp", tp if etp is None else etp):
+            continue
+        if runtime.moe_folding:
+            pool = dp * cp * tp // (tp if etp is None else etp)
+        elif cp > 1:
+            why.add("ep", f"cp {cp}: the {runtime.name} runtime runs context parallelism without expert parallelism")
+            pool = 1
+        else:
+            pool = dp
+        out += [(ep, etp) for ep in divisors(pool)
+                if model.num_local_experts % ep == 0 and admits(rules, why, "ep", ep)]
     return out
 
 
@@ -240,6 +280,8 @@ def _zero_sp_options(problem: Problem, rules: Rules, why: Exclusions, wanted: Ca
             why.add("schedule", why_not)
             continue
         sp_options = (False, True) if tp > 1 and local_seq % tp == 0 else (False,)
+        if fields.get("etp") == 1:
+            sp_options = tuple(sp for sp in sp_options if sp)   # whole experts route sequence shards
         if tp > 1 and local_seq % tp:
             why.add("sp", f"tp {tp} does not divide the {local_seq} tokens of a rank's sequence")
         for sp in sp_options:
@@ -276,14 +318,7 @@ def enumerate_space(problem: Problem, rules: Rules, context_parallel: bool = Tru
                 dp = n // (tp * cp * pp)
                 if not admits(rules, why, "dp", dp):
                     continue
-                ep_options = [1]
-                if model.is_moe and cp == 1:
-                    ep_options = [e for e in divisors(dp) if model.num_local_experts % e == 0]
-                elif model.is_moe:
-                    why.add("ep", f"cp {cp}: the executor runs context parallelism without expert parallelism")
-                for ep in ep_options:
-                    if not admits(rules, why, "ep", ep):
-                        continue
+                for ep, etp in _expert_options(problem, rules, dp, cp, tp, why):
                     for mbs, m in micro_batches(rules, why, batch, dp, "--global-batch"):
                         def wanted(zero: int, mbs=mbs) -> bool:
                             return cp_wanted is None or cp_wanted(tp, pp, zero, mbs)
@@ -292,7 +327,7 @@ def enumerate_space(problem: Problem, rules: Rules, context_parallel: bool = Tru
                         for schedule, vpp in _schedule_options(problem, rules, pp, m, why):
                             out += _zero_sp_options(problem, rules, why, wanted, dp=dp, tp=tp, pp=pp, cp=cp,
                                                     micro_batch_size=mbs, num_microbatches=m, vpp=vpp, ep=ep,
-                                                    schedule=schedule, recompute=default_recompute)
+                                                    etp=etp, schedule=schedule, recompute=default_recompute)
     return out, why
 
 
@@ -305,6 +340,8 @@ def describe(strategy: Strategy) -> str:
         parts.append(f"vpp{strategy.vpp}")
     if strategy.ep > 1:
         parts.append(f"ep{strategy.ep}")
+    if strategy.etp is not None:
+        parts.append(f"etp{strategy.etp}")
     parts += [f"mbs{strategy.micro_batch_size}", strategy.schedule, f"zero{strategy.zero_stage}"]
     parts.append(f"sp={format_value(strategy.sequence_parallel)}")
     if strategy.stage_groups:

@@ -41,9 +41,12 @@ from planner.search.space import Exclusions, describe, enumerate_space, recomput
 
 
 def unit_key(strategy: Strategy) -> tuple:
-    """What `unit_costs` depends on (not the schedule, vpp or micro-batch count)."""
+    """What `unit_costs` depends on: not vpp, nor the schedule but whether it pairs
+    forward and backward chunks (dualpipev: the expert exchange hidden behind the pair,
+    costmodel.terms.pipeline.paired_share of the micro-batches, which dp and mbs fix)."""
     s = strategy
-    return (s.dp, s.tp, s.pp, s.micro_batch_size, s.ep, s.zero_stage, s.sequence_parallel)
+    return (s.dp, s.tp, s.pp, s.micro_batch_size, s.ep, s.expert_tp, s.zero_stage, s.sequence_parallel,
+            s.schedule == "dualpipev")
 
 
 def context_parallel_wanted(problem: Problem, space: list[Strategy], units_of: Callable[[Strategy], UnitCosts],

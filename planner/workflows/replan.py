@@ -154,6 +154,8 @@ def strategy_changes(old: Strategy, new: Strategy) -> str:
              ("schedule", old.schedule, new.schedule), ("zero", old.zero_stage, new.zero_stage),
              ("recompute", old.recompute, new.recompute),
              ("sp", "on" if old.sequence_parallel else "off", "on" if new.sequence_parallel else "off")]
+    if old.etp is not None or new.etp is not None:
+        knobs.insert(5, ("etp", old.expert_tp, new.expert_tp))
     if old.cp > 1 or new.cp > 1:
         knobs.insert(3, ("cp", old.cp, new.cp))
     changed = [f"{k} {a}→{b}" for k, a, b in knobs if a != b]

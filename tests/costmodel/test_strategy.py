@@ -13,6 +13,7 @@ from costmodel.strategy import (
     Stage,
     Strategy,
     even_stages,
+    expert_layout_error,
     rank_stage_indices,
     schedule_microbatch_error,
     schedule_vpp_error,
@@ -152,3 +153,18 @@ def test_a_stage_splits_its_modes_at_the_models_first_layers():
     assert stage.layers_by_mode(upto(range(5))) == (("full", 2, 0), ("selective", 0, 3), ("none", 0, 1))
     assert stage.layers_by_mode(upto(range(0, 12, 2))) == (("full", 1, 1), ("selective", 1, 2), ("none", 1, 0))
     assert stage.layers_by_mode(()) == (("full", 0, 2), ("selective", 0, 3), ("none", 0, 1))
+
+
+@pytest.mark.parametrize("fields, folding, expected", [
+    (dict(dp=2, tp=4, ep=8, etp=1, sequence_parallel=True), True, None),   # ep over dp x tp
+    (dict(dp=2, tp=4, ep=8, etp=1, sequence_parallel=True), False, "etp"),
+    (dict(dp=2, tp=4, ep=8), True, "ep"),          # experts split over tp: ep over dp x cp only
+    (dict(dp=2, tp=4, ep=2), False, None),
+    (dict(dp=2, tp=4, ep=4, etp=1), True, "etp"),   # whole experts route sequence shards: sp on
+    (dict(dp=4, tp=1, ep=4, etp=1), True, "etp"),   # set only where tp > 1
+    (dict(dp=8, tp=1, ep=3), True, "ep"),           # 3 does not divide 8 experts
+])
+def test_expert_layout_error(fields, folding, expected):
+    s = Strategy(pp=1, micro_batch_size=1, num_microbatches=1, **fields)
+    error = expert_layout_error(s, 8, folding)
+    assert (error[0] if error else None) == expected

@@ -129,3 +129,31 @@ def test_a_stage_off_its_schedules_rank_is_refused_by_every_reader():
     doc["strategy"]["vpp"] = 3
     with pytest.raises(SpecError, match="plan.strategy.vpp: zbv runs two model chunks per rank in a V"):
         strategy_of(doc)
+
+
+def test_a_plan_carries_etp_only_when_the_experts_stay_whole(tmp_path):
+    """Strategy.etp is written only when set (1: whole experts under tp), so plans
+    written before it read back with their experts split over tp; a runtime that does
+    not fold refuses it, and so does a dense model."""
+    fix = "dp=2,tp=2,pp=1,ep=4,etp=1,mbs=1,zero=1,recompute=none,sp=on"
+    doc = plan("tiny-moe", "dgx-h100", 32, gpus=4, seq_len=64, runtime="megatron", top=1, fix=fix)
+    path = tmp_path / "plan.json"
+    write_plan(doc, path)
+    assert strategy_of(read_plan(path)).etp == 1
+    split = plan("tiny-moe", "dgx-h100", 32, gpus=4, seq_len=64, runtime="megatron", top=1,
+                 fix="dp=2,tp=2,pp=1,ep=2,etp=2,mbs=1,zero=1,recompute=none,sp=on")
+    assert "etp" not in split["strategy"] and strategy_of(split).expert_tp == 2
+    for edit, message in ((lambda d: d["strategy"].update(etp=2), "plan.strategy.etp: expected 1"),
+                          (lambda d: d["runtime"].update(moe_folding=False),
+                           "plan.strategy.etp: this runtime splits experts over tp"),
+                          (lambda d: d["strategy"].update(sequence_parallel=False),
+                           "plan.strategy.etp: whole experts under tp route each tp rank's sequence-parallel share")):
+        bad = json.loads(json.dumps(doc))
+        edit(bad)
+        path.write_text(json.dumps(bad))
+        with pytest.raises(SpecError, match=message):
+            read_plan(path)
+    with pytest.raises(SpecError, match="--fix etp: tiny-llama has no experts"):
+        plan("tiny-llama", "dgx-h100", 32, gpus=8, seq_len=64, runtime="megatron", fix="etp=1")
+    with pytest.raises(SpecError, match="--fix etp: the pytorch-native runtime has no MoE parallel folding"):
+        plan("tiny-moe", "dgx-h100", 32, gpus=8, seq_len=64, fix="tp=2,etp=1")

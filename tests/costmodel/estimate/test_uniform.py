@@ -15,6 +15,7 @@ from costmodel_test_helpers import (
     CALIBRATION_FILE,
     IB_BW,
     IB_LAT,
+    NEUTRAL,
     NVLINK_BW,
     NVLINK_LAT,
     load_calibration_runs,
@@ -805,3 +806,34 @@ def test_dense_first_layers_and_mtp_are_held_where_the_stages_put_them():
     assert units.dense.layer_activation_bytes["none"] != units.layer_activation_bytes["none"]
     flops = 8 * (2 * layer_forward_flops(m.dense_layer(), 64) + 4 * layer_forward_flops(m, 64))
     assert recompute_flops(p, s) == pytest.approx(flops, rel=1e-12)
+
+
+def test_moe_parallel_folding_by_hand():
+    # Whole experts under tp (Strategy.etp 1, MoE parallel folding): the ep group takes
+    # tp ranks, the experts are split over ep only, each tp rank routes its sequence shard
+    # (no TP pair around the MoE block of a model without a shared expert), and the
+    # routing's saved rows are split tp ways.
+    from costmodel.estimate.step_collectives import step_collectives
+    from costmodel.terms.memory import layer_activation_bytes, moe_rows_saved_bytes
+
+    prob = problem("mixtral-8x7b", global_batch=2, seq_len=4096, gpus=8,
+                   runtime=dataclasses.replace(NEUTRAL, moe_folding=True))
+    whole = strategy(prob, dp=2, tp=4, ep=4, etp=1, sequence_parallel=True)
+    split = strategy(prob, dp=2, tp=4, ep=2, sequence_parallel=True)
+    assert (whole.edp, split.edp) == (2, 1)
+    h, f, layers = 4096, 14336, 32
+    assert unit_costs(prob, whole).layer_expert_parameters == 8 * 3 * h * f / 4
+    assert unit_costs(prob, split).layer_expert_parameters == 8 * 3 * h * f / (4 * 2)
+    message = 2 * 4096 * h   # mbs 1 x s x h, 16-bit
+    tp_calls = lambda s: {(c.kind, c.bytes, c.calls) for c in step_collectives(prob, s, 0) if c.group == "tp"
+                          and c.what == "layer TP (SP)"}
+    # Attention's pair each way and its input gathered again in backward.
+    assert tp_calls(whole) == {("all_gather", message, 3 * layers), ("reduce_scatter", message, 2 * layers)}
+    # Experts split over tp 4 gather the k = 2 rows a token each rank's experts receive
+    # (Megatron-Core's alltoall dispatcher over the expert tp group): 2 x message.
+    assert tp_calls(split) == {("all_gather", message, 3 * layers), ("reduce_scatter", message, 2 * layers),
+                               ("all_gather", 2 * message, 2 * layers), ("reduce_scatter", 2 * message, 2 * layers)}
+    assert unit_costs(prob, whole).layer_work["none"].tp_comm_s < unit_costs(prob, split).layer_work["none"].tp_comm_s
+    kept = {fold: layer_activation_bytes(prob.model, prob.training, 1, 4, True, "none", ep=4, fold=fold)
+            for fold in (1, 4)}
+    assert kept[1] - kept[4] == pytest.approx(0.75 * moe_rows_saved_bytes(prob.model, 4, 2) * 4096, rel=1e-12)

@@ -11,6 +11,7 @@ import pytest
 from costmodel_test_helpers import (
     IB_BW,
     IB_LAT,
+    NEUTRAL,
     NVLINK_BW,
     NVLINK_LAT,
     problem,
@@ -242,3 +243,20 @@ def test_expert_exchange_by_hand(dgx):
     assert expert_exchange_s(model, tokens_bytes, 8, node, dgx, deepep, 2) == pytest.approx(
         expert_exchange_s(model, tokens_bytes, 8, node, dgx, replace(plain, collective_half_bytes=0.0), 2), rel=1e-12)
     assert expert_exchange_s(model, tokens_bytes, 1, Placement(1, 1, 1), dgx, deepep, 2) == 0.0
+
+
+def test_expert_groups_fold_over_tp_cp_and_dp_where_the_runtime_folds():
+    """Megatron-Core lays the experts' ranks etp innermost, then ep, then expert data
+    parallelism over a stage's dp x cp x tp ranks; DeepSpeed and the executor keep ep
+    inside dp, its members tp x cp apart."""
+    from costmodel.strategy import Strategy
+
+    prob = problem("mixtral-8x7b", cluster="dgx-h100", global_batch=16, seq_len=4096, gpus=16,
+                   runtime=replace(NEUTRAL, moe_folding=True))
+    whole = Strategy(dp=4, tp=2, cp=2, pp=1, micro_batch_size=1, num_microbatches=4, ep=8, etp=1,
+                     sequence_parallel=True)
+    where = groups(prob, whole)
+    assert (where["ep"], where["expert_dp"]) == (placement(8, 1, 8), placement(2, 8, 8))   # ep in a node
+    inside = groups(replace(prob, runtime=NEUTRAL), Strategy(dp=4, tp=2, cp=2, pp=1, micro_batch_size=1,
+                                                             num_microbatches=4, ep=4))
+    assert (inside["ep"], inside["expert_dp"]) == (placement(4, 4, 8), placement(2, 8, 8))

@@ -263,7 +263,7 @@ def megatron_mirror() -> argparse.ArgumentParser:
                  "--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank",
                  "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers", "--micro-batch-size",
                  "--global-batch-size", "--recompute-num-layers", "--context-parallel-size",
-                 "--expert-model-parallel-size", "--num-layers", "--hidden-size", "--ffn-hidden-size",
+                 "--expert-model-parallel-size", "--expert-tensor-parallel-size", "--num-layers", "--hidden-size", "--ffn-hidden-size",
                  "--num-attention-heads", "--num-query-groups", "--kv-channels", "--seq-length",
                  "--max-position-embeddings", "--num-experts", "--moe-router-topk",
                  "--moe-shared-expert-intermediate-size", "--moe-ffn-hidden-size", "--q-lora-rank", "--kv-lora-rank",
@@ -1212,3 +1212,30 @@ def test_torchtitan_toml_grouped_fp8_converter_reads_as_fp8_experts():
         read_text("torchtitan-toml", piped_text.replace(linear, 'converters = ["quantize.linear.float8", '
                                                                 '"quantize.grouped_mm.float8"]')
                   + '\n[quantize.grouped_mm.float8]\nfqns = ["experts"]\n', model_of(piped), 8)
+
+
+def test_whole_experts_under_tp_go_out_as_the_engines_expert_tensor_parallel_degree():
+    """MoE parallel folding (Strategy.etp 1) goes out as Megatron's
+    --expert-tensor-parallel-size 1 and torchtitan 0.2's expert_tensor_parallel_degree,
+    experts split over tp as tp; both read back. torchtitan 0.3 keeps experts whole
+    whatever the plan says (its sparse mesh has no etp): a plan splitting them is told."""
+    megatron = load_runtime("megatron")
+    doc = plan("tiny-moe", "dgx-h100", 32, gpus=4, seq_len=64, runtime="megatron", top=1,
+               fix="dp=2,tp=2,pp=1,ep=4,etp=1,mbs=1,zero=1,recompute=none,sp=on")
+    model, strategy, training = model_of(doc), strategy_of(doc), training_of(doc)
+    assert (strategy.etp, strategy.ep, strategy.edp, doc["strategy"]["etp"]) == (1, 4, 1, 1)
+    text = export_strategy("megatron", strategy, model, training, megatron).text
+    args = megatron_mirror().parse_args(shlex.split(text.replace("\\\n", " ")))
+    assert (args.tensor_model_parallel_size, args.expert_model_parallel_size, args.expert_tensor_parallel_size) == (2, 4, 1)
+    assert read_text("megatron", text, model, 4).strategy.etp == 1
+    split = replace(strategy, ep=2, etp=None)
+    split_text = export_strategy("megatron", split, model, training, megatron).text
+    assert "--expert-tensor-parallel-size 2" in split_text
+    assert read_text("megatron", split_text, model, 4).strategy.etp is None
+    toml = export_strategy("torchtitan-toml", strategy, model, training, megatron).text
+    assert tomllib.loads(toml)["parallelism"]["expert_tensor_parallel_degree"] == 1
+    assert read_text("torchtitan-toml", toml, model, 4).strategy.etp == 1
+    split_toml = export_strategy("torchtitan-toml", split, model, training, megatron).text
+    assert read_text("torchtitan-toml", split_toml, model, 4).strategy.etp is None
+    assert any("torchtitan 0.3 keeps the routed experts whole" in w
+               for w in export_strategy("torchtitan", split, model, training, megatron).warnings)

@@ -75,3 +75,22 @@ def test_space_keeps_zero_bubble_schedules_from_runtimes_that_do_not_run_them():
     assert "megatron runtime does not run zero-bubble" in _zero_bubble_refusal(load_runtime("megatron"), "zbv")
     assert "compiled blocks" in _zero_bubble_refusal(dataclasses.replace(load_runtime(), torch_compile=True), "zbv")
     assert _zero_bubble_refusal(load_runtime(), "zbv") is None
+
+
+def test_space_folds_experts_only_where_the_runtime_does():
+    """MoE parallel folding (RuntimeSpec.moe_folding, Megatron-Core): whole experts under
+    tp (etp 1) with ep over dp x cp x tp, sequence parallelism on; the executor's runtime
+    keeps MoE models at tp 1, ep inside dp."""
+    model, cluster = load_model("tiny-moe"), load_cluster("dgx-h100", gpus=8)
+    training = make_training(model, cluster, 32, 64)
+    rules = load_rules(None)
+    folded, _ = enumerate_space(Problem(model, cluster, training, runtime=load_runtime("megatron")), rules)
+    whole = [s for s in folded if s.etp == 1]
+    assert whole and all(s.tp > 1 and s.sequence_parallel for s in whole)
+    assert any(s.ep > s.dp for s in whole)   # ep takes tp ranks
+    assert all((s.dp * s.cp * s.tp) % (s.ep * s.expert_tp) == 0 for s in folded)
+    native, _ = enumerate_space(Problem(model, cluster, training, runtime=load_runtime()), rules)
+    assert native and all(s.tp == 1 and s.etp is None and s.dp % s.ep == 0 for s in native)
+    two = load_cluster("dgx-h100", gpus=2)
+    _, why = enumerate_space(Problem(model, two, make_training(model, two, 32, 64), runtime=load_runtime()), rules)
+    assert "neither splits experts over tp nor keeps them whole" in why.reasons["tp"]
