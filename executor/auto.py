@@ -400,7 +400,7 @@ class DecoderModel:
         parallelize_module(lm, tp_mesh, ends)
 
     def _data_parallel(self, stage: DecoderStage) -> nn.Module:
-        s, dp_mesh = self.strategy, self.mesh.dp_mesh
+        s, dp_mesh = self.strategy, self.mesh.dp_cp_mesh
         if s.dp == 1:
             return stage
         _, layers = decoder_layers(stage.lm.base_model)

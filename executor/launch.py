@@ -33,6 +33,7 @@ from costmodel.strategy import (
     ZERO_BUBBLE_SCHEDULES,
     Strategy,
     context_parallel_error,
+    expert_layout_error,
     layout_error,
     schedule_microbatch_error,
     schedule_zero_error,
@@ -83,9 +84,6 @@ def check_supported(spec: ModelSpec, strategy: Strategy, seq_len: int, precision
         raise UnsupportedPlan(f"strategy.cp: context parallelism (cp {strategy.cp}) with multi-head latent attention "
                               "is not built (the plan gathers the latent, the executor's attention would gather "
                               "every head's K and V); plan with --fix cp=1")
-    if strategy.cp > 1 and strategy.ep > 1:
-        raise UnsupportedPlan(f"strategy.cp: context parallelism (cp {strategy.cp}) with expert parallelism "
-                              f"(ep {strategy.ep}) is not supported; plan with --fix cp=1 or ep=1")
     # Under context parallelism a rank holds seq_len / cp tokens of each sequence.
     local_len = seq_len // strategy.cp
     if strategy.sequence_parallel and local_len % strategy.tp:
@@ -108,13 +106,14 @@ def check_supported(spec: ModelSpec, strategy: Strategy, seq_len: int, precision
         raise UnsupportedPlan(f"model.{built[0]}: the executor's built-in model does not build the model's "
                               f"{', '.join(built)} (gpt-oss, Llama 4, Gemma 3, DeepSeek-V3) yet; export the plan (shardwise export) "
                               "to an engine that does")
-    if spec.is_moe and strategy.tp > 1:
-        raise UnsupportedPlan("strategy.tp: tensor parallelism inside the experts of an MoE model is not supported; plan with --fix tp=1")
+    if spec.is_moe and strategy.tp > 1 and strategy.etp != 1:
+        raise UnsupportedPlan(f"strategy.etp: experts split over tp {strategy.tp} are not built (the executor keeps "
+                              f"them whole under tp, MoE parallel folding); plan with --fix etp=1")
+    if spec.is_moe and (layout := expert_layout_error(strategy, spec.num_local_experts, folding=True)):
+        raise UnsupportedPlan(f"strategy.{layout[0]}: {layout[1]}")
     if spec.num_attention_heads % strategy.tp or spec.num_key_value_heads % strategy.tp:
         raise UnsupportedPlan(f"strategy.tp: {strategy.tp} does not divide the {spec.num_attention_heads} heads "
                               f"and {spec.num_key_value_heads} kv heads")
-    if spec.is_moe and spec.num_local_experts % strategy.ep:
-        raise UnsupportedPlan(f"strategy.ep: {strategy.ep} does not divide the {spec.num_local_experts} experts")
     if strategy.stage_groups and len(strategy.stage_groups) != strategy.pp:
         raise UnsupportedPlan(f"plan.strategy.stage_groups: expected one group per pipeline rank ({strategy.pp}), "
                               f"got {len(strategy.stage_groups)}")

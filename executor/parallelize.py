@@ -246,6 +246,7 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, sequence_para
                 return PrepareFloat8ModuleInput(**layouts)
             return PrepareModuleInput(**layouts)
 
+        moe = isinstance(layer.feed_forward, MoE)
         gated = layer.feed_forward.w3 is not None
         plan = {
             # (x, cos, sin): the RoPE rows are plain tensors.
@@ -255,13 +256,18 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, sequence_para
             "attention.wk": colwise("attention.wk"),
             "attention.wv": colwise("attention.wv"),
             "attention.wo": rowwise("attention.wo", output_layouts=seq),
-            "feed_forward": prepare("feed_forward", ("w1", "w3"), input_layouts=(seq,),
-                                    desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": colwise("feed_forward.w1"),
-            "feed_forward.w2": rowwise("feed_forward.w2", output_layouts=seq),
         }
-        if gated:
-            plan["feed_forward.w3"] = colwise("feed_forward.w3")
+        if moe:
+            plan.update(_moe_tensor_parallel_plan(layer.feed_forward))
+        else:
+            plan.update({
+                "feed_forward": prepare("feed_forward", ("w1", "w3"), input_layouts=(seq,),
+                                        desired_input_layouts=(Replicate(),)),
+                "feed_forward.w1": colwise("feed_forward.w1"),
+                "feed_forward.w2": rowwise("feed_forward.w2", output_layouts=seq),
+            })
+            if gated:
+                plan["feed_forward.w3"] = colwise("feed_forward.w3")
         if layer.attention.q_norm is not None:
             # Per-head q/k norms (Qwen3) see this rank's heads: their weights are
             # replicated and their gradients summed over tp, as SequenceParallel does
@@ -286,6 +292,25 @@ def apply_tensor_parallel(model: Transformer, tp_mesh: DeviceMesh, sequence_para
         parallelize_module(model, tp_mesh, ends)
     if sequence_parallel:
         model.sequence_shard = (tp_mesh.get_local_rank(), tp_mesh.size())
+
+
+def _moe_tensor_parallel_plan(moe: MoE) -> dict:
+    """An MoE block under tp with whole experts (MoE parallel folding, Strategy.etp 1;
+    check_supported asks for sequence parallelism): the block takes the rank's sequence
+    shard as it is, routes it with the replicated router (its gradient summed over tp by
+    the step) to experts sharded over an ep group that spans the tp ranks; the shared
+    expert is split over tp as a dense MLP is (Megatron-LM's SharedExpertMLP), its rows
+    gathered before and reduce-scattered after (dim 0: the block's flattened tokens)."""
+    plan = {"feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),),
+                                               use_local_output=True)}
+    if moe.shared_expert is not None:
+        plan["feed_forward.shared_expert"] = PrepareModuleInput(input_layouts=(Shard(0),),
+                                                                desired_input_layouts=(Replicate(),))
+        plan["feed_forward.shared_expert.w1"] = ColwiseParallel()
+        plan["feed_forward.shared_expert.w2"] = RowwiseParallel(output_layouts=Shard(0))
+        if moe.shared_expert.w3 is not None:
+            plan["feed_forward.shared_expert.w3"] = ColwiseParallel()
+    return plan
 
 
 def apply_context_parallel(model: Transformer, cp_mesh: DeviceMesh) -> None:
@@ -418,12 +443,12 @@ def apply_fsdp(model: Transformer, dp_mesh: DeviceMesh, zero_stage: int, ignored
 
 def apply_expert_fsdp(model: Transformer, edp_mesh: DeviceMesh, dp_mesh: DeviceMesh, zero_stage: int) -> None:
     """ZeRO over expert weights, as torchtitan shards them: each MoE's experts (already
-    sharded over ep) are an FSDP2 unit over the edp group (the dp ranks holding the same
+    sharded over ep) are an FSDP2 unit over the edp group (the ranks holding the same
     experts) and its router, with the shared expert and its gate where the model has
-    them, a unit over dp, before the layers become units (a unit leaves out what its
-    sub-units hold). FSDP2 averages expert gradients over edp; the step
-    divides them by ep (executor.step.TrainStep.synchronize_gradients). The cost model
-    shards expert states over dp / ep (costmodel.estimate.uniform)."""
+    them, a unit over `dp_mesh` (dp x cp), before the layers become units (a unit leaves
+    out what its sub-units hold). FSDP2 averages expert gradients over edp; the step
+    scales them to the dp x cp mean (executor.step.TrainStep.synchronize_gradients). The
+    cost model shards expert states over edp (costmodel.strategy.Strategy.edp)."""
     reshard = zero_stage == 3
     for layer in model.layers.values():
         moe = layer.feed_forward
@@ -475,7 +500,7 @@ class BuiltinModel:
                     if training.fp8 else None)
         # ZeRO over experts needs two ranks holding them (edp > 1): on one there is
         # nothing to shard, and the step reduces them as under DDP.
-        self.experts_sharded = self.data_parallel == "fsdp" and strategy.ep > 1 and strategy.dp // strategy.ep > 1
+        self.experts_sharded = self.data_parallel == "fsdp" and strategy.ep > 1 and strategy.edp > 1
         stages = [None] if strategy.pp == 1 else list(strategy.rank_stages(mesh.pp_rank))
         self.modules = [self._build(stage) for stage in stages]   # as the step runs them
         # This rank's Transformers, without their DDP wrappers.
@@ -526,7 +551,7 @@ class BuiltinModel:
         experts = {p for _, p in expert_parameters(model)}
         if self.data_parallel == "fsdp":
             if self.experts_sharded:
-                apply_expert_fsdp(model, self.mesh["edp"], self.mesh.dp_mesh, max(2, s.zero_stage))
+                apply_expert_fsdp(model, self.mesh["edp"], self.mesh.dp_cp_mesh, max(2, s.zero_stage))
                 experts = set()
             apply_fsdp(model, self.mesh.dp_cp_mesh, max(2, s.zero_stage), experts, self.overlap)
         elif self.data_parallel == "replicate":
@@ -568,10 +593,16 @@ class BuiltinModel:
 
     def _summed_over_tp(self) -> tuple[nn.Parameter, ...]:
         # Under sequence parallelism each tp rank adds only its slice of the learned
-        # positions, so the replicated table's gradient is the sum over the tp ranks.
+        # positions, and routes only its share of the tokens through an MoE block's
+        # router and shared-expert gate, so these replicated weights' gradients are the
+        # sums over the tp ranks.
         if not (self.strategy.sequence_parallel and self.strategy.tp > 1):
             return ()
-        return tuple(m.pos_embeddings.weight for m in self.stages if m.pos_embeddings is not None)
+        positions = [m.pos_embeddings.weight for m in self.stages if m.pos_embeddings is not None]
+        routers = [p for m in self.stages for layer in m.layers.values() if isinstance(layer.feed_forward, MoE)
+                   for gate in (layer.feed_forward.router, layer.feed_forward.shared_gate) if gate is not None
+                   for p in gate.parameters()]
+        return tuple(positions + routers)
 
     def parameters(self) -> list[nn.Parameter]:
         return self.parts.parameters()

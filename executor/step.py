@@ -273,19 +273,20 @@ class TrainStep:
                     g.copy_(total)
             elif grads:
                 dist.all_reduce(grads[0], group=parts.tied.ends_group)
-        # Expert weights see tokens from every dp rank through the all-to-all: the
-        # gradient of the dp-mean loss is their sum over edp divided by dp. FSDP has
-        # taken the mean over edp already (sum / (dp / ep)): that leaves a division by ep.
+        # Expert weights see tokens from every rank of their ep group through the
+        # all-to-all (each token once: the tp ranks of a replica route their own sequence
+        # shards): the gradient of the mean over the dp x cp losses is their sum over
+        # edp divided by dp x cp. FSDP has taken the mean over edp already.
         for p in parts.expert_parameters:
             if p.grad is None:
                 continue
             grad = _local(p.grad)
             if parts.experts_reduced_by_fsdp:
-                grad.div_(s.ep)
+                grad.mul_(s.edp / s.dp_cp)
                 continue
-            if s.dp // s.ep > 1:
+            if s.edp > 1:
                 dist.all_reduce(grad, group=self.mesh["edp"].get_group())
-            grad.div_(s.dp)
+            grad.div_(s.dp_cp)
 
     def clip_gradients(self) -> torch.Tensor:
         """Scale gradients so their global L2 norm is at most grad_clip (Pascanu et al.
@@ -313,8 +314,9 @@ class TrainStep:
 
     def _replicas(self, param: torch.Tensor, expert: bool) -> int:
         s = self.strategy
-        # The cp ranks of a replica hold the same weights (experts: no cp, check_supported).
-        sizes = {"dp": s.dp // s.ep if expert else s.dp_cp, "tp": s.tp}
+        # The cp ranks of a replica hold the same weights; an expert is held by its edp
+        # ranks only (its ep group spans the tp ranks).
+        sizes = {"dp": s.edp, "tp": 1} if expert else {"dp": s.dp_cp, "tp": s.tp}
         if isinstance(param, DTensor):
             for name, placement in zip(param.device_mesh.mesh_dim_names, param.placements):
                 # FSDP over TP shards as _StridedShard, which is not a Shard subclass.

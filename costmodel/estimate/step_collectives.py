@@ -13,6 +13,7 @@ from costmodel.estimate.uniform import (
     cross_entropy_bytes,
     p2p_sends,
     rank_parameters,
+    tp_summed_gradients,
     unit_costs,
 )
 from costmodel.problem import Problem
@@ -50,6 +51,7 @@ def step_collectives(problem: Problem, strategy: Strategy, pp_rank: int) -> tupl
     value = compute.activation_bytes_per_value(training)
     local_seq = training.seq_len // s.cp
     message = value * b * local_seq * model.hidden_size
+    stream = compute.residual_bytes_per_value(training) * b * local_seq * model.hidden_size
     stages = s.rank_stages(pp_rank)
     layers = sum(st.num_layers for st in stages)
     full = sum(st.full_recompute_layers for st in stages)
@@ -77,16 +79,22 @@ def step_collectives(problem: Problem, strategy: Strategy, pp_rank: int) -> tupl
     if dense_layers:
         kinds.append((model.dense_layer(), units.dense, dense_layers, dense_full))
     for kind_model, kind, count, count_full in kinds:
-        # Per micro-batch, as unit_costs charges each layer (full recompute repeats the
-        # forward's; sequence parallelism gathers a block's input again in backward).
+        # Per micro-batch, as unit_costs charges each layer: forward gathers a block's
+        # input (the residual stream's bytes) and reduces its output, backward the
+        # reverse; full recompute repeats the forward's; Megatron-LM's sequence
+        # parallelism gathers a block's input again in backward.
         for scale, pairs in tp_pairs(kind_model, s):
-            calls = m * pairs * (2 * count + count_full)
+            forward, backward = m * pairs * (count + count_full), m * pairs * count
+            block_in, block_out = (stream, message) if scale == 1.0 else (message * scale, message * scale)
             if s.sequence_parallel:
-                again = m * pairs * count if scale == 1.0 else 0
-                add("all_gather", "tp", message * scale, calls + again, "layer TP (SP)")
-                add("reduce_scatter", "tp", message * scale, calls, "layer TP (SP)")
+                again = backward if scale == 1.0 and problem.runtime.sp_regathers_inputs else 0
+                add("all_gather", "tp", block_in, forward + again, "layer TP (SP)")
+                add("reduce_scatter", "tp", block_out, forward, "layer TP (SP)")
+                add("all_gather", "tp", block_out, backward, "layer TP (SP)")
+                add("reduce_scatter", "tp", block_in, backward, "layer TP (SP)")
             else:
-                add("all_reduce", "tp", message * scale, calls, "layer TP")
+                add("all_reduce", "tp", block_out, forward, "layer TP")
+                add("all_reduce", "tp", block_in, backward, "layer TP")
         if kind_model.is_moe:
             add("all_to_all", "ep", message * kind_model.busiest_rank_rows_per_token(s.ep) / s.tp,
                 m * (2 * (count + count_full) + 2 * count), "MoE dispatch and combine")
@@ -104,10 +112,10 @@ def step_collectives(problem: Problem, strategy: Strategy, pp_rank: int) -> tupl
         if not present:
             continue
         if s.sequence_parallel:
-            add("all_gather", "tp", message, m, f"{end} TP (SP)")
-            add("reduce_scatter", "tp", message, m, f"{end} TP (SP)")
+            add("all_gather", "tp", stream, m, f"{end} TP (SP)")
+            add("reduce_scatter", "tp", stream, m, f"{end} TP (SP)")
         else:
-            add("all_reduce", "tp", message, m, f"{end} TP")
+            add("all_reduce", "tp", stream, m, f"{end} TP")
         if s.zero_stage == 3:
             add("all_gather", "dp", local * states.weights, 2 * m, f"ZeRO-3 {end} weights")
             add("reduce_scatter", "dp", local * states.gradients, m, f"ZeRO-3 {end} gradients")
@@ -129,6 +137,8 @@ def step_collectives(problem: Problem, strategy: Strategy, pp_rank: int) -> tupl
         for params, calls, what in units_of:
             add("reduce_scatter", "dp", params * states.gradients, calls, f"ZeRO {what} gradients")
             add("all_gather", "dp", params * states.weights, calls, f"ZeRO {what} updated weights")
+    for params, calls in tp_summed_gradients(problem, s, pp_rank):
+        add("all_reduce", "tp", params * states.gradients, calls, "replicated weights' gradients summed over tp")
     if model.tie_word_embeddings and s.pp > 1 and (first or last):
         add("all_reduce", "pp_ends", model.vocab_size * model.hidden_size / s.tp * states.gradients, 1,
             "tied embedding gradient")

@@ -124,15 +124,24 @@ def _unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
     # Tensor parallelism per layer (Shoeybi et al. 2019 §3; Korthikanti et al. 2022 §4.2.2):
     # two all-reduces forward and two backward, or with sequence parallelism an all-gather
     # and a reduce-scatter in their place, each of the full b*s*h activation: one pair
-    # around attention, one around the MLP (costmodel.estimate.step_collectives
-    # tp_pairs says which an MoE block has).
-    def tp_pair(num_bytes: float) -> float:
+    # around attention, one around the MLP (costmodel.terms.comm.tp_pairs says which an
+    # MoE block has). A block's input is the residual stream's (`stream`: fp32 under
+    # autocast), its output projection's the matmul's: forward gathers the input and
+    # reduces the output (without sequence parallelism: all-reduces the output), backward
+    # the reverse.
+    stream = compute.residual_bytes_per_value(training) * b * training.seq_len / cp * model.hidden_size
+
+    def tp_pair(in_bytes: float, out_bytes: float) -> tuple[float, float]:
         if sp:
-            return coll("all_gather", num_bytes, where["tp"]) + coll("reduce_scatter", num_bytes, where["tp"])
-        return coll("all_reduce", num_bytes, where["tp"])
+            both = coll("all_gather", in_bytes, where["tp"]) + coll("reduce_scatter", out_bytes, where["tp"])
+            return both, both
+        return coll("all_reduce", out_bytes, where["tp"]), coll("all_reduce", in_bytes, where["tp"])
 
     pairs = tp_pairs(model, strategy)
-    tp_one_way = sum(count * tp_pair(message * scale) for scale, count in pairs)
+    block_pairs = [(count, tp_pair(stream, message) if scale == 1.0 else tp_pair(message * scale, message * scale))
+                   for scale, count in pairs]
+    tp_one_way = sum(count * fwd for count, (fwd, _) in block_pairs)
+    tp_back_way = sum(count * bwd for count, (_, bwd) in block_pairs)
     hide = cluster.comm_overlap   # the fraction of compute a collective can run behind
     # Async TP (micro-pipelined all-gather/reduce-scatter matmuls, PyTorch's
     # torch.distributed._symmetric_memory; Wang et al. 2023 "Overlap communication with
@@ -151,13 +160,14 @@ def _unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
     # Backward TP collectives overlap the weight-gradient GEMMs (Megatron-LM's
     # asynchronous tensor-parallel all-reduce / all-gather, Korthikanti et al. §4.2.2),
     # as far as the runtime's `tp_overlap` says.
-    tp_backward = max(0.0, tp_one_way - runtime.tp_overlap * hide * layer.gemm_s) + 2 * tp_host / 3
-    if sp:
-        # Sequence parallelism stores the sharded input of each linear block and
-        # gathers it again in backward before the weight-gradient GEMM can start
-        # (Korthikanti et al. §4.2.2): two more all-gathers, exposed (but for async TP).
+    tp_backward = max(0.0, tp_back_way - runtime.tp_overlap * hide * layer.gemm_s) + 2 * tp_host / 3
+    if sp and runtime.sp_regathers_inputs:
+        # Megatron-LM's sequence parallelism stores the sharded input of each linear
+        # block and gathers it again in backward before the weight-gradient GEMM can
+        # start (Korthikanti et al. §4.2.2): two more all-gathers, exposed (but for
+        # async TP). PyTorch's keeps the gathered input (RuntimeSpec.sp_regathers_inputs).
         tp_backward += async_exposed(sum(count for scale, count in pairs if scale == 1.0)
-                                     * coll("all_gather", message, where["tp"]))
+                                     * coll("all_gather", stream, where["tp"]))
     # Context parallelism (Llama 3, Dubey et al. 2024 §3.3.2, the executor's attention):
     # K and V all-gathered over the cp ranks before attention, their gradients
     # reduce-scattered in backward, one collective each way of the whole sequence's K and
@@ -266,11 +276,12 @@ def _unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
         head_fwd, head_bwd = head_measured or (head_fwd, head_bwd)
         emb_launch = 0.0 if emb_measured else emb_launch
         head_launch = 0.0 if head_measured else head_launch
+    # The embedding's output and the head's input are the residual stream's.
     if sp:
-        boundary = coll("reduce_scatter", message, where["tp"]) + coll("all_gather", message, where["tp"])
+        boundary = coll("reduce_scatter", stream, where["tp"]) + coll("all_gather", stream, where["tp"])
         emb_comm = head_comm = boundary
     else:
-        emb_comm = head_comm = coll("all_reduce", message, where["tp"])
+        emb_comm = head_comm = coll("all_reduce", stream, where["tp"])
     # Vocabulary-parallel cross-entropy all-reduces three fp32 values per token (the
     # max logit, the target's logit, the sum of exponentials; Megatron-LM
     # `_VocabParallelCrossEntropy`, PyTorch `loss_parallel`).
@@ -586,6 +597,43 @@ def rank_memory(problem: Problem, units: UnitCosts, strategy: Strategy, pp_rank:
     return loss_peak if loss_peak.total_bytes > backward_peak.total_bytes else backward_peak
 
 
+def tp_summed_gradients(problem: Problem, strategy: Strategy, pp_rank: int) -> tuple[tuple[float, int], ...]:
+    """(values, all-reduces over tp per step) of the weights replicated over tp whose
+    gradients each tp rank makes from its own share and the step sums, one all-reduce
+    per weight (executor.step synchronize_gradients; Megatron-LM coalesces them into one):
+    under sequence parallelism the norms, each rank normalising its sequence shard, and
+    GPT's learned positions; per-head q/k norms, each rank holding its heads; with whole
+    experts under tp (Strategy.fold) the router and shared-expert gate, each rank
+    routing its sequence shard. Where ZeRO shards the rank's weights over dp x cp
+    (FSDP2 over tp weights), each sums its dim-0 shard, padded to a whole share."""
+    model, s = problem.model, strategy
+    if s.tp == 1:
+        return ()
+    stages = s.rank_stages(pp_rank)
+    layers = sum(st.num_layers for st in stages)
+    sparse = sum(other for st in stages for _, _, other in st.layers_by_mode(model.dense_upto))
+    h = model.hidden_size
+    shard = s.dp_cp if s.zero_stage >= 1 and s.dp_cp > 1 else 1
+
+    def local(rows: int, width: int = 1) -> float:
+        return -(-rows // shard) * width
+
+    out: list[tuple[float, int]] = []
+    if s.sequence_parallel:
+        tensors = 2 if model.norm == "layernorm" else 1   # weight (and bias)
+        last = any(st.index == s.num_virtual_stages - 1 for st in stages)
+        out.append((local(h), tensors * (model.norms_per_layer * layers + (1 if last else 0))))
+        if model.position_embedding == "learned" and any(st.index == 0 for st in stages):
+            out.append((local(model.max_position_embeddings, h), 1))
+    if model.qk_norm:
+        out.append((local(model.head_dim), 2 * layers))
+    if model.is_moe and s.fold > 1:
+        out.append((local(model.num_local_experts, h + (1 if model.router_bias else 0)), sparse))
+        if model.shared_expert_gate:
+            out.append((local(1, h), sparse))
+    return tuple((values, calls) for values, calls in out if calls)
+
+
 def dp_sync_s(problem: Problem, units: UnitCosts, strategy: Strategy, pp_rank: int) -> float:
     """Gradient synchronisation at the end of the step on one rank, before overlap.
 
@@ -616,6 +664,8 @@ def dp_sync_s(problem: Problem, units: UnitCosts, strategy: Strategy, pp_rank: i
                               + fsdp_copies_s("all_gather", params * states.weights, group.size, cluster))
     if pp_rank in (0, strategy.pp - 1):
         total += units.tied_sync_s
+    for params, calls in tp_summed_gradients(problem, strategy, pp_rank):
+        total += calls * collective_time_s("all_reduce", params * states.gradients, where["tp"], cluster, runtime)
     return total
 
 

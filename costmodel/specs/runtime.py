@@ -109,6 +109,12 @@ class RuntimeSpec:
     # ep lies inside dp (DeepSpeed's expert groups; the executor's mesh, which runs ep at
     # tp 1 and cp 1 only).
     moe_folding: bool = False
+    # Whether sequence parallelism gathers each linear block's input again in backward:
+    # Megatron-LM saves the sharded input and re-gathers it for the weight gradient
+    # (megatron-core tensor_parallel/layers.py, LinearWithGradAccumulationAndAsyncCommunication;
+    # Korthikanti et al. 2022 §4.2.2); PyTorch's tensor parallelism keeps the gathered
+    # input autograd saved (measured: tests/executor/test_collective_log.py).
+    sp_regathers_inputs: bool = True
     # Whether the engine runs zero-bubble pipeline schedules (zb-interleaved, zbv, dualpipev:
     # torch.distributed.pipelining's, as the executor and torchtitan do; Megatron-LM's
     # and DeepSpeed's pipelines run 1F1B and interleaved 1F1B only). They also need eager
@@ -192,5 +198,6 @@ INT_FIELDS = ("fsdp_prefetch",)
 SETTING_FIELDS = ("torch_compile", "async_tp", "chunked_loss", "selective_recompute", "fsdp_kept_gathered",
                   "fsdp_prefetch", "ddp_bucket_mb", "moe_dispatch", "ep_overlap", "fp8_experts")
 FLAG_FIELDS = ("async_tp", "torch_compile", "chunked_loss", "expert_tensor_parallel", "moe_folding",
+               "sp_regathers_inputs",
                "zero_bubble_schedules",
                "fp8_experts", "fused_fp8_casts")

@@ -122,6 +122,15 @@ def activation_bytes_per_value(training: TrainingSpec) -> int:
     return 4 if training.precision == "fp32" else 2
 
 
+def residual_bytes_per_value(training: TrainingSpec) -> int:
+    """Bytes of a residual-stream value: fp32 under autocast, whose parameters, norms and
+    residual adds stay in fp32 (the executor), so what tensor parallelism gathers into a
+    block and scatters out of the embedding is fp32 (measured: tests/executor/
+    test_collective_log.py, tp2 with sequence parallelism under bf16); 16-bit under
+    Megatron-LM's recipe and FSDP2's param_dtype."""
+    return 4 if training.precision == "fp32" or training.mixed_precision == "autocast" else 2
+
+
 def _kernel_factors(runtime: RuntimeSpec | None) -> tuple[float, float]:
     """(GEMM efficiency scale, elementwise traffic factor) of the runtime."""
     if runtime is None:

@@ -38,12 +38,12 @@ def training(optimizer: str = "adamw", global_batch: int = GLOBAL_BATCH, precisi
 
 
 def strategy(dp=1, tp=1, pp=1, vpp=1, ep=1, m=None, schedule="1f1b", zero=0, recompute="none", sp=False,
-             stages=None, cp=1) -> Strategy:
+             stages=None, cp=1, etp=None) -> Strategy:
     if m is None:
         m = max(2, pp * vpp) if pp > 1 else 1
     mbs = GLOBAL_BATCH // (dp * m)   # the cp ranks of a replica share its sequences
     layers = 4
-    return Strategy(dp=dp, tp=tp, pp=pp, micro_batch_size=mbs, num_microbatches=m, vpp=vpp, ep=ep, cp=cp,
+    return Strategy(dp=dp, tp=tp, pp=pp, micro_batch_size=mbs, num_microbatches=m, vpp=vpp, ep=ep, cp=cp, etp=etp,
                     schedule=schedule, zero_stage=zero, recompute=recompute, sequence_parallel=sp,
                     stages=stages or even_stages(layers, pp, vpp, recompute, schedule))
 

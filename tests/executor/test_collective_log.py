@@ -18,6 +18,10 @@ PLANS = {
     "dp2-gpt": ("tiny-gpt", strategy(dp=2, m=2)),
     "tp2": ("tiny-llama", strategy(tp=2)),
     "tp2-gpt": ("tiny-gpt", strategy(tp=2, m=2)),
+    # Sequence parallelism: the block inputs gathered once (autograd keeps them), the
+    # norms' (and GPT's learned positions') gradients summed over tp.
+    "tp2-sp": ("tiny-llama", strategy(tp=2, sp=True)),
+    "tp2-sp-gpt": ("tiny-gpt", strategy(tp=2, sp=True, m=2)),
     "pp2": ("tiny-llama", strategy(pp=2, m=4)),
     "pp2-tied": ("tiny-gpt", strategy(pp=2)),
     "pp2-interleaved": ("tiny-llama", strategy(pp=2, vpp=2, schedule="interleaved")),
@@ -25,6 +29,10 @@ PLANS = {
     "zero3": ("tiny-llama", strategy(dp=2, zero=3, m=2)),
     "zero3-recompute": ("tiny-llama", strategy(dp=2, zero=3, recompute="full")),
     "ep2": ("tiny-moe", strategy(dp=2, ep=2)),
+    # Whole experts under tp: the ep group spans the tp ranks, each routing its sequence
+    # shard; the router's gradient summed over tp, a shared expert split over tp.
+    "ep2-tp2": ("tiny-moe", strategy(tp=2, ep=2, etp=1, sp=True)),
+    "ep2-tp2-shared": ("tiny-moe-shared", strategy(tp=2, ep=2, etp=1, sp=True)),
     # Dense-MLP layers among the expert ones: no all-to-all there, their own ZeRO-3 units.
     "ep2-dense-layers": ("tiny-qwen3-moe", strategy(dp=2, ep=2)),
     "ep2-dense-layers-zero3": ("tiny-qwen3-moe", strategy(dp=2, ep=2, zero=3, m=2)),
@@ -80,11 +88,13 @@ def test_collectives_match_cost_model(plan):
     assert routed_measured == routed_charged
 
 
-@pytest.mark.parametrize("plan", ["dp2", "zero2", "zero3"])
+@pytest.mark.parametrize("plan", ["dp2", "zero2", "zero3", "tp2", "tp2-sp"])
 def test_bf16_data_parallel_collectives_move_fp32(plan):
     # Under bf16 autocast the executor keeps fp32 weights and gradients: DDP all-reduces
     # and FSDP2 gathers and reduce-scatters 4 bytes per parameter, as charged
-    # (costmodel.terms.memory.comm_state_bytes).
+    # (costmodel.terms.memory.comm_state_bytes). Its residual stream is fp32 too: tensor
+    # parallelism gathers a block's input and scatters the embedding's output in fp32,
+    # and reduces the bf16 matmuls' outputs in bf16 (compute.residual_bytes_per_value).
     model, strat = PLANS[plan]
     for measured, pp_rank in run_local(issued, strat.num_gpus, model, strat, "bf16"):
         assert measured == charged(model, strat, pp_rank, "bf16")

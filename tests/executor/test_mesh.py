@@ -34,3 +34,22 @@ def test_ranks_sit_where_the_cost_model_numbers_them(dp, cp, tp, pp):
         if pp > 1:
             partner = rank + dp * cp * tp * (pp - 1) if got["pp_rank"] == 0 else rank - dp * cp * tp * (pp - 1)
             assert got["tied_ends"] == sorted([rank, partner])
+
+
+def expert_groups(rank, world, strat):
+    mesh = build_mesh(strat, "cpu")
+    return (dist.get_process_group_ranks(mesh["ep"].get_group()), dist.get_process_group_ranks(mesh["edp"].get_group()))
+
+
+@pytest.mark.parametrize("dp,cp,tp,pp,ep", [(2, 1, 2, 1, 4), (2, 1, 2, 1, 2), (1, 2, 1, 2, 2), (2, 2, 1, 1, 2)])
+def test_expert_groups_fold_over_tp_cp_and_dp(dp, cp, tp, pp, ep):
+    """The experts' groups fold apart from attention's (Megatron-Core's expert rank
+    generator with expert tp 1): ep consecutive ranks of a stage, tp first, then cp and
+    dp; edp the ranks ep apart, as costmodel.terms.comm.groups places them."""
+    strat = strategy(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, etp=1 if tp > 1 else None, sp=tp > 1)
+    stage = dp * cp * tp
+    for rank, (ep_group, edp_group) in enumerate(run_local(expert_groups, strat.num_gpus, strat)):
+        first = rank - rank % ep
+        assert ep_group == list(range(first, first + ep))
+        base = rank - rank % stage
+        assert edp_group == [base + rank % ep + i * ep for i in range(stage // ep)]

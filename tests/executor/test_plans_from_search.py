@@ -55,7 +55,7 @@ def test_the_best_mixtral_plan_on_16_h100s_runs():
     assert docs
     for doc in docs:
         s = strategy_of(doc)
-        assert s.tp == 1   # the executor keeps experts whole: the pytorch-native runtime says so
+        assert s.tp == 1 or s.etp == 1   # the executor keeps experts whole: the pytorch-native runtime says so
         from executor.launch import check_supported
         from planner.plan_file import model_of, training_of
 

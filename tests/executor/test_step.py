@@ -129,7 +129,16 @@ MOE_PLANS = {"ep2": strategy(dp=2, ep=2), "ep2-zero3": strategy(dp=2, ep=2, zero
              "ep2-pp2-zb": strategy(dp=2, ep=2, pp=2, schedule="zb-interleaved"),
              "ep2-pp2-zero2-zb": strategy(dp=2, ep=2, pp=2, zero=2, schedule="zb-interleaved"),
              "ep2-pp2-zero2-zbv": strategy(dp=2, ep=2, pp=2, vpp=2, zero=2, schedule="zbv"),
-             "ep2-pp2-dualpipev": strategy(dp=2, ep=2, pp=2, vpp=2, schedule="dualpipev")}
+             "ep2-pp2-dualpipev": strategy(dp=2, ep=2, pp=2, vpp=2, schedule="dualpipev"),
+             # MoE parallel folding: whole experts under tp (etp 1), the ep group spanning
+             # tp ranks (then cp, then dp); each tp rank routes its sequence shard.
+             "ep2-tp2": strategy(tp=2, ep=2, etp=1, sp=True),
+             "ep4-dp2-tp2": strategy(dp=2, tp=2, ep=4, etp=1, sp=True),
+             "ep2-tp2-edp2-zero2": strategy(dp=2, tp=2, ep=2, etp=1, sp=True, zero=2),
+             "ep4-dp2-tp2-zero3": strategy(dp=2, tp=2, ep=4, etp=1, sp=True, zero=3),
+             "ep2-tp2-pp2": strategy(tp=2, ep=2, etp=1, sp=True, pp=2),
+             "ep2-cp2": strategy(cp=2, ep=2),
+             "ep4-dp2-cp2-zero2": strategy(dp=2, cp=2, ep=4, zero=2)}
 
 # The production dtypes' loss checks: one layout of each kind of split, and ZeRO with
 # accumulation (where autocast's cache of weight casts once broke the gradients).
@@ -164,7 +173,7 @@ def test_moe_parity(plan):
 # Fine-grained experts with a shared expert (configs/models/tiny-moe-shared.yaml: its gate,
 # unnormalised top-k routing): the shared expert is a dense weight, replicated over ep,
 # reduced and sharded over dp, a unit with the router under ZeRO over experts (edp 2).
-SHARED_EXPERT_PLANS = ["ep2", "ep2-zero3", "ep2-edp2", "ep2-edp2-zero3", "ep2-pp2"]
+SHARED_EXPERT_PLANS = ["ep2", "ep2-zero3", "ep2-edp2", "ep2-edp2-zero3", "ep2-pp2", "ep2-tp2", "ep4-dp2-tp2-zero3"]
 
 
 @pytest.mark.parametrize("plan", SHARED_EXPERT_PLANS)
@@ -275,8 +284,6 @@ def test_context_parallel_plans_the_executor_cannot_run_are_refused():
     with pytest.raises(UnsupportedPlan, match=r"strategy.sequence_parallel: tp 4 does not divide the sequence of 6 "
                                               r"tokens \(seq 12 / cp 2\)"):
         check_supported(spec, strategy(cp=2, tp=4, sp=True), 12)
-    with pytest.raises(UnsupportedPlan, match=r"strategy.cp: context parallelism \(cp 2\) with expert parallelism"):
-        check_supported(load_model("tiny-moe"), strategy(dp=2, ep=2, cp=2), 16)
     with pytest.raises(UnsupportedPlan, match=r"plan.strategy.cp: auto_parallelize on a Hugging Face model"):
         refuse_unsupported(strategy(cp=2))
 

@@ -155,5 +155,5 @@ def test_a_plan_carries_etp_only_when_the_experts_stay_whole(tmp_path):
             read_plan(path)
     with pytest.raises(SpecError, match="--fix etp: tiny-llama has no experts"):
         plan("tiny-llama", "dgx-h100", 32, gpus=8, seq_len=64, runtime="megatron", fix="etp=1")
-    with pytest.raises(SpecError, match="--fix etp: the pytorch-native runtime has no MoE parallel folding"):
-        plan("tiny-moe", "dgx-h100", 32, gpus=8, seq_len=64, fix="tp=2,etp=1")
+    with pytest.raises(SpecError, match="--fix etp: the deepspeed-zero runtime has no MoE parallel folding"):
+        plan("tiny-moe", "dgx-h100", 32, gpus=8, seq_len=64, runtime="deepspeed-zero", fix="tp=2,etp=1")

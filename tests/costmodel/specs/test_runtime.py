@@ -135,9 +135,10 @@ def test_async_tp_hides_part_of_the_forward_tp_collectives_by_hand():
     asyn = unit_costs(replace(prob, runtime=rt_async), s).layer_work["none"].tp_comm_s
     where = groups(prob, s)
     message = 2 * 1 * 2048 * 4096
-    one_way = 2 * (collective_time_s("all_gather", message, where["tp"], prob.cluster, rt_sync)
+    stream = 4 * 1 * 2048 * 4096   # autocast's fp32 residual stream: the blocks' gathered inputs
+    one_way = 2 * (collective_time_s("all_gather", stream, where["tp"], prob.cluster, rt_sync)
                    + collective_time_s("reduce_scatter", message, where["tp"], prob.cluster, rt_sync))
-    regather = 2 * collective_time_s("all_gather", message, where["tp"], prob.cluster, rt_sync)
+    regather = 2 * collective_time_s("all_gather", stream, where["tp"], prob.cluster, rt_sync)
     gemm = layer_compute(prob.model, prob.cluster, prob.training, 1, 8, True, 1, rt_sync).gemm_s
 
     def exposed(c):

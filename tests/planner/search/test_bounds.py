@@ -51,7 +51,7 @@ def test_bounds_never_exceed_the_estimate(name):
         balanced = bounds.balanced(problem, units, strategy, modes, usable)
         for mode in modes:
             staged = strategy.with_stages(even_stages(problem.model.num_hidden_layers, strategy.pp,
-                                                      strategy.vpp, mode))
+                                                      strategy.vpp, mode, strategy.schedule))
             e = estimate(problem, staged, units)
             assert quick.memory_bytes <= e.peak_memory_bytes * (1 + 1e-9), (strategy, mode)
             if e.peak_memory_bytes <= usable:

@@ -78,9 +78,9 @@ def test_space_keeps_zero_bubble_schedules_from_runtimes_that_do_not_run_them():
 
 
 def test_space_folds_experts_only_where_the_runtime_does():
-    """MoE parallel folding (RuntimeSpec.moe_folding, Megatron-Core): whole experts under
-    tp (etp 1) with ep over dp x cp x tp, sequence parallelism on; the executor's runtime
-    keeps MoE models at tp 1, ep inside dp."""
+    """MoE parallel folding (RuntimeSpec.moe_folding: Megatron-Core, the executor): whole
+    experts under tp (etp 1) with ep over dp x cp x tp, sequence parallelism on; the
+    executor's runtime never splits experts over tp; DeepSpeed's keeps ep inside dp."""
     model, cluster = load_model("tiny-moe"), load_cluster("dgx-h100", gpus=8)
     training = make_training(model, cluster, 32, 64)
     rules = load_rules(None)
@@ -90,7 +90,11 @@ def test_space_folds_experts_only_where_the_runtime_does():
     assert any(s.ep > s.dp for s in whole)   # ep takes tp ranks
     assert all((s.dp * s.cp * s.tp) % (s.ep * s.expert_tp) == 0 for s in folded)
     native, _ = enumerate_space(Problem(model, cluster, training, runtime=load_runtime()), rules)
-    assert native and all(s.tp == 1 and s.etp is None and s.dp % s.ep == 0 for s in native)
+    assert any(s.ep > s.dp for s in native) and all(s.tp == 1 or s.etp == 1 for s in native)
+    deepspeed = load_runtime("deepspeed-zero")
+    inside, _ = enumerate_space(Problem(model, cluster, training, runtime=deepspeed), rules)
+    assert inside and all(s.etp is None and s.dp % s.ep == 0 for s in inside)
     two = load_cluster("dgx-h100", gpus=2)
-    _, why = enumerate_space(Problem(model, two, make_training(model, two, 32, 64), runtime=load_runtime()), rules)
+    neither = dataclasses.replace(deepspeed, expert_tensor_parallel=False)
+    _, why = enumerate_space(Problem(model, two, make_training(model, two, 32, 64), runtime=neither), rules)
     assert "neither splits experts over tp nor keeps them whole" in why.reasons["tp"]
