@@ -594,15 +594,18 @@ class BuiltinModel:
     def _summed_over_tp(self) -> tuple[nn.Parameter, ...]:
         # Under sequence parallelism each tp rank adds only its slice of the learned
         # positions, and routes only its share of the tokens through an MoE block's
-        # router and shared-expert gate, so these replicated weights' gradients are the
-        # sums over the tp ranks.
+        # router and shared-expert gate (and, without expert parallelism, its experts),
+        # so these replicated weights' gradients are the sums over the tp ranks. (Under
+        # ep the experts' groups span the tp ranks: the step reduces them over edp.)
         if not (self.strategy.sequence_parallel and self.strategy.tp > 1):
             return ()
         positions = [m.pos_embeddings.weight for m in self.stages if m.pos_embeddings is not None]
-        routers = [p for m in self.stages for layer in m.layers.values() if isinstance(layer.feed_forward, MoE)
-                   for gate in (layer.feed_forward.router, layer.feed_forward.shared_gate) if gate is not None
+        moes = [layer.feed_forward for m in self.stages for layer in m.layers.values()
+                if isinstance(layer.feed_forward, MoE)]
+        routers = [p for moe in moes for gate in (moe.router, moe.shared_gate) if gate is not None
                    for p in gate.parameters()]
-        return tuple(positions + routers)
+        experts = [getattr(moe, name) for moe in moes for name in ("w1", "w2", "w3")] if self.strategy.ep == 1 else []
+        return tuple(positions + routers + experts)
 
     def parameters(self) -> list[nn.Parameter]:
         return self.parts.parameters()

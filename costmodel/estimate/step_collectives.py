@@ -137,7 +137,7 @@ def step_collectives(problem: Problem, strategy: Strategy, pp_rank: int) -> tupl
         for params, calls, what in units_of:
             add("reduce_scatter", "dp", params * states.gradients, calls, f"ZeRO {what} gradients")
             add("all_gather", "dp", params * states.weights, calls, f"ZeRO {what} updated weights")
-    for params, calls in tp_summed_gradients(problem, s, pp_rank):
+    for params, calls in tp_summed_gradients(problem, units, s, pp_rank):
         add("all_reduce", "tp", params * states.gradients, calls, "replicated weights' gradients summed over tp")
     if model.tie_word_embeddings and s.pp > 1 and (first or last):
         add("all_reduce", "pp_ends", model.vocab_size * model.hidden_size / s.tp * states.gradients, 1,

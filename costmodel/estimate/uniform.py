@@ -257,7 +257,8 @@ def _unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
     # parallel ones take the plain loss (executor.models.cross_entropy).
     chunked_loss = runtime.chunked_loss and tp == 1
     activation = {mode: memory.layer_activation_bytes(model, training, b, tp, sp, mode, runtime.selective_recompute,
-                                                      ep, cp, strategy.fold)
+                                                      ep, cp, strategy.fold,
+                                                      keeps_gathered=not runtime.sp_regathers_inputs)
                   for mode in RECOMPUTE_MODES}
 
     # Embedding and LM head, both split over the vocabulary (Shoeybi et al. 2019 §3).
@@ -597,7 +598,8 @@ def rank_memory(problem: Problem, units: UnitCosts, strategy: Strategy, pp_rank:
     return loss_peak if loss_peak.total_bytes > backward_peak.total_bytes else backward_peak
 
 
-def tp_summed_gradients(problem: Problem, strategy: Strategy, pp_rank: int) -> tuple[tuple[float, int], ...]:
+def tp_summed_gradients(problem: Problem, units: UnitCosts, strategy: Strategy,
+                        pp_rank: int) -> tuple[tuple[float, int], ...]:
     """(values, all-reduces over tp per step) of the weights replicated over tp whose
     gradients each tp rank makes from its own share and the step sums, one all-reduce
     per weight (executor.step synchronize_gradients; Megatron-LM coalesces them into one):
@@ -610,8 +612,9 @@ def tp_summed_gradients(problem: Problem, strategy: Strategy, pp_rank: int) -> t
     if s.tp == 1:
         return ()
     stages = s.rank_stages(pp_rank)
-    layers = sum(st.num_layers for st in stages)
-    sparse = sum(other for st in stages for _, _, other in st.layers_by_mode(model.dense_upto))
+    held = rank_layers(units, s, pp_rank)
+    layers = sum(count for _, _, count in held)
+    sparse = sum(count for kind, _, count in held if kind is units) if model.is_moe else 0
     h = model.hidden_size
     shard = s.dp_cp if s.zero_stage >= 1 and s.dp_cp > 1 else 1
 
@@ -664,7 +667,7 @@ def dp_sync_s(problem: Problem, units: UnitCosts, strategy: Strategy, pp_rank: i
                               + fsdp_copies_s("all_gather", params * states.weights, group.size, cluster))
     if pp_rank in (0, strategy.pp - 1):
         total += units.tied_sync_s
-    for params, calls in tp_summed_gradients(problem, strategy, pp_rank):
+    for params, calls in tp_summed_gradients(problem, units, strategy, pp_rank):
         total += calls * collective_time_s("all_reduce", params * states.gradients, where["tp"], cluster, runtime)
     return total
 

@@ -198,9 +198,28 @@ def shared_gate_saved_bytes(model: ModelSpec, value_bytes: float) -> float:
     return value_bytes * (model.hidden_size + 1)
 
 
+def _mlp_input_gathered(model: ModelSpec, fold: int) -> bool:
+    """Whether tensor parallelism gathers the MLP block's input: a dense MLP's and a
+    shared expert's, and the experts' when they are split over tp; whole experts under
+    tp (`fold` > 1) route the rank's sequence shard as it is."""
+    return not model.is_moe or model.has_shared_expert or fold == 1
+
+
+def gathered_inputs_saved_bytes(model: ModelSpec, training: TrainingSpec, attention_consumers: int,
+                                fold: int = 1) -> float:
+    """Bytes per token per hidden value that the matmuls reading a block's gathered input
+    keep, in 16-bit PyTorch training: under autocast a bf16 cast per matmul (the
+    attention's `attention_consumers`; the MLP's gate and up, or up), under param_dtype
+    the one bf16 input. Under sequence parallelism these are whole-sequence tensors
+    (the gather runs before the matmuls), counted by norm_saved_bytes as the norm's."""
+    autocast = training.mixed_precision != "param_dtype"
+    mlp = (2 if model.gated_mlp else 1) if autocast else 1
+    return 2.0 * ((attention_consumers if autocast else 1) + (mlp if _mlp_input_gathered(model, fold) else 0))
+
+
 def pytorch_layer_activation_bytes(model: ModelSpec, training: TrainingSpec, micro_batch_size: int,
                                    tp: int, sequence_parallel: bool, recompute: str, ep: int = 1,
-                                   cp: int = 1) -> float:
+                                   cp: int = 1, fold: int = 1) -> float:
     """Activations one layer keeps for backward in 16-bit PyTorch training (eager
     modules: executor.models under torch.autocast, or Hugging Face modules under FSDP2's
     param_dtype), one micro-batch, one rank. Every tensor autograd saves, by width:
@@ -224,7 +243,9 @@ def pytorch_layer_activation_bytes(model: ModelSpec, training: TrainingSpec, mic
     this count); checked against FSDPMemTracker in bench/memory_tracker.py.
     Full recompute keeps the layer input only (the residual stream: fp32 under autocast).
     Under context parallelism a rank holds s / cp of each sequence's tokens but SDPA
-    keeps the K and V gathered over the whole sequence (`gathered_kv_factor`).
+    keeps the K and V gathered over the whole sequence (`gathered_kv_factor`). Under
+    sequence parallelism the norms keep their shard, but each matmul reading a gathered
+    block input keeps the gathered tensor (`gathered_inputs_saved_bytes`).
     """
     b, s, h, f = micro_batch_size, training.seq_len, model.hidden_size, model.intermediate_size
     tokens = b * s / cp
@@ -326,7 +347,9 @@ def pytorch_layer_activation_bytes(model: ModelSpec, training: TrainingSpec, mic
     # Under cp the gather's reordering keeps an int64 index of the sequence's positions
     # (executor.models.ContextShard.gather; measured with saved_tensors_hooks).
     gather_index = 8.0 * s if cp > 1 else 0.0
-    return split + replicated / seq_split + router + weight_copies + scores + gather_index
+    gathered = gathered_inputs_saved_bytes(model, training, attention_consumers, fold) * tokens * h
+    kept_whole = gathered * (1 - 1 / seq_split)   # counted in `replicated` as a shard
+    return split + replicated / seq_split + kept_whole + router + weight_copies + scores + gather_index
 
 
 def mla_saved_bytes(model: ModelSpec, value_bytes: float, cp: int,
@@ -391,7 +414,7 @@ def op_level_activation_bytes(model: ModelSpec, training: TrainingSpec, micro_ba
 def layer_activation_bytes(model: ModelSpec, training: TrainingSpec, micro_batch_size: int,
                            tp: int, sequence_parallel: bool, recompute: str,
                            selective_policy: str = "attention-core", ep: int = 1, cp: int = 1,
-                           fold: int = 1) -> float:
+                           fold: int = 1, keeps_gathered: bool = False) -> float:
     """Activations one layer keeps for backward, one micro-batch, one rank.
 
     Korthikanti et al. 2022 §4.1 (Table 2) with 16-bit values: sbh(34 + 5as/h) without
@@ -409,13 +432,17 @@ def layer_activation_bytes(model: ModelSpec, training: TrainingSpec, micro_batch
     and V, gathered over the sequence (`gathered_kv_factor`), and the scores, s / cp
     queries by s keys. `fold` (Strategy.fold): whole experts under tp route each tp
     rank's sequence shard, so the routing's rows are split tp ways (else every tp rank
-    holds the rows of all its tokens for its share of each expert).
+    holds the rows of all its tokens for its share of each expert). `keeps_gathered`
+    (a runtime that does not gather a block's input again in backward,
+    RuntimeSpec.sp_regathers_inputs false: PyTorch's tensor parallelism): under sequence
+    parallelism each block keeps its gathered input whole (measured on the executor at
+    tp 2: tests/costmodel/terms/test_memory.py); Megatron-LM keeps the shard.
     """
     if recompute == "selective" and selective_policy == "op-level":
         return op_level_activation_bytes(model, training, micro_batch_size, tp, sequence_parallel, ep, cp)
     if training.precision != "fp32" and training.mixed_precision != "megatron":
         return pytorch_layer_activation_bytes(model, training, micro_batch_size, tp, sequence_parallel, recompute,
-                                              ep, cp)
+                                              ep, cp, fold)
     b, f = micro_batch_size, model.intermediate_size
     s, h = training.seq_len / cp, model.hidden_size
     v = activation_bytes_per_value(training)
@@ -449,6 +476,10 @@ def layer_activation_bytes(model: ModelSpec, training: TrainingSpec, micro_batch
     mlp = v * mlp_tensors * (f * expert_rows_held_per_token(model, ep) + model.shared_expert_intermediate_size) * b * s
     router = (moe_rows_saved_bytes(model, ep, v) + shared_gate_saved_bytes(model, v)) * b * s
     split = (attention + mlp) / tp + (replicated + per_token) / seq_split + router / fold + latents
+    if keeps_gathered and seq_split > 1:
+        # The QKV and MLP inputs, counted in `replicated` as shards, are kept whole.
+        blocks = 1 + (1 if _mlp_input_gathered(model, fold) else 0)
+        split += blocks * v * tokens_h * (1 - 1 / seq_split)
     scores = 0.0
     if not training.flash_attention and recompute != "selective":
         # softmax output (v), dropout mask (1) and dropout output (v) per score element.

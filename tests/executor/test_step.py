@@ -133,6 +133,8 @@ MOE_PLANS = {"ep2": strategy(dp=2, ep=2), "ep2-zero3": strategy(dp=2, ep=2, zero
              # MoE parallel folding: whole experts under tp (etp 1), the ep group spanning
              # tp ranks (then cp, then dp); each tp rank routes its sequence shard.
              "ep2-tp2": strategy(tp=2, ep=2, etp=1, sp=True),
+             "ep1-tp2": strategy(tp=2, etp=1, sp=True),   # experts replicated over tp
+             "ep1-dp2-tp2-zero2": strategy(dp=2, tp=2, etp=1, sp=True, zero=2),
              "ep4-dp2-tp2": strategy(dp=2, tp=2, ep=4, etp=1, sp=True),
              "ep2-tp2-edp2-zero2": strategy(dp=2, tp=2, ep=2, etp=1, sp=True, zero=2),
              "ep4-dp2-tp2-zero3": strategy(dp=2, tp=2, ep=4, etp=1, sp=True, zero=3),
