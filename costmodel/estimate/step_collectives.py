@@ -58,6 +58,11 @@ def step_collectives(problem: Problem, strategy: Strategy, pp_rank: int) -> tupl
     by_mode = [entry for st in stages for entry in st.layers_by_mode(model.dense_upto)]
     dense_layers = sum(dense for _, dense, _ in by_mode)
     dense_full = sum(dense for mode, dense, _ in by_mode if mode == "full")
+    selective = sum(st.selective_recompute_layers for st in stages)
+    dense_selective = sum(dense for mode, dense, _ in by_mode if mode == "selective")
+    # Op-level selective recompute gathers a block's input again where the runtime kept
+    # it (unit_costs: its policy saves no all-gather output).
+    op_level = problem.runtime.selective_recompute == "op-level" and not problem.runtime.sp_regathers_inputs
     first = any(st.index == 0 for st in stages)
     last = any(st.index == s.num_virtual_stages - 1 for st in stages)
     out: list[Collective] = []
@@ -75,10 +80,10 @@ def step_collectives(problem: Problem, strategy: Strategy, pp_rank: int) -> tupl
     add("reduce_scatter", "cp", kv_bytes, m * layers, "context-parallel K and V gradients")
     # Each kind of layer (a model's dense-MLP layers among its expert ones: units.dense)
     # with its own weights: (its model, unit costs, layers, fully recomputed layers).
-    kinds = [(model, units, layers - dense_layers, full - dense_full)]
+    kinds = [(model, units, layers - dense_layers, full - dense_full, selective - dense_selective)]
     if dense_layers:
-        kinds.append((model.dense_layer(), units.dense, dense_layers, dense_full))
-    for kind_model, kind, count, count_full in kinds:
+        kinds.append((model.dense_layer(), units.dense, dense_layers, dense_full, dense_selective))
+    for kind_model, kind, count, count_full, count_selective in kinds:
         # Per micro-batch, as unit_costs charges each layer: forward gathers a block's
         # input (the residual stream's bytes) and reduces its output, backward the
         # reverse; full recompute repeats the forward's; Megatron-LM's sequence
@@ -87,7 +92,9 @@ def step_collectives(problem: Problem, strategy: Strategy, pp_rank: int) -> tupl
             forward, backward = m * pairs * (count + count_full), m * pairs * count
             block_in, block_out = (stream, message) if scale == 1.0 else (message * scale, message * scale)
             if s.sequence_parallel:
-                again = backward if scale == 1.0 and problem.runtime.sp_regathers_inputs else 0
+                again = 0
+                if scale == 1.0:
+                    again = backward if problem.runtime.sp_regathers_inputs else m * pairs * count_selective * op_level
                 add("all_gather", "tp", block_in, forward + again, "layer TP (SP)")
                 add("reduce_scatter", "tp", block_out, forward, "layer TP (SP)")
                 add("all_gather", "tp", block_out, backward, "layer TP (SP)")

@@ -161,13 +161,16 @@ def _unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
     # asynchronous tensor-parallel all-reduce / all-gather, Korthikanti et al. §4.2.2),
     # as far as the runtime's `tp_overlap` says.
     tp_backward = max(0.0, tp_back_way - runtime.tp_overlap * hide * layer.gemm_s) + 2 * tp_host / 3
-    if sp and runtime.sp_regathers_inputs:
-        # Megatron-LM's sequence parallelism stores the sharded input of each linear
-        # block and gathers it again in backward before the weight-gradient GEMM can
-        # start (Korthikanti et al. §4.2.2): two more all-gathers, exposed (but for
-        # async TP). PyTorch's keeps the gathered input (RuntimeSpec.sp_regathers_inputs).
-        tp_backward += async_exposed(sum(count for scale, count in pairs if scale == 1.0)
-                                     * coll("all_gather", stream, where["tp"]))
+    # Megatron-LM's sequence parallelism stores the sharded input of each linear block
+    # and gathers it again in backward before the weight-gradient GEMM can start
+    # (Korthikanti et al. §4.2.2): two more all-gathers, exposed (but for async TP).
+    # PyTorch's keeps the gathered input (RuntimeSpec.sp_regathers_inputs) unless op-level
+    # selective recompute drops it: its policy saves reduce-scatter outputs, not
+    # all-gather ones (torchtitan's _save_list), so the recomputed forward gathers again.
+    regather = (async_exposed(sum(count for scale, count in pairs if scale == 1.0)
+                              * coll("all_gather", stream, where["tp"])) if sp else 0.0)
+    if runtime.sp_regathers_inputs:
+        tp_backward += regather
     # Context parallelism (Llama 3, Dubey et al. 2024 §3.3.2, the executor's attention):
     # K and V all-gathered over the cp ranks before attention, their gradients
     # reduce-scattered in backward, one collective each way of the whole sequence's K and
@@ -237,7 +240,9 @@ def _unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
     # backward, leaving nothing to repeat (Dao et al. 2022 §3.1); or op-level, which
     # repeats every second matmul and all the elementwise ops, and the attention core
     # where SDPA's output is not kept (math attention).
+    selective_regather = 0.0
     if runtime.selective_recompute == "op-level":
+        selective_regather = 0.0 if runtime.sp_regathers_inputs else regather
         fraction = compute.op_level_gemm_fraction(model, cluster, training, b, tp, ep, cp)
         selective = fraction * layer.gemm_s + layer.elementwise_s + (0.0 if training.flash_attention
                                                                      else layer.attention_core_s)
@@ -245,7 +250,8 @@ def _unit_costs(problem: Problem, strategy: Strategy) -> UnitCosts:
         selective = 0.0 if training.flash_attention else layer.attention_core_s
     layer_work = {
         "none": base,
-        "selective": base + Work(recompute_s=selective) if selective else base,
+        "selective": (base + Work(recompute_s=selective, tp_comm_s=selective_regather)
+                      if selective or selective_regather else base),
         # Full recompute repeats the forward's TP and EP collectives, but not ZeRO-3's
         # gather: the recomputed forward runs inside backward, on the weights already
         # gathered for it (FSDP2's pre-backward unshard; counted in the executor).

@@ -22,6 +22,9 @@ PLANS = {
     # norms' (and GPT's learned positions') gradients summed over tp.
     "tp2-sp": ("tiny-llama", strategy(tp=2, sp=True)),
     "tp2-sp-gpt": ("tiny-gpt", strategy(tp=2, sp=True, m=2)),
+    # Op-level selective recompute saves no all-gather output: the recomputed forward
+    # gathers each block's input again.
+    "tp2-sp-selective": ("tiny-llama", strategy(tp=2, sp=True, recompute="selective")),
     "pp2": ("tiny-llama", strategy(pp=2, m=4)),
     "pp2-tied": ("tiny-gpt", strategy(pp=2)),
     "pp2-interleaved": ("tiny-llama", strategy(pp=2, vpp=2, schedule="interleaved")),
