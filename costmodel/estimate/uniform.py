@@ -618,9 +618,7 @@ def tp_summed_gradients(problem: Problem, units: UnitCosts, strategy: Strategy,
     if s.tp == 1:
         return ()
     stages = s.rank_stages(pp_rank)
-    held = rank_layers(units, s, pp_rank)
-    layers = sum(count for _, _, count in held)
-    sparse = sum(count for kind, _, count in held if kind is units) if model.is_moe else 0
+    layers = sum(st.num_layers for st in stages)
     h = model.hidden_size
     shard = s.dp_cp if s.zero_stage >= 1 and s.dp_cp > 1 else 1
 
@@ -637,6 +635,9 @@ def tp_summed_gradients(problem: Problem, units: UnitCosts, strategy: Strategy,
     if model.qk_norm:
         out.append((local(model.head_dim), 2 * layers))
     if model.is_moe and s.fold > 1:
+        upto = units.dense_upto   # the dense-MLP layers among the first i (none: empty)
+        sparse = layers - sum(upto[st.first_layer + st.num_layers] - upto[st.first_layer] for st in stages
+                              if upto)
         out.append((local(model.num_local_experts, h + (1 if model.router_bias else 0)), sparse))
         if model.shared_expert_gate:
             out.append((local(1, h), sparse))
