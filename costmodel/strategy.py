@@ -254,8 +254,8 @@ def expert_layout_error(strategy: Strategy, num_experts: int, folding: bool) -> 
     them (None when they can). `folding` (RuntimeSpec.moe_folding): the engine builds
     the experts' groups apart from attention's over the dp x cp x tp ranks of a stage,
     etp innermost, then ep, then edp (Megatron-Core's expert RankGenerator "tp-ep-dp-pp";
-    torchtitan's sparse mesh); else ep lies inside dp (DeepSpeed's expert groups, the
-    executor's mesh)."""
+    torchtitan's sparse mesh; the executor's expert mesh); else ep lies inside dp
+    (DeepSpeed's expert groups)."""
     s = strategy
     if s.etp is not None and (s.etp != 1 or s.tp == 1):
         return "etp", f"expected 1 (whole experts under tp > 1) or none (experts split over tp), got {s.etp}"
@@ -266,7 +266,7 @@ def expert_layout_error(strategy: Strategy, num_experts: int, folding: bool) -> 
     if folding and (s.dp * s.cp * s.tp) % (s.ep * s.expert_tp):
         return "ep", f"ep {s.ep} x etp {s.expert_tp} does not divide dp x cp x tp = {s.dp * s.cp * s.tp}"
     if not folding and s.etp == 1:
-        return "etp", "this runtime splits experts over tp (etp 1 needs MoE parallel folding: --runtime megatron)"
+        return "etp", "this runtime splits experts over tp (etp 1 needs MoE parallel folding: --runtime pytorch-native or megatron)"
     if not folding and s.dp % s.ep:
         return "ep", f"{s.ep} does not divide dp {s.dp}: this runtime's expert groups lie inside dp"
     return None

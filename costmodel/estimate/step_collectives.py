@@ -7,7 +7,7 @@ names them one by one so that a run can be checked against it (the executor's
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from costmodel.estimate.uniform import (
     cross_entropy_bytes,
@@ -65,15 +65,14 @@ def step_collectives(problem: Problem, strategy: Strategy, pp_rank: int) -> tupl
     op_level = problem.runtime.selective_recompute == "op-level" and not problem.runtime.sp_regathers_inputs
     first = any(st.index == 0 for st in stages)
     last = any(st.index == s.num_virtual_stages - 1 for st in stages)
-    out: list[Collective] = []
+    # Calls by (kind, group, bytes, what): one line per collective, whichever kinds of
+    # layer issue it.
+    out: dict[tuple[str, str, float, str], int] = {}
 
     def add(kind, group, nbytes, calls, what):
         if calls and nbytes > 0 and group_sizes(s)[group] > 1:
-            entry = Collective(kind, group, float(nbytes), int(calls), what)
-            same = [i for i, c in enumerate(out) if (c.kind, c.group, c.bytes, c.what) == (kind, group, entry.bytes, what)]
-            if same:   # one line per collective, whichever kinds of layer issue it
-                entry = replace(entry, calls=entry.calls + out.pop(same[0]).calls)
-            out.append(entry)
+            key = (kind, group, float(nbytes), what)
+            out[key] = out.get(key, 0) + int(calls)
 
     kv_bytes = value * b * training.seq_len * compute.cp_gathered_values_per_token(model, s.tp)
     add("all_gather", "cp", kv_bytes, m * (layers + full), "context-parallel K and V")
@@ -150,4 +149,4 @@ def step_collectives(problem: Problem, strategy: Strategy, pp_rank: int) -> tupl
         add("all_reduce", "pp_ends", model.vocab_size * model.hidden_size / s.tp * states.gradients, 1,
             "tied embedding gradient")
     add("all_reduce", "world", GRAD_NORM_BYTES, 1, "gradient norm")
-    return tuple(out)
+    return tuple(Collective(kind, group, nbytes, calls, what) for (kind, group, nbytes, what), calls in out.items())

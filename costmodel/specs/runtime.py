@@ -98,16 +98,16 @@ class RuntimeSpec:
     step_time_high_ratio: float = 1.0
     memory_high_ratio: float = 1.0
     # Whether the engine splits each expert's matrices over tp (Megatron-LM's expert
-    # tensor parallelism). The executor keeps experts whole (executor/parallelize.py
-    # check_supported), so under its runtime the search offers MoE models tp 1 only.
+    # tensor parallelism). The executor keeps experts whole (executor/launch.py
+    # check_supported), so under its runtime MoE models plan with etp 1 wherever tp > 1.
     expert_tensor_parallel: bool = True
     # Whether the engine lays out the experts' process groups apart from attention's over
     # a pipeline stage's dp x cp x tp ranks, etp innermost, then ep, then expert data
     # parallelism (MoE parallel folding: Liu et al. 2025; Megatron-Core's expert
     # RankGenerator "tp-ep-dp-pp", torchtitan's sparse mesh), so that an ep group may
-    # span tp, cp and dp ranks and experts may stay whole under tp (Strategy.etp 1). Else
-    # ep lies inside dp (DeepSpeed's expert groups; the executor's mesh, which runs ep at
-    # tp 1 and cp 1 only).
+    # span tp, cp and dp ranks and experts may stay whole under tp (Strategy.etp 1; the
+    # executor's expert mesh, executor/mesh.py). Else ep lies inside dp (DeepSpeed's
+    # expert groups).
     moe_folding: bool = False
     # Whether sequence parallelism gathers each linear block's input again in backward:
     # Megatron-LM saves the sharded input and re-gathers it for the weight gradient

@@ -688,7 +688,7 @@ def _torchtitan_fields(strategy: Strategy, model: ModelSpec, training: TrainingS
         elif s.etp is None:
             warnings.append(f"torchtitan 0.3 keeps the routed experts whole under tp (its sparse mesh has no expert "
                             f"tensor parallelism): the plan's experts split over tp {s.tp} are not what it runs; "
-                            f"plan with --fix etp=1 (--runtime megatron)")
+                            f"plan with --fix etp=1")
     if model.moe_capacity_factor is not None:
         warnings.append(f"torchtitan's MoE routes dropless (torchtitan/models/moe): the model's capacity factor "
                         f"{model.moe_capacity_factor:g} is not exported, and torchtitan's experts take every row")

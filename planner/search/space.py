@@ -156,7 +156,7 @@ def check_fix_spec(problem: Problem, fix: dict) -> None:
             raise SpecError("--fix etp", f"experts split over tp ({fix['tp']}) or kept whole (1), not {fix['etp']}")
         if fix["etp"] == 1 and fix.get("tp", 1) > 1 and not folding:
             raise SpecError("--fix etp", f"the {problem.runtime.name} runtime has no MoE parallel folding: "
-                                         f"it splits experts over tp (--runtime megatron keeps them whole)")
+                                         f"it splits experts over tp (--runtime pytorch-native or megatron keeps them whole)")
 
 
 def _tp_options(problem: Problem, rules: Rules, degrees: list[int], why: Exclusions) -> list[int]:

@@ -239,3 +239,27 @@ def assert_trains_as_the_model(results, reference_losses, reference_state) -> No
     for name, value in reference_state.items():
         assert state[name].dtype == dtype, name
         torch.testing.assert_close(state[name], value, atol=weight_atol(dtype, PARITY.lr), rtol=0, msg=name)
+
+
+def saved_activation_bytes(model: torch.nn.Module, tokens: torch.Tensor, autocast: bool) -> int:
+    """Bytes autograd saves in one forward of `model` on `tokens` (saved_tensors_hooks,
+    each storage once; a DTensor counted by its local part), the model's parameters and
+    buffers left out; under bf16 autocast (its weight-cast cache off, as the step runs
+    it) when `autocast`."""
+    from contextlib import nullcontext
+
+    from torch.distributed.tensor import DTensor
+
+    def storage(t: torch.Tensor):
+        return (t._local_tensor if isinstance(t, DTensor) else t).untyped_storage()
+
+    own = {storage(t)._cdata for t in (*model.parameters(), *model.buffers())}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        seen[storage(t)._cdata] = storage(t).nbytes()
+        return t
+    context = torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False) if autocast else nullcontext()
+    with context, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(tokens)
+    return sum(n for k, n in seen.items() if k not in own)

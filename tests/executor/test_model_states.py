@@ -12,6 +12,7 @@ from executor_test_helpers import (
     GLOBAL_BATCH,
     SEQ_LEN,
     batches,
+    saved_activation_bytes,
     strategy,
     training,
 )
@@ -53,8 +54,6 @@ def test_adamw_moments_per_rank_are_the_estimates(plan):
 def _layer_saved_bytes_under_tp(rank, world, sequence_parallel, autocast, seq_len):
     """What autograd saves for one of the executor's tiny-llama layers on a rank of a tp
     group (2 layers less 1; DTensors counted by their local parts, parameters left out)."""
-    from contextlib import nullcontext
-
     from torch.distributed.device_mesh import init_device_mesh
 
     from executor.models import build_model, materialize
@@ -62,26 +61,13 @@ def _layer_saved_bytes_under_tp(rank, world, sequence_parallel, autocast, seq_le
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
 
-    def local(t):
-        return t._local_tensor if isinstance(t, DTensor) else t
-
     def saved(layers: int) -> int:
         spec = load_model("tiny-llama", {"num_hidden_layers": str(layers)})
         model = build_model(spec, seq_len)
         model.untie()
         apply_tensor_parallel(model, mesh, sequence_parallel)
         model = materialize(model, "cpu", 0)
-        own = {local(t).untyped_storage()._cdata for t in (*model.parameters(), *model.buffers())}
-        seen: dict[int, int] = {}
-
-        def pack(t):
-            storage = local(t).untyped_storage()
-            seen[storage._cdata] = storage.nbytes()
-            return t
-        context = torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False) if autocast else nullcontext()
-        with context, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model(torch.randint(0, spec.vocab_size, (1, seq_len)))
-        return sum(n for k, n in seen.items() if k not in own)
+        return saved_activation_bytes(model, torch.randint(0, spec.vocab_size, (1, seq_len)), autocast)
     return saved(2) - saved(1)
 
 

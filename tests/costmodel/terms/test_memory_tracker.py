@@ -150,9 +150,8 @@ def _layer_saved_bytes(model_name: str, overrides: dict, autocast: bool, seq_len
     """What autograd saves for one of the executor's layers (2 layers less 1, real
     tensors: MoE routing needs values), its parameters left out (autocast's bf16 weight
     copies are in, as the count has them)."""
-    from contextlib import nullcontext
-
     import torch
+    from executor_test_helpers import saved_activation_bytes
 
     from costmodel.specs.loading import load_model
     from executor.models import build_model, materialize
@@ -160,16 +159,7 @@ def _layer_saved_bytes(model_name: str, overrides: dict, autocast: bool, seq_len
     def saved(layers: int) -> int:
         spec = load_model(model_name, {**overrides, "num_hidden_layers": str(layers)})
         model = materialize(build_model(spec, seq_len), "cpu", 0)
-        own = {t.untyped_storage()._cdata for t in (*model.parameters(), *model.buffers())}
-        seen: dict[int, int] = {}
-
-        def pack(t):
-            seen[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
-            return t
-        context = torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False) if autocast else nullcontext()
-        with context, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model(torch.randint(0, spec.vocab_size, (1, seq_len)))
-        return sum(n for k, n in seen.items() if k not in own)
+        return saved_activation_bytes(model, torch.randint(0, spec.vocab_size, (1, seq_len)), autocast)
     return saved(2) - saved(1)
 
 
